@@ -1,0 +1,27 @@
+"""f8dist: distributed-first float8 training for PyTorch."""
+
+from f8dist.config import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8GemmConfig,
+    Float8LinearConfig,
+    Float8LinearRecipeName,
+    ScalingGranularity,
+    ScalingType,
+)
+from f8dist.convert import convert_to_float8_training
+from f8dist.linear import Float8Linear
+from f8dist.tensor import Float8Tensor
+
+__all__ = [
+    "CastConfig",
+    "DelayedScalingConfig",
+    "Float8GemmConfig",
+    "Float8Linear",
+    "Float8LinearConfig",
+    "Float8LinearRecipeName",
+    "Float8Tensor",
+    "ScalingGranularity",
+    "ScalingType",
+    "convert_to_float8_training",
+]

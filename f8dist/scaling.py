@@ -1,0 +1,103 @@
+"""Scale math: pure functions of tensors, nothing else.
+
+Conventions (see DESIGN.md):
+
+* ``scale`` multiplies into float8: ``x_fp8 = saturate(x * scale)``; dequantizing divides it back
+  out, and ``torch._scaled_mm`` is handed the reciprocals.
+* ``scale = fp8_max / max(amax, EPS)``, computed in float32, optionally rounded *down* to a power
+  of 2 so that rescaling is exact.
+* A cast saturates: values beyond the format's max are clamped to it (448 for e4m3, 57344 for e5m2).
+
+[Note: non-finite values]
+An inf or NaN in the tensor makes its amax inf or NaN, its scale 0 or NaN, and the cast values NaN.
+Nothing is clamped into a finite number: the gemm output turns NaN (all of it for a tensorwise
+scale, the affected rows or columns for an axiswise one), so a diverging run fails loudly, as it
+would in high precision, rather than training on silently clipped numbers.
+
+This module imports nothing from torch.distributed. The reductions are plain torch ops, so when
+the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes
+to reduce over (``[Note: amax]`` in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "EPS",
+    "FP8_MAX",
+    "fp8_max",
+    "tensor_amax",
+    "amax_to_scale",
+    "round_scale_down_to_power_of_2",
+    "saturated_cast",
+    "dequantize",
+]
+
+# Smallest amax that turns into a scale: an all-zero tensor gets the finite scale fp8_max / EPS.
+EPS = 1e-12
+
+FP8_MAX = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    try:
+        return FP8_MAX[dtype]
+    except KeyError:
+        raise ValueError(f"{dtype} is not a supported float8 dtype; use one of {list(FP8_MAX)}")
+
+
+Dim = Optional[Union[int, tuple]]
+
+
+def tensor_amax(x: torch.Tensor, dim: Dim = None) -> torch.Tensor:
+    """max(|x|) in float32: a 0-dim tensor if ``dim`` is None, else reduced over ``dim`` with
+    ``keepdim=True`` (one amax per row or column, shaped to broadcast against ``x``)."""
+    if dim is None:
+        amax = torch.max(torch.abs(x))  # []
+    else:
+        amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)  # x.shape with 1 at dim
+    return amax.to(torch.float32)
+
+
+def round_scale_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of 2 not above ``scale`` (float32), by clearing the mantissa bits.
+
+    Bit arithmetic rather than ``exp2(floor(log2(s)))`` so that eager and compiled code agree to
+    the bit. inf stays inf; NaN stays NaN.
+    """
+    assert scale.dtype == torch.float32, scale.dtype
+    bits = scale.view(torch.int32) & torch.tensor(-8388608, dtype=torch.int32, device=scale.device)
+    rounded = bits.view(torch.float32)  # 0xFF800000 keeps sign and exponent
+    return torch.where(torch.isnan(scale), scale, rounded)
+
+
+def amax_to_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, round_to_power_of_2: bool = False
+) -> torch.Tensor:
+    """The float32 scale that maps ``amax`` onto the float8 format's max.
+
+    ``amax == 0`` gives the finite scale ``fp8_max / EPS`` (never inf or NaN).
+    """
+    amax = amax.to(torch.float32)
+    scale = fp8_max(float8_dtype) / torch.clamp(amax, min=EPS)
+    if round_to_power_of_2:
+        scale = round_scale_down_to_power_of_2(scale)
+    return scale
+
+
+def saturated_cast(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """``clamp(x * scale, -max, max)`` in float8; ``scale`` broadcasts against ``x``."""
+    limit = fp8_max(float8_dtype)
+    scaled = x.to(torch.float32) * scale
+    return scaled.clamp(min=-limit, max=limit).to(float8_dtype)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The high-precision value a float8 tensor stands for: ``data / scale`` in ``dtype``."""
+    return (data.to(torch.float32) / scale).to(dtype)
