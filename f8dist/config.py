@@ -212,8 +212,8 @@ class Float8LinearConfig:
                 raise ValueError(
                     f"the {gemm} gemm casts {on} to float8 but not {off}: a gemm runs either in "
                     f"float8 (both operands cast) or in high precision (both ScalingType.DISABLED); "
-                    f"set the {off} cast config of the {gemm} gemm "
-                    f"({_field_name(gemm, off)}) to match"
+                    f"set {_field_name(gemm, on)} to CastConfig(scaling_type=ScalingType.DISABLED) "
+                    f"too, or give {_field_name(gemm, off)} a float8 CastConfig"
                 )
 
         if self.enable_fsdp_float8_all_gather:

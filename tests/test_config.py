@@ -1,0 +1,86 @@
+import dataclasses
+
+import pytest
+import torch
+
+from f8dist import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8LinearConfig,
+    ScalingGranularity,
+    ScalingType,
+)
+
+AXISWISE = ScalingGranularity.AXISWISE
+
+
+def test_defaults_are_tensorwise_dynamic_with_role_dtypes():
+    c = Float8LinearConfig()
+    for gemm, op in [("output", "input"), ("output", "weight"), ("grad_input", "weight")]:
+        assert c.cast_config(gemm, op).scaling_type is ScalingType.DYNAMIC
+        assert c.resolved_dtype(gemm, op) == torch.float8_e4m3fn
+    assert c.resolved_dtype("grad_input", "grad_output") == torch.float8_e5m2
+    assert c.resolved_dtype("grad_weight", "grad_output") == torch.float8_e5m2
+
+
+def test_configs_are_frozen_and_keyword_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Float8LinearConfig().emulate = True
+    with pytest.raises(TypeError):
+        CastConfig(ScalingType.DYNAMIC)  # positional
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"])
+def test_recipes_by_name(name):
+    c = Float8LinearConfig.from_recipe_name(name)
+    if name == "rowwise":
+        assert c.round_scales_to_power_of_2
+        for gemm in ("output", "grad_input", "grad_weight"):
+            for op in ("input", "weight", "grad_output"):
+                if op in {"output": ("input", "weight"), "grad_input": ("grad_output", "weight"),
+                          "grad_weight": ("grad_output", "input")}[gemm]:
+                    assert c.cast_config(gemm, op).scaling_granularity is AXISWISE
+    if name == "rowwise_with_gw_hp":
+        assert not c.gemm_in_float8("grad_weight")
+        assert c.gemm_in_float8("output") and c.gemm_in_float8("grad_input")
+    if name == "delayed":
+        assert c.uses(ScalingType.DELAYED)
+
+
+def test_unknown_recipe_lists_known_ones():
+    with pytest.raises(ValueError, match="known recipes.*tensorwise.*rowwise"):
+        Float8LinearConfig.from_recipe_name("colwise")
+
+
+def test_half_float8_gemm_is_rejected_with_the_field_to_change():
+    with pytest.raises(ValueError, match="cast_config_grad_output_for_grad_weight"):
+        Float8LinearConfig(
+            cast_config_input_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED)
+        )
+
+
+def test_delayed_axiswise_is_rejected():
+    with pytest.raises(ValueError, match="TENSORWISE"):
+        CastConfig(scaling_type=ScalingType.DELAYED, scaling_granularity=AXISWISE)
+
+
+def test_bad_dtype_and_types_are_rejected():
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        CastConfig(target_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="ScalingType"):
+        CastConfig(scaling_type="dynamic")
+    with pytest.raises(TypeError, match="CastConfig"):
+        Float8LinearConfig(cast_config_input="dynamic")
+    with pytest.raises(ValueError, match="history_len"):
+        DelayedScalingConfig(history_len=0)
+
+
+def test_fsdp_float8_all_gather_needs_tensorwise_weight():
+    with pytest.raises(ValueError, match="tensorwise weight"):
+        Float8LinearConfig.from_recipe_name("rowwise").replace(enable_fsdp_float8_all_gather=True)
+    Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # valid
+
+
+def test_unknown_gemm_or_operand():
+    with pytest.raises(ValueError, match="no operand"):
+        Float8LinearConfig().cast_config("grad_input", "input")

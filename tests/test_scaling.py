@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from f8dist.scaling import (
+    EPS,
+    amax_to_scale,
+    dequantize,
+    fp8_max,
+    round_scale_down_to_power_of_2,
+    saturated_cast,
+    tensor_amax,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def test_fp8_max():
+    assert fp8_max(E4M3) == 448.0 and fp8_max(E5M2) == 57344.0
+    with pytest.raises(ValueError, match="float8"):
+        fp8_max(torch.bfloat16)
+
+
+def test_amax_tensorwise_and_axiswise():
+    x = torch.tensor([[1.0, -3.0], [0.5, 2.0]])
+    assert tensor_amax(x).item() == 3.0
+    assert tensor_amax(x, -1).tolist() == [[3.0], [2.0]]
+    assert tensor_amax(x, 0).tolist() == [[1.0, 3.0]]
+    assert tensor_amax(x.bfloat16()).dtype == torch.float32
+
+
+def test_zero_amax_gives_finite_scale_and_zero_cast():
+    scale = amax_to_scale(torch.tensor(0.0), E4M3)
+    assert torch.isfinite(scale) and scale.item() == pytest.approx(448.0 / EPS, rel=1e-6)
+    data = saturated_cast(torch.zeros(4), scale, E4M3)
+    assert torch.equal(data.float(), torch.zeros(4))
+    for pow2 in (False, True):
+        s = amax_to_scale(torch.zeros(3, 1), E5M2, round_to_power_of_2=pow2)
+        assert torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_saturation_clamps_to_format_max(dtype):
+    limit = fp8_max(dtype)
+    x = torch.tensor([limit * 4, -limit * 4, 1.0])
+    data = saturated_cast(x, torch.tensor(1.0), dtype)
+    assert data.float().tolist() == [limit, -limit, 1.0]
+
+
+def test_power_of_2_rounding_rounds_down_exactly():
+    s = torch.tensor([1.0, 3.0, 448.0, 0.7, 1e30, float("inf")])
+    r = round_scale_down_to_power_of_2(s)
+    assert r.tolist()[:5] == [1.0, 2.0, 256.0, 0.5, 2.0 ** 99]
+    assert r[5] == float("inf")
+    assert torch.isnan(round_scale_down_to_power_of_2(torch.tensor([float("nan")]))).all()
+    scale = amax_to_scale(torch.tensor([[3.0], [5.0]]), E4M3, round_to_power_of_2=True)
+    log2 = torch.log2(scale)
+    assert torch.equal(log2, log2.round()) and (scale <= 448.0 / torch.tensor([[3.0], [5.0]])).all()
+
+
+def test_nonfinite_amax_never_gives_a_finite_cast():
+    x = torch.tensor([1.0, float("inf")])
+    scale = amax_to_scale(tensor_amax(x), E4M3)
+    assert scale.item() == 0.0
+    data = saturated_cast(x, scale, E4M3)
+    assert torch.isnan(data[1].float())  # inf * 0
+    assert torch.isnan(dequantize(data, scale, torch.float32)).all()  # 0 / 0 and nan / 0
+    y = torch.tensor([1.0, float("nan")])
+    assert torch.isnan(amax_to_scale(tensor_amax(y), E4M3))
+
+
+def test_roundtrip_sqnr():
+    from f8dist.numerics import sqnr
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    scale = amax_to_scale(tensor_amax(x), E4M3)
+    assert sqnr(x, dequantize(saturated_cast(x, scale, E4M3), scale, torch.float32)) > 25
+
+
+def test_compiled_scales_equal_eager():
+    torch.manual_seed(0)
+    x = torch.randn(32, 48) * 7
+
+    def scales(x):
+        return (
+            amax_to_scale(tensor_amax(x), E4M3),
+            amax_to_scale(tensor_amax(x, -1), E4M3, round_to_power_of_2=True),
+            amax_to_scale(tensor_amax(x, 0), E5M2, round_to_power_of_2=True),
+        )
+
+    compiled = torch.compile(scales, fullgraph=True)
+    for e, c in zip(scales(x), compiled(x)):
+        assert torch.equal(e, c)

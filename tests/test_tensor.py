@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from f8dist.numerics import sqnr
+from f8dist.cast import cast_to_float8
+from f8dist.config import ScalingGranularity
+from f8dist.tensor import Float8Tensor
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _tensorwise(x):
+    return cast_to_float8(x, E4M3)
+
+
+def _rowwise(x):
+    return cast_to_float8(x, E4M3, granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+
+
+def test_looks_like_its_original_tensor():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    t = _tensorwise(x)
+    assert isinstance(t, Float8Tensor)
+    assert t.dtype == torch.bfloat16 and t.shape == x.shape and t._data.dtype == E4M3
+    assert t._data.element_size() == 1
+    assert sqnr(x, t.to_original_precision()) > 25
+
+
+def test_tensorwise_views_keep_the_scale():
+    t = _tensorwise(torch.randn(2, 8, 16))
+    for v in (t.view(16, 16), t.reshape(16, 16), t.view(16, 16).t(), t.detach()):
+        assert isinstance(v, Float8Tensor) and v._scale is t._scale
+    assert torch.equal(t.view(16, 16).t().to_original_precision(),
+                       t.to_original_precision().view(16, 16).t())
+
+
+def test_axiswise_transpose_and_reshape_move_the_scales():
+    x = torch.randn(2, 8, 16)
+    t = _rowwise(x)
+    assert t._scale.shape == (2, 8, 1)
+    flat = t.view(16, 16)
+    assert flat._scale.shape == (16, 1) and flat._axiswise_dim == 1
+    tt = flat.t()
+    assert tt._scale.shape == (1, 16) and tt._axiswise_dim == 0
+    assert torch.equal(tt.to_original_precision(), flat.to_original_precision().t())
+    with pytest.raises(NotImplementedError, match="must stay last"):
+        t.view(2, 128)
+
+
+def test_undefined_ops_raise_instead_of_computing_garbage():
+    t = _tensorwise(torch.randn(4, 16))
+    with pytest.raises(NotImplementedError, match="not defined on Float8Tensor"):
+        t + 1
+    with pytest.raises(TypeError, match="both operands in float8"):
+        torch.mm(t, torch.randn(16, 16))
+
+
+def test_differentiable_cast_and_dequantize_pass_gradients_through():
+    from f8dist.cast import ToFloat8
+
+    x = torch.randn(4, 16, requires_grad=True)
+    t = ToFloat8.apply(x, E4M3, {})
+    assert isinstance(t, Float8Tensor)
+    (t.to_original_precision() * 3).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
