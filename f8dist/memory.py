@@ -37,7 +37,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "MemoryStats", "measure_fwd_bwd", "saved_tensor_bytes", "storages"]
+__all__ = [
+    "LiveBytes", "MemoryStats", "compiled_saved_bytes", "measure_fwd_bwd", "saved_tensor_bytes",
+    "storages",
+]
 
 aten = torch.ops.aten
 _AMAX_OPS = (aten.amax.default, aten.max.default)
@@ -185,3 +188,52 @@ def saved_tensor_bytes(module: nn.Module, x: torch.Tensor, *args) -> int:
         out = module(x.clone(), *args)
     del out
     return nbytes[0]
+
+
+def compiled_saved_bytes(
+    module: nn.Module, x: torch.Tensor, *args, context_fn: Optional[Callable] = None
+) -> int:
+    """Bytes that ``torch.compile`` saves for backward in ``module(x.clone(), *args)`` (under
+    ``checkpoint(..., context_fn=context_fn)`` when given): the inputs of the partitioned backward
+    graph other than gradients and the forward's own inputs (parameters, buffers, ``x``).
+
+    Compiled kernels allocate outside the dispatcher, so :class:`LiveBytes` cannot see them; this
+    reads what AOTAutograd's partitioner (the one that applies a SAC policy) decided to keep. It
+    compiles with the ``aot_eager`` backend: the same partition, no code generation. It resets
+    dynamo's caches first.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import checkpoint
+
+    saved = []
+
+    def bw_compiler(gm, example_inputs):
+        saved.append(sum(
+            n.meta["val"].numel() * n.meta["val"].element_size()
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and not n.name.startswith(("tangents", "primals"))
+            and isinstance(n.meta.get("val"), torch.Tensor)
+        ))
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, example_inputs: make_boxed_func(gm),
+        bw_compiler=bw_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+
+    def forward(inp):
+        inp = inp.clone()  # stands for the previous layer's output
+        if context_fn is None:
+            return module(inp, *args)
+        return checkpoint(module, inp, *args, use_reentrant=False, context_fn=context_fn)
+
+    torch._dynamo.reset()  # a fresh compile per measurement (no recompile limit, no stale graph)
+    compiled = torch.compile(forward, backend=backend, fullgraph=True)
+    out = compiled(x.detach().requires_grad_(True))
+    out.backward(torch.ones_like(out))
+    if len(saved) != 1:
+        raise RuntimeError(f"expected one compiled backward graph, got {len(saved)}")
+    return saved[0]

@@ -7,7 +7,8 @@ under ``float8_sac_context_fn``, for a SwiGLU FFN and a LLaMA-style transformer 
 kept: bytes allocated in the forward still alive at its end, output excluded (input included:
 it stands for the previous layer's output); scales: the part of kept made by amax reductions;
 peak: most bytes alive at once over fwd+bwd (CPU: live storages, see f8dist/memory.py; CUDA:
-also torch.cuda.max_memory_allocated). The last section compares the two axiswise choices for the
+also torch.cuda.max_memory_allocated). --compiled adds what torch.compile's partitioner saves for
+backward (f8dist.memory.compiled_saved_bytes; input included, parameters excluded). The last section compares the two axiswise choices for the
 grad_weight input (keep high precision vs requantize the float8 forward copy).
 """
 
@@ -19,7 +20,7 @@ import copy
 import torch
 
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
-from f8dist.memory import measure_fwd_bwd
+from f8dist.memory import compiled_saved_bytes, measure_fwd_bwd
 from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
 
 RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -40,13 +41,15 @@ def convert(module, config):
     return module
 
 
-def report(kind, args, x, device, dtype):
+def report(kind, args, x, device, dtype, compiled=False):
     base, extra = build(kind, args, device, dtype)
     cuda = x.is_cuda
     head = f"{'model':6} {'recipe':19} {'plain kept':>11} {'ratio':>6} {'plain peak':>11} " \
            f"{'SAC kept':>10} {'scales':>7} {'ratio':>6} {'SAC peak':>10}"
     if cuda:
         head += f" {'cuda peak plain':>15} {'cuda peak SAC':>14}"
+    if compiled:
+        head += f" {'compiled plain':>14} {'compiled SAC':>12}"
     print(head)
     ref = {}
     for recipe in RECIPES:
@@ -63,6 +66,12 @@ def report(kind, args, x, device, dtype):
         )
         if cuda:
             line += f" {plain.cuda_peak_bytes:15d} {sac.cuda_peak_bytes:14d}"
+        if compiled:
+            saved = [
+                compiled_saved_bytes(module, x, *extra, context_fn=fn)
+                for fn in (None, float8_sac_context_fn)
+            ]
+            line += f" {saved[0]:14d} {saved[1]:12d}"
         print(line)
 
 
@@ -99,6 +108,8 @@ def main():
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add the bytes torch.compile saves for backward (aot_eager partition)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     opts = parser.parse_args()
     dtype = getattr(torch, opts.dtype)
@@ -108,7 +119,7 @@ def main():
     print(f"# dim={args.dim} ffn_hidden={args.ffn_hidden_dim} heads={args.n_heads} "
           f"tokens={opts.batch}x{opts.seq} {opts.dtype} {opts.device}; bytes; ratio = vs bf16")
     for kind in ("ffn", "block"):
-        report(kind, args, x, opts.device, dtype)
+        report(kind, args, x, opts.device, dtype, opts.compiled)
     print()
     axiswise_choices(args, x, opts.device)
 

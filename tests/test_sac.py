@@ -112,3 +112,16 @@ def test_config_rejects_pointwise_ops_and_bad_values():
     with pytest.raises(TypeError, match="Float8SACConfig"):
         float8_sac_context_fn({"recompute_every_nth_mm": 2})
     assert aten.bmm.default in Float8SACConfig(extra_ops_to_save=(aten.bmm.default,)).ops_to_save()
+
+
+def test_compiled_sac_keeps_no_more_than_bf16():
+    """Under torch.compile the policy sees the same ops (``mm`` of Float8Tensors, amax) and
+    AOTAutograd's partitioner applies it: float8 saves no more than bf16 for backward."""
+    from f8dist.memory import compiled_saved_bytes
+
+    saved = {}
+    for recipe in ("bf16", "tensorwise", "rowwise"):
+        ffn, x = make_ffn(recipe)
+        saved[recipe] = compiled_saved_bytes(ffn, x, context_fn=float8_sac_context_fn)
+    assert saved["bf16"] > 0
+    assert saved["tensorwise"] <= saved["bf16"] and saved["rowwise"] <= saved["bf16"], saved
