@@ -11,6 +11,7 @@ from f8dist.config import (
 )
 from f8dist.convert import convert_to_float8_training
 from f8dist.linear import Float8Linear
+from f8dist.sac import Float8SACConfig, float8_sac_context_fn
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -20,8 +21,10 @@ __all__ = [
     "Float8Linear",
     "Float8LinearConfig",
     "Float8LinearRecipeName",
+    "Float8SACConfig",
     "Float8Tensor",
     "ScalingGranularity",
     "ScalingType",
     "convert_to_float8_training",
+    "float8_sac_context_fn",
 ]
