@@ -92,6 +92,15 @@ class _CastGradToFloat8(torch.autograd.Function):
         return fp8, None, None
 
 
+def _moves(x: DTensor, placements) -> bool:
+    """Whether redistributing ``x`` to ``placements`` communicates (Shard(-1) is Shard(ndim-1))."""
+
+    def norm(p):
+        return Shard(p.dim % x.ndim) if isinstance(p, Shard) else p
+
+    return tuple(map(norm, x.placements)) != tuple(map(norm, placements))
+
+
 def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
     if isinstance(module, Float8Linear):
         return module
@@ -184,7 +193,7 @@ class Float8ColwiseParallel(ColwiseParallel):
         x = inputs[0]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-        if x.placements != desired_input_layouts:
+        if _moves(x, desired_input_layouts):
             x = cast(x)  # float8 before it is communicated
             x = x.redistribute(placements=desired_input_layouts, async_op=True)
         return x
@@ -354,7 +363,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{type(self).__name__}: expected a tensor input, got {type(x)}")
             x = DTensor.from_local(x, mesh, (input_layout,), run_check=False)
-        if desired_layout is not None and x.placements != (desired_layout,):
+        if desired_layout is not None and _moves(x, (desired_layout,)):
             if cast is not None:
                 x = cast(x)  # float8 before it is communicated
             x = x.redistribute(placements=(desired_layout,))
