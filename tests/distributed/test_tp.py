@@ -68,3 +68,16 @@ def test_misspecified_plans_raise(tp_results, case, words):
     assert message != "no error", f"{case} raised nothing"
     for word in words:
         assert word in message, f"{case}: {word!r} not in {message!r}"
+
+
+@pytest.fixture(scope="module")
+def results_2d():
+    return run_torchrun("tp_llama", 4, "--dp", "2", "--recipes", "tensorwise,rowwise", timeout=240)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp_x_tp_matches_one_device(results_2d, recipe):
+    # 2 x 2 mesh: each dp rank's batch against one device running that batch; weight grads
+    # against one device accumulating both batches
+    low = {k: v for k, v in results_2d[recipe]["sqnr_db"].items() if v < FLOOR_DB}
+    assert not low, f"{recipe} (dp=2 x tp=2): below {FLOOR_DB} dB against one device: {low}"

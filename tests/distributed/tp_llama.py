@@ -59,6 +59,15 @@ def add_wire_casts(model: Transformer) -> None:
     model.output.register_forward_pre_hook(cast_input(model.output))
 
 
+def shard_2d(model: Transformer, dp_mesh) -> None:
+    """FSDP2 over dp on top of TP, as torchtitan applies it (blocks, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
 def run_model(model, tokens, grad_logits):
     """Forward + backward; returns (logits, grad of the embedding output, forward counts,
     backward counts)."""
@@ -94,8 +103,10 @@ def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
     # loss_parallel: the logits stay vocab-sharded, so the forward's only all-gathers are the
     # sequence-parallel inputs
     parallelize_llama(model, mesh["tp"], float8=not args.hp_tp, loss_parallel=True)
+    if dp > 1:
+        shard_2d(model, mesh["dp"])
 
-    # the global batch: dp_rank's slice goes to this rank's model, all of it to the reference
+    # the global batch: dp_rank's slice goes to this rank's model
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, ARGS.vocab_size, (dp * BATCH, SEQ), generator=gen).to(device)
     grad_logits = torch.randn(dp * BATCH, SEQ, ARGS.vocab_size, generator=gen).to(device)
@@ -103,17 +114,27 @@ def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
 
     grad_logits_tp = distribute_tensor(grad_logits[mine], mesh["tp"], [Shard(-1)])
     logits, grad_h, fwd, bwd = run_model(model, tokens[mine], grad_logits_tp)
-    ref_logits, ref_grad_h, _, _ = run_model(reference, tokens, grad_logits)
+    # the reference runs every dp rank's batch on its own (activations are scaled per batch,
+    # [Note: amax]), accumulating weight gradients over them
+    for d in range(dp):
+        batch = slice(d * BATCH, (d + 1) * BATCH)
+        ref = run_model(reference, tokens[batch], grad_logits[batch])
+        if d == dp_rank:
+            ref_logits, ref_grad_h = ref[0], ref[1]
 
     seq = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)  # this rank's sequence shard
     sqnrs = {
-        "logits": sqnr(ref_logits[mine].detach(), full(logits).detach()),
-        "grad_input": sqnr(ref_grad_h[mine][:, seq], grad_h),
+        "logits": sqnr(ref_logits.detach(), full(logits).detach()),
+        "grad_input": sqnr(ref_grad_h[:, seq], grad_h),
     }
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        sqnrs[f"grad:{name}"] = sqnr(ref_params[name].grad, full(p.grad))
+        # FSDP2 averages gradients over dp; the reference sums over the global batch (dp is a
+        # power of 2, so the rescaling is exact)
+        sqnrs[f"grad:{name}"] = sqnr(ref_params[name].grad, full(p.grad) * dp)
 
+    if dp > 1:  # FSDP2's weight all-gathers share the counts: no SP byte figures in 2-D
+        return _worst_over_ranks({"sqnr_db": sqnrs})
     # forward all-gathers: one per sequence-parallel input (attention, feed_forward per layer,
     # output), each of a [BATCH, SEQ / tp, dim] shard
     shard = BATCH * (SEQ // tp) * ARGS.dim
@@ -129,7 +150,12 @@ def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
     }
-    # every rank's figures: the worst SQNR over ranks, the largest byte count
+    return _worst_over_ranks(out)
+
+
+def _worst_over_ranks(out: dict) -> dict:
+    """Every rank's figures: the worst SQNR over ranks, the largest byte count."""
+    sqnrs = out["sqnr_db"]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     out["sqnr_db"] = {k: min(r["sqnr_db"][k] for r in gathered) for k in sqnrs}
