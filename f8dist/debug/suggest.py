@@ -1,0 +1,65 @@
+"""Suggest which linears to keep in high precision, from recorded cast statistics."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Mapping, Optional
+
+import torch.nn as nn
+
+from f8dist.cast import CastSite
+from f8dist.debug.stats import CastStats
+
+__all__ = ["rank_layers", "suggest_module_filter"]
+
+
+def rank_layers(stats: Mapping[CastSite, CastStats]) -> List[tuple]:
+    """``(fqn, worst SQNR dB, worst saturated fraction)`` per module, worst SQNR first (ties: more
+    saturation first). A layer is as bad as its worst cast."""
+    worst: Dict[str, list] = {}
+    for site, s in stats.items():
+        w = worst.setdefault(site.fqn, [math.inf, 0.0])
+        w[0] = min(w[0], s.sqnr_db)
+        w[1] = max(w[1], s.saturated_frac)
+    return sorted(((fqn, q, sat) for fqn, (q, sat) in worst.items()), key=lambda t: (t[1], -t[2]))
+
+
+def suggest_module_filter(
+    stats: Mapping[CastSite, CastStats],
+    *,
+    min_sqnr_db: Optional[float] = 20.0,
+    max_saturated_frac: Optional[float] = 1e-3,
+    max_layers: Optional[int] = None,
+):
+    """A ``module_filter_fn(mod, fqn)`` for ``convert_to_float8_training`` that keeps in high
+    precision the layers whose worst cast has an SQNR below ``min_sqnr_db`` or saturates more
+    than ``max_saturated_frac`` of its elements (at most ``max_layers`` of them, worst first).
+    ``None`` disables a criterion. The chosen FQNs are in ``fn.high_precision_fqns``.
+
+    The FQNs are those the Float8Linears were converted with, so pass the filter to the same
+    (unconverted) model root. e5m2 casts (gradients) sit ~6 dB below e4m3 ones on the same data.
+
+    Example::
+
+        >>> with f8dist.debug.record(model) as rec:
+        ...     train_step(model)
+        >>> keep = suggest_module_filter(rec.stats(), min_sqnr_db=25)
+        >>> convert_to_float8_training(fresh_model, module_filter_fn=keep)
+    """
+    if not stats:
+        raise ValueError("no cast statistics to suggest from: record a few training steps first")
+    chosen = [
+        fqn
+        for fqn, sqnr, sat in rank_layers(stats)
+        if (min_sqnr_db is not None and sqnr < min_sqnr_db)
+        or (max_saturated_frac is not None and sat > max_saturated_frac)
+    ]
+    if max_layers is not None:
+        chosen = chosen[:max_layers]
+    keep_hp = frozenset(chosen)
+
+    def module_filter_fn(mod: nn.Module, fqn: str) -> bool:
+        return fqn not in keep_hp
+
+    module_filter_fn.high_precision_fqns = chosen
+    return module_filter_fn
