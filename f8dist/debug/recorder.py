@@ -53,11 +53,10 @@ def is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _is_traced(*tensors) -> bool:
+def _is_fake(*tensors) -> bool:
+    """Whether the tensors are being traced (FakeTensors, e.g. in a compiled backward)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if torch.compiler.is_compiling():
-        return True
     for t in tensors:
         local = t.to_local() if _is_dtensor(t) else t
         inner = local._data if isinstance(local, Float8Tensor) else local
@@ -97,7 +96,8 @@ class StatsRecorder:
     before quantization and the Float8Tensor (or DTensor of them) after it; ``fp8`` dequantizes
     with ``fp8.to_original_precision()`` (``fp8.to_local()`` first for a DTensor).
 
-    Eager mode only: a cast traced by ``torch.compile`` raises a RuntimeError that says so.
+    Eager mode only: casts traced by ``torch.compile`` are not recorded, and leaving the ``with``
+    block then raises a RuntimeError that says so.
 
     Example::
 
@@ -121,6 +121,7 @@ class StatsRecorder:
         self._pending: Dict[int, Dict[CastSite, list]] = OrderedDict()
         self._order = {fqn: i for i, fqn in enumerate(fqns)}
         self._active = False
+        self._traced_sites: List[CastSite] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -131,9 +132,16 @@ class StatsRecorder:
         self._active = True
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         _cast_module.cast_observers.remove(self._observe)
         self._active = False
+        traced = list(self._traced_sites)
+        self._traced_sites.clear()
+        if traced and exc_type is None:
+            raise RuntimeError(
+                f"{len(traced)} cast(s) ran under torch.compile and were not recorded (first: "
+                f"{traced[0]}). " + _NEEDS_EAGER
+            )
 
     def set_step(self, step: int) -> None:
         """Tag the casts that follow with ``step`` (e.g. the training step)."""
@@ -142,10 +150,13 @@ class StatsRecorder:
     # -- the observer -------------------------------------------------------------------------
 
     def _observe(self, site: CastSite, hp: torch.Tensor, fp8: torch.Tensor) -> None:
+        if torch.compiler.is_compiling() or _is_fake(hp, fp8):
+            # Raising here would graph-break inside the linear's autograd.Function; note the site
+            # (dynamo replays a list append after the graph) and raise on exit, outside the graph.
+            self._traced_sites.append(site)
+            return
         if site.fqn not in self.fqns:
             return
-        if _is_traced(hp, fp8):
-            raise RuntimeError(_NEEDS_EAGER)
         with torch.no_grad():
             if _is_dtensor(hp):
                 local = fp8.to_local()
