@@ -311,9 +311,6 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     torch.manual_seed(args.seed)
 
-    if args.float8 == "delayed" and not hasattr(f8dist, "sync_float8_amax_and_scale_history"):
-        raise NotImplementedError("--float8 delayed needs f8dist.sync_float8_amax_and_scale_history "
-                                  "(f8dist/delayed.py), which this checkout does not have")
     model = build_model(args, mesh, device)
     margs = model.args
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
@@ -349,11 +346,10 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
         loss.backward()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
+        if args.float8 == "delayed":  # roll the amax histories (one MAX all-reduce) into scales
+            f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # INTEGRATION (branch delayed): roll the amax histories into next step's scales
-        if args.float8 == "delayed":
-            f8dist.sync_float8_amax_and_scale_history(model)
         # INTEGRATION (branch fsdp): one all-reduce for every float8 weight's next all-gather scale
         if args.float8_all_gather and args.float8 == "tensorwise":
             from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
