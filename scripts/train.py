@@ -18,6 +18,7 @@ activation checkpointing, torch.compile (per block), FSDP2 (per block, then the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -72,6 +73,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--metrics-file", default=None, help="rank 0 writes per-step losses here (JSON)")
+    p.add_argument("--float8-stats-every", type=int, default=0,
+                   help="every N steps, record every float8 cast (amax, scale, saturated %%, "
+                        "underflow %%, SQNR by module/gemm/operand; eager only); 0: off")
+    p.add_argument("--float8-stats-dir", default="float8_stats",
+                   help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0)")
     # optimization
     p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -89,6 +95,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.float8_stats_every and (args.float8 == "none" or args.compile):
+        p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
+                "recipe and no --compile")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
     return args
@@ -336,15 +345,23 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     peak = bf16_peak_flops(device)
     tokens_per_step = args.batch_size // dp_size * args.seq_len  # per rank
     steps, losses = [], []
+    stats = None
+    if args.float8_stats_every:
+        from f8dist.debug import Float8StatsLogger
+
+        stats = Float8StatsLogger(model, every=args.float8_stats_every,
+                                  out_dir=args.float8_stats_dir)
     t_log, tokens_since_log, t_start = time.perf_counter(), 0, time.perf_counter()
 
     for step in range(start + 1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         inputs, targets = (t.to(device) for t in next(batches))  # [b, S], [b, S]
-        logits = model(inputs)  # [b, S, V]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-        loss.backward()
+        # --float8-stats-every N: record this step's float8 casts if step % N == 0
+        with stats.step(step) if stats is not None else contextlib.nullcontext():
+            logits = model(inputs)  # [b, S, V]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+            loss.backward()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
         if args.float8 == "delayed":  # roll the amax histories (one MAX all-reduce) into scales
             f8dist.sync_float8_amax_and_scale_history(model)
@@ -381,6 +398,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         ):
             save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step)
 
+    if stats is not None:
+        stats.close()  # the last table and the PNG plot over steps
     result = {"steps": steps, "losses": losses}
     if rank == 0 and args.metrics_file:
         with open(args.metrics_file, "w") as f:

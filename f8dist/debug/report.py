@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping
+from typing import Dict, List, Mapping
 
 from f8dist.cast import CastSite
-from f8dist.debug.stats import CastStats
+from f8dist.debug.stats import CastStats, worst_per_layer
 
 __all__ = ["format_table", "plot_history"]
 
@@ -55,11 +55,15 @@ def format_table(stats: Mapping[CastSite, CastStats], *, title: str = "float8 ca
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    keys = {(site.fqn, site.gemm, site.operand) for site in stats}
+    if any((f, "grad_weight", "input") not in keys for f, g, o in keys if g == "grad_weight"):
+        lines.append("(no grad_weight/input row: that gemm reuses the output/input float8 bytes)")
     return "\n".join(lines)
 
 
 def plot_history(history: Dict[int, Mapping[CastSite, CastStats]], path: str) -> str:
-    """Plot SQNR and saturation of every cast site over steps into a PNG at ``path``.
+    """Plot, per layer and over steps, the worst SQNR, saturated % and underflow % of its casts
+    (``worst_per_layer``) into a PNG at ``path``; the per-cast figures are in the table.
 
     Needs matplotlib (``pip install f8dist[plot]``); returns ``path``.
     """
@@ -77,23 +81,24 @@ def plot_history(history: Dict[int, Mapping[CastSite, CastStats]], path: str) ->
         raise ValueError("no recorded steps to plot")
 
     steps = sorted(history)
-    sites = []
+    per_step = {step: worst_per_layer(history[step]) for step in steps}
+    layers: List[str] = []
     for step in steps:
-        sites += [s for s in history[step] if s not in sites]
-    fig, (ax_sqnr, ax_sat) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for site in sites:
-        xs = [step for step in steps if site in history[step]]
-        stats = [history[step][site] for step in xs]
-        label = str(site)
-        ax_sqnr.plot(xs, [s.sqnr_db for s in stats], marker=".", label=label)
-        ax_sat.plot(xs, [100 * s.saturated_frac for s in stats], marker=".", label=label)
-    ax_sqnr.set_ylabel("SQNR of the cast (dB)")
-    ax_sat.set_ylabel("saturated (% of elements)")
-    ax_sat.set_xlabel("step")
-    ax_sqnr.set_title("float8 casts by module:gemm:operand")
-    ax_sqnr.grid(alpha=0.3)
-    ax_sat.grid(alpha=0.3)
-    ax_sqnr.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0), ncol=1 + len(sites) // 24)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+        layers += [fqn for fqn in per_step[step] if fqn not in layers]
+    panels = (("worst SQNR of its casts (dB)", 0, 1.0), ("saturated (% of elements)", 1, 100.0),
+              ("underflow (% of nonzeros)", 2, 100.0))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 9), sharex=True)
+    for ax, (ylabel, i, factor) in zip(axes, panels):
+        for fqn in layers:
+            xs = [step for step in steps if fqn in per_step[step]]
+            ax.plot(xs, [factor * per_step[step][fqn][i] for step in xs], marker=".",
+                    label=fqn or "<root>")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_title("float8 casts per layer (worst of its gemms and operands)")
+    axes[-1].set_xlabel("step")
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                   ncol=1 + len(layers) // 30)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

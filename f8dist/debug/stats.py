@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Tuple
+from typing import Dict, Mapping, Tuple
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "underflow_mask",
     "cast_stats_tensors",
     "sqnr_db",
+    "worst_per_layer",
 ]
 
 
@@ -175,3 +176,14 @@ class CastStats:
             sqnr_db=self.sqnr_db,
         )
         return out
+
+
+def worst_per_layer(stats: Mapping) -> Dict[str, Tuple[float, float, float]]:
+    """``{fqn: (worst SQNR dB, worst saturated fraction, worst underflow fraction)}`` over the
+    casts of each module in ``stats`` (``{CastSite: CastStats}``): a layer is as bad as its worst
+    cast."""
+    worst: Dict[str, Tuple[float, float, float]] = {}
+    for site, s in stats.items():
+        q, sat, uf = worst.get(site.fqn, (math.inf, 0.0, 0.0))
+        worst[site.fqn] = (min(q, s.sqnr_db), max(sat, s.saturated_frac), max(uf, s.underflow_frac))
+    return worst

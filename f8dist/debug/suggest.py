@@ -9,27 +9,20 @@ of its worst cast: SQNR, saturated fraction and underflow fraction.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional
+from typing import List, Mapping, Optional
 
 import torch.nn as nn
 
 from f8dist.cast import CastSite
-from f8dist.debug.stats import CastStats
+from f8dist.debug.stats import CastStats, worst_per_layer
 
 __all__ = ["rank_layers", "suggest_module_filter"]
 
 
 def rank_layers(stats: Mapping[CastSite, CastStats]) -> List[tuple]:
     """``(fqn, worst SQNR dB, worst saturated fraction, worst underflow fraction)`` per module,
-    worst SQNR first (ties: more saturation, then more underflow first). A layer is as bad as its
-    worst cast."""
-    worst: Dict[str, list] = {}
-    for site, s in stats.items():
-        w = worst.setdefault(site.fqn, [s.sqnr_db, 0.0, 0.0])
-        w[0] = min(w[0], s.sqnr_db)
-        w[1] = max(w[1], s.saturated_frac)
-        w[2] = max(w[2], s.underflow_frac)
-    rows = [(fqn, *w) for fqn, w in worst.items()]
+    worst SQNR first (ties: more saturation, then more underflow first)."""
+    rows = [(fqn, *figures) for fqn, figures in worst_per_layer(stats).items()]
     return sorted(rows, key=lambda r: (r[1], -r[2], -r[3]))
 
 
