@@ -202,11 +202,15 @@ class StatsRecorder:
         self._pending.clear()
 
     def _site_key(self, site: CastSite):
+        """Model order, then gemm and operand order; names outside them (casts with other
+        sites) after the known ones, alphabetically."""
         from f8dist.config import GEMMS
 
-        operands = ("input", "weight", "grad_output")
-        return (self._order.get(site.fqn, len(self._order)), GEMMS.index(site.gemm),
-                operands.index(site.operand))
+        def rank(name, known):
+            return (known.index(name), "") if name in known else (len(known), name)
+
+        return (self._order.get(site.fqn, len(self._order)), rank(site.gemm, GEMMS),
+                rank(site.operand, ("input", "weight", "grad_output")))
 
     # -- reports (see f8dist/debug/report.py) ------------------------------------------------
 

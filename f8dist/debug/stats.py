@@ -74,14 +74,13 @@ def cast_stats_tensors(
     scale = scale.to(torch.float32)
     f64 = torch.float64
     sums = torch.stack([
-        torch.ones((), dtype=f64, device=hp.device),  # casts
         torch.tensor(float(hp.numel()), dtype=f64, device=hp.device),
         (hp != 0).sum().to(f64),
         saturated_mask(hp, scale, data.dtype).sum().to(f64),
         underflow_mask(hp, data).sum().to(f64),
         hp32.to(f64).square().sum(),
         error.to(f64).square().sum(),
-    ])  # [7]
+    ])  # [6]
     if hp.numel() == 0:
         amax = torch.zeros((), dtype=f64, device=hp.device)
     else:
@@ -126,7 +125,7 @@ class CastStats:
     scale_max: float
     scale_min: float
 
-    SUM_FIELDS = ("casts", "numel", "nonzero", "saturated", "underflow", "signal_sq", "error_sq")
+    SUM_FIELDS = ("numel", "nonzero", "saturated", "underflow", "signal_sq", "error_sq")
     MAX_FIELDS = ("amax", "scale_max", "scale_min")  # scale_min travels negated
     _COUNTS = ("casts", "numel", "nonzero", "saturated", "underflow")
 
@@ -134,8 +133,9 @@ class CastStats:
     def from_tensors(
         cls, sums: torch.Tensor, maxes: torch.Tensor, *, float8_dtype: torch.dtype
     ) -> "CastStats":
-        """From the vectors of :func:`cast_stats_tensors` (one host sync)."""
-        values = dict(zip(cls.SUM_FIELDS, sums.tolist()))
+        """One cast, from the vectors of :func:`cast_stats_tensors` (one host sync)."""
+        values = dict(casts=1)
+        values.update(zip(cls.SUM_FIELDS, sums.tolist()))
         values.update(zip(cls.MAX_FIELDS, maxes.tolist()))
         values["scale_min"] = -values["scale_min"]
         for name in cls._COUNTS:
@@ -147,7 +147,8 @@ class CastStats:
             raise ValueError(
                 f"cannot merge statistics of {self.float8_dtype} and {other.float8_dtype} casts"
             )
-        values = {name: getattr(self, name) + getattr(other, name) for name in self.SUM_FIELDS}
+        values = {name: getattr(self, name) + getattr(other, name)
+                  for name in ("casts",) + self.SUM_FIELDS}
         values["amax"] = max(self.amax, other.amax)
         values["scale_max"] = max(self.scale_max, other.scale_max)
         values["scale_min"] = min(self.scale_min, other.scale_min)
