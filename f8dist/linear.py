@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from f8dist.cast import CastSite, cast_to_float8
 from f8dist.config import Float8LinearConfig, ScalingGranularity, ScalingType
+from f8dist import delayed
 from f8dist.gemm import check_gemm_shape
 from f8dist.tensor import Float8Tensor, ScaledMMConfig
 
@@ -240,6 +241,7 @@ class Float8Linear(nn.Linear):
                 what=f"Float8Linear {fqn or '<root>'} ({self.in_features} -> {self.out_features})",
                 pad_inner_dim=self.config.pad_inner_dim,
             )
+        delayed.register_delayed_buffers(self)
 
     @classmethod
     def from_float(
@@ -250,19 +252,32 @@ class Float8Linear(nn.Linear):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config, fqn=fqn)
         new.weight = mod.weight
         new.bias = mod.bias
+        if new._delayed_operands:  # its buffers were made on meta: make them on mod's device
+            delayed.register_delayed_buffers(new)
         return new
 
     def delayed_scales(self) -> Optional[dict]:
         """Scales by (gemm, operand) for delayed casts; None when the config has none."""
-        return None
+        return delayed.delayed_scales(self) if self._delayed_operands else None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(input.device.type):
             input = input.to(torch.get_autocast_dtype(input.device.type))
+        if self._delayed_operands:
+            delayed.delayed_pre_forward(self, input)
         out = float8_linear_mm(input, self.weight, self.config, self.fqn, self.delayed_scales())
+        if self._delayed_operands:
+            out = delayed.delayed_post_forward(self, out)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self._delayed_operands:  # see [Note: delayed checkpoints] in f8dist/delayed.py
+            delayed.load_delayed_state(self, state_dict, prefix, missing_keys)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

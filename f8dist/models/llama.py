@@ -41,7 +41,7 @@ class ModelArgs:
 
         >>> args = ModelArgs(dim=64, n_layers=2, n_heads=4)
         >>> args.head_dim, args.ffn_hidden_dim
-        (16, 176)
+        (16, 192)
     """
 
     dim: int = 64
@@ -49,7 +49,9 @@ class ModelArgs:
     n_heads: int = 4
     n_kv_heads: Optional[int] = None  # None: as many as n_heads (plain multi-head attention)
     vocab_size: int = 256  # bytes
-    multiple_of: int = 16  # the SwiGLU hidden size is rounded up to a multiple of this
+    # the SwiGLU hidden size is rounded up to a multiple of this; 32 keeps each half a multiple
+    # of 16 (torch._scaled_mm's alignment) when 2 tensor-parallel ranks split it
+    multiple_of: int = 32
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
     max_seq_len: int = 128

@@ -1,0 +1,190 @@
+"""Statistics of one float8 cast: pure functions of the tensors before and after quantization.
+
+A cast ``hp -> (data, scale)`` is summarized by sums and extremes that add up across casts and
+across the shards of a DTensor, so the statistics of a logical tensor are a reduction of the
+per-shard ones (see ``f8dist/debug/recorder.py``):
+
+* ``numel``, ``nonzero``: element counts;
+* ``saturated``: elements the clamp changed (see [Note: saturation]);
+* ``underflow``: nonzero elements of ``hp`` whose float8 value is 0;
+* ``signal_sq``, ``error_sq``: ``sum(hp**2)`` and ``sum((hp - data / scale)**2)``, for the SQNR;
+* ``amax``, ``scale_min``, ``scale_max``: extremes.
+
+[Note: saturation]
+A value counts as saturated when the clamp in ``saturated_cast`` changed its float8 value, i.e.
+when ``|x * scale|`` lies beyond the interval that rounds to the format's max. Comparing with the
+max itself would count rounding noise: a dynamic scale ``fp8_max / amax`` is rounded to float32,
+so ``amax * scale`` lands one float32 ulp above ``fp8_max`` in about one cast in five, and that
+element is then clamped by less than the float8 rounding it would get anyway. The interval ends
+half a float8 ulp above the max: 464 for e4m3fn (a tie rounds to 448, the even neighbour) and
+61440 for e5m2 (a tie rounds away, to inf).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Dict, Mapping, Tuple
+
+import torch
+
+from f8dist.scaling import dequantize, fp8_max
+
+__all__ = [
+    "CastStats",
+    "saturation_threshold",
+    "saturated_mask",
+    "underflow_mask",
+    "cast_stats_tensors",
+    "sqnr_db",
+    "worst_per_layer",
+]
+
+
+def saturation_threshold(float8_dtype: torch.dtype) -> Tuple[float, bool]:
+    """``(threshold, inclusive)``: ``|x * scale|`` above (or at, if inclusive) ``threshold`` does
+    not round to the format's max, so clamping it changes the value. See [Note: saturation]."""
+    limit = fp8_max(float8_dtype)
+    exponent = math.floor(math.log2(limit))
+    ulp = 2.0**exponent * torch.finfo(float8_dtype).eps  # spacing just below the max
+    mantissa_steps = round(limit / ulp)  # the max's significand, in ulps: odd means a tie rounds up
+    return limit + ulp / 2, mantissa_steps % 2 == 1
+
+
+def saturated_mask(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """Elements of ``hp`` that ``saturated_cast(hp, scale, float8_dtype)`` clamps."""
+    threshold, inclusive = saturation_threshold(float8_dtype)
+    scaled = (hp.to(torch.float32) * scale).abs()  # the values saturated_cast clamps
+    return scaled >= threshold if inclusive else scaled > threshold
+
+
+def underflow_mask(hp: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """Nonzero elements of ``hp`` whose float8 ``data`` is (plus or minus) zero."""
+    return (hp != 0) & (data.to(torch.float32) == 0)
+
+
+def cast_stats_tensors(
+    hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The statistics of the cast ``hp -> (data, scale)`` as two float64 vectors, without a host
+    sync: ``sums`` (add across casts and shards) in the order of ``CastStats.SUM_FIELDS`` and
+    ``maxes`` (max across them) in the order of ``CastStats.MAX_FIELDS`` (``scale_min`` negated)."""
+    hp32 = hp.to(torch.float32)
+    error = hp32 - dequantize(data, scale, torch.float32)
+    scale = scale.to(torch.float32)
+    f64 = torch.float64
+    sums = torch.stack([
+        torch.tensor(float(hp.numel()), dtype=f64, device=hp.device),
+        (hp != 0).sum().to(f64),
+        saturated_mask(hp, scale, data.dtype).sum().to(f64),
+        underflow_mask(hp, data).sum().to(f64),
+        hp32.to(f64).square().sum(),
+        error.to(f64).square().sum(),
+    ])  # [6]
+    if hp.numel() == 0:
+        amax = torch.zeros((), dtype=f64, device=hp.device)
+    else:
+        amax = hp32.abs().max().to(f64)
+    maxes = torch.stack([amax, scale.max().to(f64), -scale.min().to(f64)])  # [3]
+    return sums, maxes
+
+
+def sqnr_db(signal_sq: float, error_sq: float) -> float:
+    """``10 log10(signal_sq / error_sq)`` in dB; inf for an exact cast (an all-zero one too)."""
+    if error_sq == 0:
+        return math.inf
+    if signal_sq == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal_sq / error_sq)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastStats:
+    """Statistics of one or more casts of one site (merged with ``+``).
+
+    Example::
+
+        >>> from f8dist.cast import cast_to_float8
+        >>> hp = torch.tensor([1.0, 1e-9, 0.0, 3.0])
+        >>> fp8 = cast_to_float8(hp, torch.float8_e4m3fn)
+        >>> s = CastStats.from_tensors(*cast_stats_tensors(hp, fp8._data, fp8._scale),
+        ...                            float8_dtype=torch.float8_e4m3fn)
+        >>> s.underflow, s.saturated
+        (1, 0)
+    """
+
+    float8_dtype: torch.dtype
+    casts: int
+    numel: int
+    nonzero: int
+    saturated: int
+    underflow: int
+    signal_sq: float
+    error_sq: float
+    amax: float
+    scale_max: float
+    scale_min: float
+
+    SUM_FIELDS = ("numel", "nonzero", "saturated", "underflow", "signal_sq", "error_sq")
+    MAX_FIELDS = ("amax", "scale_max", "scale_min")  # scale_min travels negated
+    _COUNTS = ("casts", "numel", "nonzero", "saturated", "underflow")
+
+    @classmethod
+    def from_tensors(
+        cls, sums: torch.Tensor, maxes: torch.Tensor, *, float8_dtype: torch.dtype
+    ) -> "CastStats":
+        """One cast, from the vectors of :func:`cast_stats_tensors` (one host sync)."""
+        values = dict(casts=1)
+        values.update(zip(cls.SUM_FIELDS, sums.tolist()))
+        values.update(zip(cls.MAX_FIELDS, maxes.tolist()))
+        values["scale_min"] = -values["scale_min"]
+        for name in cls._COUNTS:
+            values[name] = int(round(values[name]))
+        return cls(float8_dtype=float8_dtype, **values)
+
+    def __add__(self, other: "CastStats") -> "CastStats":
+        if self.float8_dtype != other.float8_dtype:
+            raise ValueError(
+                f"cannot merge statistics of {self.float8_dtype} and {other.float8_dtype} casts"
+            )
+        values = {name: getattr(self, name) + getattr(other, name)
+                  for name in ("casts",) + self.SUM_FIELDS}
+        values["amax"] = max(self.amax, other.amax)
+        values["scale_max"] = max(self.scale_max, other.scale_max)
+        values["scale_min"] = min(self.scale_min, other.scale_min)
+        return CastStats(float8_dtype=self.float8_dtype, **values)
+
+    @property
+    def saturated_frac(self) -> float:
+        """Fraction of all elements that the cast clamped."""
+        return self.saturated / self.numel if self.numel else 0.0
+
+    @property
+    def underflow_frac(self) -> float:
+        """Fraction of the nonzero elements that became 0 in float8."""
+        return self.underflow / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def sqnr_db(self) -> float:
+        return sqnr_db(self.signal_sq, self.error_sq)
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["float8_dtype"] = str(self.float8_dtype).replace("torch.", "")
+        out.update(
+            saturated_frac=self.saturated_frac,
+            underflow_frac=self.underflow_frac,
+            sqnr_db=self.sqnr_db,
+        )
+        return out
+
+
+def worst_per_layer(stats: Mapping) -> Dict[str, Tuple[float, float, float]]:
+    """``{fqn: (worst SQNR dB, worst saturated fraction, worst underflow fraction)}`` over the
+    casts of each module in ``stats`` (``{CastSite: CastStats}``): a layer is as bad as its worst
+    cast."""
+    worst: Dict[str, Tuple[float, float, float]] = {}
+    for site, s in stats.items():
+        q, sat, uf = worst.get(site.fqn, (math.inf, 0.0, 0.0))
+        worst[site.fqn] = (min(q, s.sqnr_db), max(sat, s.saturated_frac), max(uf, s.underflow_frac))
+    return worst

@@ -1,0 +1,108 @@
+"""Train the same model on the same data with bf16 and each float8 recipe; write a loss table
+(markdown) and a loss-curve plot (PNG, needs matplotlib: ``pip install -e ".[plot]"``).
+
+Every run goes through ``train.py``'s loop; flags this script does not know are passed on to it::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/compare_loss.py \\
+        --out-dir loss_fsdp --steps 100
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/compare_loss.py \\
+        --out-dir loss_tp --steps 100 --tp 2
+
+The "final loss" is the mean of the last ``--tail`` steps (one step's loss is one small batch's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train  # noqa: E402  (scripts/train.py)
+
+DEFAULT_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+
+
+def final_loss(losses: List[float], tail: int) -> float:
+    tail_losses = losses[-tail:]
+    return sum(tail_losses) / len(tail_losses)
+
+
+def loss_table(curves: Dict[str, List[float]], tail: int, title: str) -> str:
+    """Markdown table: each recipe's final loss and its difference from bf16's."""
+    base = final_loss(curves["none"], tail) if "none" in curves else None
+    rows = [f"### {title}", "", f"| recipe | final loss (mean of last {tail} steps) | vs bf16 |",
+            "|---|---|---|"]
+    for recipe, losses in curves.items():
+        loss = final_loss(losses, tail)
+        delta = "" if base is None or recipe == "none" else f"{100 * (loss - base) / base:+.2f}%"
+        rows.append(f"| {'bf16' if recipe == 'none' else recipe} | {loss:.4f} | {delta} |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(curves: Dict[str, List[float]], steps: List[int], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('matplotlib is not installed (pip install -e ".[plot]"): no plot written', flush=True)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for recipe, losses in curves.items():
+        ax.plot(steps, losses, label="bf16" if recipe == "none" else f"float8 {recipe}", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
+                   help="comma-separated --float8 values; 'none' is the bf16 baseline")
+    p.add_argument("--out-dir", default="loss_compare")
+    p.add_argument("--tail", type=int, default=10)
+    args, train_argv = p.parse_known_args(argv)
+    recipes = [r for r in args.recipes.split(",") if r]
+    unknown = sorted(set(recipes) - set(train.RECIPES))
+    if unknown:
+        p.error(f"unknown recipes {unknown}; choose from {list(train.RECIPES)}")
+
+    curves, steps = {}, []
+    try:
+        for recipe in recipes:
+            run_args = train.parse_args([*train_argv, "--float8", recipe])
+            result = train.train(run_args)
+            curves[recipe], steps = result["losses"], result["steps"]
+        if dist.get_rank() == 0:
+            layout = f"dp={dist.get_world_size() // run_args.tp} tp={run_args.tp}"
+            title = f"{run_args.steps} steps, {layout}, seed {run_args.seed}"
+            os.makedirs(args.out_dir, exist_ok=True)
+            table = loss_table(curves, args.tail, title)
+            with open(os.path.join(args.out_dir, "loss_table.md"), "w") as f:
+                f.write(table)
+            with open(os.path.join(args.out_dir, "losses.json"), "w") as f:
+                json.dump({"steps": steps, "losses": curves, "train_argv": train_argv}, f)
+            png = os.path.join(args.out_dir, "loss_curves.png")
+            print(table, flush=True)
+            if plot(curves, steps, png, f"bf16 vs float8: {title}"):
+                print(f"plot: {png}", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return curves
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,420 @@
+"""Pretrain a small LLaMA-style model on the Python standard library's source, with float8.
+
+One flat loop, nanoGPT-style. Launch with torchrun (FSDP2 over the data-parallel ranks, tensor
+parallel over ``--tp`` ranks of a 2-D mesh), or as plain ``python scripts/train.py`` (one process,
+world size 1)::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/train.py \\
+        --float8 tensorwise --steps 60
+
+Every rank logs nothing; rank 0 prints one line per ``--log-every`` steps, torchtitan-style::
+
+    step: 20  loss: 2.9120  grad_norm: 0.8312  memory: 0.31GiB  tps: 9,832  [20/60 eta 0:00:21]
+
+The order of model transformations is torchtitan's: float8 conversion, tensor parallel,
+activation checkpointing, torch.compile (per block), FSDP2 (per block, then the root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import f8dist
+from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.models import ModelArgs, Transformer
+from f8dist.models.data import VOCAB_SIZE, ByteBatches
+
+RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+
+# dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
+_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--float8", choices=RECIPES, default="tensorwise",
+                   help="float8 recipe for every linear but the output layer ('none': bf16)")
+    p.add_argument("--float8-all-gather", action="store_true",
+                   help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; FSDP2 on the rest")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
+                   help="activation checkpointing per block: selective (op-level) or full")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--metrics-file", default=None, help="rank 0 writes per-step losses here (JSON)")
+    p.add_argument("--float8-stats-every", type=int, default=0,
+                   help="every N steps, record every float8 cast (amax, scale, saturated %%, "
+                        "underflow %%, SQNR by module/gemm/operand; eager only); 0: off")
+    p.add_argument("--float8-stats-dir", default="float8_stats",
+                   help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0)")
+    # optimization
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="FSDP2 parameter (compute) dtype; master weights and grads reduce in fp32")
+    # model size
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--n-kv-heads", type=int, default=None)
+    p.add_argument("--ffn-dim-multiplier", type=float, default=None)
+    args = p.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.float8_stats_every and (args.float8 == "none" or args.compile):
+        p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
+                "recipe and no --compile")
+    if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
+        p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    return args
+
+
+# -- distributed setup --------------------------------------------------------------------------
+
+def init_distributed() -> torch.device:
+    """Join torchrun's process group, or make a one-process group when run as plain python."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_mesh(tp: int, device: torch.device) -> DeviceMesh:
+    world = dist.get_world_size()
+    if tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp} must divide the number of ranks ({world})")
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+def model_args(args: argparse.Namespace) -> ModelArgs:
+    return ModelArgs(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                     n_kv_heads=args.n_kv_heads, ffn_dim_multiplier=args.ffn_dim_multiplier,
+                     vocab_size=VOCAB_SIZE, max_seq_len=args.seq_len)
+
+
+def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
+    if args.float8 == "none":
+        return None
+    config = Float8LinearConfig.from_recipe_name(args.float8)
+    if args.float8_all_gather:
+        config = config.replace(enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
+    margs = model_args(args)
+    if args.tp > 1 and (margs.n_heads % args.tp or margs.kv_heads % args.tp):
+        raise ValueError(f"--tp {args.tp} must divide n_heads ({margs.n_heads}) and "
+                         f"n_kv_heads ({margs.kv_heads})")
+    model = Transformer(margs)
+    model.init_weights(seed=args.seed)  # same weights on every rank before sharding
+    config = float8_config(args)
+    if config is not None:
+        # the output layer (logits over the vocabulary) stays in high precision
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
+    if args.tp > 1:
+        apply_tp(model, mesh["tp"], float8=config is not None)
+    for name, block in list(model.layers.items()):
+        block = apply_ac(block, args.ac)
+        if args.compile:
+            block.compile(fullgraph=True)
+        model.layers[name] = block
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
+    dp = mesh["dp"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True)
+    model.to(device)
+    return model
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, float8: bool) -> None:
+    # INTEGRATION (branch tp): f8dist.tp's ready LLaMA plan with Float8ColwiseParallel,
+    # Float8RowwiseParallel and PrepareFloat8ModuleInput. Meanwhile torch's own styles (the
+    # float8 linears then run in float8 on their local shards, all-gathers in high precision).
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch.distributed.tensor import Replicate
+
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+    parallelize_module(model, tp_mesh, {
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    })
+
+
+def apply_ac(block: nn.Module, mode: str) -> nn.Module:
+    if mode == "none":
+        return block
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    # INTEGRATION (SAC): f8dist.float8_sac_context_fn once it lands; meanwhile save the outputs
+    # of matmuls and attention and recompute the rest (torchtitan's op-level policy).
+    context_fn = getattr(f8dist, "float8_sac_context_fn", _sac_context_fn)
+    return checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+
+
+def _sac_context_fn():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+# -- optimization -------------------------------------------------------------------------------
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup to --lr, then cosine decay to 10 % at --steps (a function of the step
+    alone, so a resumed run needs no scheduler state)."""
+    if step <= args.warmup_steps:
+        return args.lr * step / max(1, args.warmup_steps)
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global norm over all ranks. Gradients of one model can live on different
+    meshes (FSDP's dp mesh, or dp x tp), so each mesh's norm is reduced on its own first."""
+    by_mesh = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():  # foreach ops take one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def _rng_key() -> str:
+    return f"rank{dist.get_rank()}"
+
+
+def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int) -> None:
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step)},
+        "rng": {_rng_key(): torch.get_rng_state()},
+    }
+    dcp.save(state, checkpoint_id=os.path.join(path, f"step-{step}"))
+
+
+def latest_checkpoint(path: str) -> Optional[str]:
+    steps = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("step-")] if os.path.isdir(path) else []
+    return os.path.join(path, f"step-{max(steps)}") if steps else None
+
+
+def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches) -> int:
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "train": {"step": torch.tensor(0), "batches_step": torch.tensor(0)},
+        "rng": {_rng_key(): torch.get_rng_state()},
+    }
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    batches.load_state_dict({"step": int(state["train"]["batches_step"])})
+    torch.set_rng_state(state["rng"][_rng_key()])
+    return int(state["train"]["step"])
+
+
+# -- logging ------------------------------------------------------------------------------------
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS (Linux: KiB)
+
+
+def bf16_peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _BF16_PEAK.items() if key in name), None)
+
+
+def _eta(seconds: float) -> str:
+    return str(timedelta(seconds=int(seconds)))
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+def train(args: argparse.Namespace) -> Dict[str, object]:
+    """Run the training loop; returns ``{"losses": [...], "steps": [...]}`` (losses averaged over
+    data-parallel ranks) on every rank."""
+    device = init_distributed()
+    mesh = build_mesh(args.tp, device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(args.seed)
+
+    model = build_model(args, mesh, device)
+    margs = model.args
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
+                                  betas=(0.9, 0.95), foreach=True)
+    batches = ByteBatches(seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                          dp_rank=dp_rank, dp_size=dp_size)
+
+    start = 0
+    if args.resume:
+        checkpoint = latest_checkpoint(args.checkpoint_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(f"--resume: no step-* checkpoint in {args.checkpoint_dir}")
+        start = load_checkpoint(checkpoint, model, optimizer, batches)
+        if rank == 0:
+            print(f"resumed from {checkpoint} at step {start}", flush=True)
+
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {margs.n_layers} layers, dim {margs.dim}, {n_params:,} params | "
+              f"float8: {args.float8} | mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
+              f"compile: {args.compile} | {device.type} x {world}", flush=True)
+
+    peak = bf16_peak_flops(device)
+    tokens_per_step = args.batch_size // dp_size * args.seq_len  # per rank
+    steps, losses = [], []
+    stats = None
+    if args.float8_stats_every:
+        from f8dist.debug import Float8StatsLogger
+
+        stats = Float8StatsLogger(model, every=args.float8_stats_every,
+                                  out_dir=args.float8_stats_dir)
+    t_log, tokens_since_log, t_start = time.perf_counter(), 0, time.perf_counter()
+
+    for step in range(start + 1, args.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        inputs, targets = (t.to(device) for t in next(batches))  # [b, S], [b, S]
+        # --float8-stats-every N: record this step's float8 casts if step % N == 0
+        with stats.step(step) if stats is not None else contextlib.nullcontext():
+            logits = model(inputs)  # [b, S, V]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+            loss.backward()
+        grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
+        if args.float8 == "delayed":  # roll the amax histories (one MAX all-reduce) into scales
+            f8dist.sync_float8_amax_and_scale_history(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # INTEGRATION (branch fsdp): one all-reduce for every float8 weight's next all-gather scale
+        if args.float8_all_gather and args.float8 == "tensorwise":
+            from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)  # sum over all ranks; tp ranks hold equal losses
+        global_loss = float(global_loss) / world
+        steps.append(step)
+        losses.append(global_loss)
+        tokens_since_log += tokens_per_step
+
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            now = time.perf_counter()
+            tps = tokens_since_log / (now - t_log)
+            line = (f"step: {step}  loss: {global_loss:.4f}  grad_norm: {float(grad_norm):.4f}  "
+                    f"memory: {memory_gib(device):.2f}GiB  tps: {tps:,.0f}")
+            if peak is not None:
+                mfu = 100 * margs.flops_per_token(args.seq_len) * tps / peak
+                line += f"  mfu(vs bf16 peak): {mfu:.2f}%"
+            done = step - start
+            eta = (now - t_start) / done * (args.steps - step)
+            print(f"{line}  [{step}/{args.steps} eta {_eta(eta)}]", flush=True)
+            t_log, tokens_since_log = now, 0
+
+        if args.checkpoint_dir and (
+            step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
+        ):
+            save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step)
+
+    if stats is not None:
+        stats.close()  # the last table and the PNG plot over steps
+    result = {"steps": steps, "losses": losses}
+    if rank == 0 and args.metrics_file:
+        with open(args.metrics_file, "w") as f:
+            json.dump({"args": vars(args), **result}, f)
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    try:
+        train(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

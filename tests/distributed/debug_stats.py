@@ -1,0 +1,122 @@
+"""torchrun program (2 ranks): f8dist.debug statistics of DTensor casts equal one-device ones.
+
+* DTensors sharded on dim 0, dim 1, or replicated, through ``cast_to_float8`` (tensorwise and
+  axiswise scales, and a given scale that saturates and underflows): the recorded statistics are
+  those of the logical tensor, i.e. of the same cast on one device.
+* A TP-like Float8Linear (weight Shard(0), input replicated) forward and backward.
+* FSDP2 (fully_shard per layer, same data on every rank): every rank records one device's figures.
+
+Prints "OK" on rank 0 when every comparison holds; exits non-zero otherwise.
+"""
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import f8dist
+from f8dist.cast import CastSite, cast_to_float8
+from f8dist.config import ScalingGranularity
+from f8dist.debug import record
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+COUNTS = ("casts", "numel", "nonzero", "saturated", "underflow")
+
+
+def assert_same(dist_stats, ref_stats, what):
+    assert ref_stats, f"{what}: no cast recorded"
+    assert set(dist_stats) == set(ref_stats), (what, set(dist_stats) ^ set(ref_stats))
+    for site, ref in ref_stats.items():
+        got = dist_stats[site]
+        for name in COUNTS + ("amax", "scale_min", "scale_max"):
+            assert getattr(got, name) == getattr(ref, name), (what, site, name, got, ref)
+        for name in ("signal_sq", "error_sq"):  # float64 sums in another order
+            assert math.isclose(getattr(got, name), getattr(ref, name), rel_tol=1e-9), (what, site, name)
+        assert got.float8_dtype == ref.float8_dtype
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    return f8dist.convert_to_float8_training(model, config=f8dist.Float8LinearConfig(emulate=True))
+
+
+def direct_casts(mesh, checked):
+    model = tiny_model()  # only gives the recorder the FQN "0"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 32, generator=g) * torch.logspace(-6, 1, 32)  # [16, 32] wide range
+    x[3, 5] = 0.0
+    casts = [
+        ("tensorwise", E4M3, {}),
+        ("axiswise", E4M3, dict(granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)),
+        ("axiswise_e5m2", E5M2, dict(granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)),
+        ("given_scale", E4M3, dict(scale=torch.tensor(100.0))),  # saturates and underflows
+    ]
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+        xd = distribute_tensor(x, mesh, placements)
+        with record(model) as ref_rec:
+            for name, dtype, kw in casts:
+                cast_to_float8(x, dtype, site=CastSite("0", name, "input"), **kw)
+        with record(model) as rec:
+            for name, dtype, kw in casts:
+                cast_to_float8(xd, dtype, site=CastSite("0", name, "input"), **kw)
+        ref = ref_rec.stats()
+        given = ref[CastSite("0", "given_scale", "input")]
+        assert given.saturated > 0 and given.underflow > 0, given  # the test can see both
+        assert_same(rec.stats(), ref, f"cast_to_float8 {placements}")
+        checked.append(f"direct {placements}")
+
+
+def tp_like_linear(mesh, checked):
+    ref = tiny_model()
+    model = copy.deepcopy(ref)
+    lin = model[0]  # colwise: weight [64, 32] sharded on out_features
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    lin.bias = nn.Parameter(distribute_tensor(lin.bias.detach(), mesh, [Shard(0)]))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    with record(ref) as ref_rec:
+        ref[0](x).sum().backward()
+    xd = distribute_tensor(x, mesh, [Replicate()])
+    with record(model) as rec:
+        lin(xd).full_tensor().sum().backward()
+    assert_same(rec.stats(), ref_rec.stats(), "TP-like colwise Float8Linear")
+    checked.append("tp-like colwise linear")
+
+
+def fsdp(mesh, checked):
+    ref = tiny_model()
+    model = copy.deepcopy(ref)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))  # same data on every rank
+    with record(ref) as ref_rec:
+        ref(x).sum().backward()
+    with record(model) as rec:
+        model(x).sum().backward()
+    assert_same(rec.stats(), ref_rec.stats(), "FSDP2")
+    checked.append("fsdp2")
+
+
+def main():
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    checked = []
+    try:
+        direct_casts(mesh, checked)
+        tp_like_linear(mesh, checked)
+        fsdp(mesh, checked)
+        if dist.get_rank() == 0:
+            print("checked:", ", ".join(checked))
+            print("OK", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
