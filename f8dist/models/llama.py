@@ -1,0 +1,261 @@
+"""A small LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention via
+``scaled_dot_product_attention``), with torchtitan's module names.
+
+The names matter: tensor-parallel plans (``f8dist/tp/plan.py``) and memory tools address modules
+by fully qualified name, e.g. ``layers.0.attention.wq`` or ``layers.1.feed_forward.w2``::
+
+    Transformer
+      tok_embeddings            nn.Embedding(vocab_size, dim)
+      layers                    nn.ModuleDict {"0": TransformerBlock, ...}
+        attention_norm          nn.RMSNorm(dim)
+        attention               Attention: wq, wk, wv, wo (nn.Linear, no bias)
+        ffn_norm                nn.RMSNorm(dim)
+        feed_forward            FeedForward: w2(silu(w1(x)) * w3(x))
+      norm                      nn.RMSNorm(dim)
+      output                    nn.Linear(dim, vocab_size)
+
+[Note: local heads]
+Under tensor parallelism ``wq``/``wk``/``wv`` are column-sharded, so each rank holds a slice of the
+heads. Attention never uses ``n_heads`` to reshape: it views the projection as
+``[B, S, -1, head_dim]`` and takes the local head count from there, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ModelArgs", "Transformer", "TransformerBlock", "Attention", "FeedForward"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Sizes of a :class:`Transformer`. The defaults train on two CPU cores in about a minute.
+
+    Example::
+
+        >>> args = ModelArgs(dim=64, n_layers=2, n_heads=4)
+        >>> args.head_dim, args.ffn_hidden_dim
+        (16, 176)
+    """
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None: as many as n_heads (plain multi-head attention)
+    vocab_size: int = 256  # bytes
+    multiple_of: int = 16  # the SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"ModelArgs.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"RoPE rotates pairs of channels, so head_dim = dim / n_heads must be even; "
+                f"got {self.dim} / {self.n_heads} = {self.head_dim}"
+            )
+        if self.n_kv_heads is not None and (
+            self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads
+        ):
+            raise ValueError(
+                f"ModelArgs.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})"
+            )
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(
+                f"ModelArgs.ffn_dim_multiplier must be positive, got {self.ffn_dim_multiplier}"
+            )
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("ModelArgs.norm_eps and rope_theta must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # LLaMA's SwiGLU sizing: 2/3 of 4 * dim, scaled, rounded up to multiple_of
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self, *, exclude_embedding: bool = True) -> int:
+        """Parameter count (the embedding excluded by default, as FLOP counts want)."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.kv_heads)
+        ffn = 3 * self.dim * self.ffn_hidden_dim
+        per_layer = attn + ffn + 2 * self.dim
+        total = self.n_layers * per_layer + self.dim + self.dim * self.vocab_size
+        return total if exclude_embedding else total + self.vocab_size * self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 * params for the matmuls plus attention's scores, as in
+        torchtitan's ``get_num_flop_per_token``."""
+        return 6 * self.num_params() + 12 * self.n_layers * self.dim * seq_len
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """cos and sin of each position's rotation angles: ``[max_seq_len, head_dim // 2, 2]``."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)  # [S, D/2]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)  # [S, D/2, 2]
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (0, 1), (2, 3), ... of ``x`` ``[B, S, H, D]`` by each position's
+    angles (the real form of torchtitan's complex ``freqs_cis`` product)."""
+    b, s, h, d = x.shape
+    pairs = x.float().reshape(b, s, h, d // 2, 2)  # [B, S, H, D/2, 2]
+    cos = rope[:s, None, :, 0]  # [S, 1, D/2]
+    sin = rope[:s, None, :, 1]  # [S, 1, D/2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]  # [B, S, H, D/2]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # [B, S, H, D/2, 2]
+    return out.flatten(-2).type_as(x)  # [B, S, H, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1: the local head count, see [Note: local heads]
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, D]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, D]
+        v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, D]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=2)  # [B, S, Hq, D]
+            v = v.repeat_interleave(n_rep, dim=2)  # [B, S, Hq, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, Hq, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, Hq, S, D]
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, Hq * D]
+        return self.wo(out)  # [B, S, dim]
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _trunc_normal(linear.weight, 0.02, generator)
+        _trunc_normal(self.wo.weight, std, generator)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        _trunc_normal(self.w1.weight, 0.02, generator)
+        for linear in (self.w2, self.w3):
+            _trunc_normal(linear.weight, std, generator)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # torchtitan's depth-scaled init of the residual projections
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std, generator)
+        self.feed_forward.init_weights(self.weight_init_std, generator)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: ``tokens [B, S] (int64) -> logits [B, S, vocab_size]``.
+
+    Example::
+
+        >>> model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, max_seq_len=8))
+        >>> model.init_weights(seed=0)
+        >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 256])
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer(
+            "rope", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
+            persistent=False,
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds ModelArgs.max_seq_len "
+                f"({self.args.max_seq_len}); raise max_seq_len or shorten the batch"
+            )
+        h = self.tok_embeddings(tokens)  # [B, S, dim]
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))  # [B, S, vocab]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init from ``seed`` alone (the global RNG is left untouched), as
+        torchtitan's: normal embeddings, truncated-normal projections (residual ones scaled by
+        depth), unit norms, output scaled by ``dim ** -0.5``."""
+        generator = torch.Generator(device=self.output.weight.device).manual_seed(seed)
+        self.rope.copy_(
+            precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        )
+        nn.init.normal_(self.tok_embeddings.weight, generator=generator)
+        for layer in self.layers.values():
+            layer.init_weights(generator)
+        self.norm.reset_parameters()
+        std = self.args.dim ** -0.5
+        _trunc_normal(self.output.weight, std, generator, cutoff=3 * std)
+
+
+def _trunc_normal(
+    weight: torch.Tensor, std: float, generator: torch.Generator, cutoff: float = 2.0
+) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-cutoff, b=cutoff, generator=generator)
