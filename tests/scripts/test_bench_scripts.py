@@ -97,3 +97,31 @@ def test_bench_linear_axiswise_recipes_no_torchao(tmp_path):
 def test_bad_repeats_is_a_clear_error():
     with pytest.raises(SystemExit, match="--repeats must be >= 1"):
         bench_matmul.main(["--repeats", "0"])
+
+
+def test_bench_comm_smoke(tmp_path):
+    import bench_comm
+    from tests.distributed.harness import run_torchrun
+
+    out = tmp_path / "comm.csv"
+    result = run_torchrun("bench_comm_smoke", 2, "--smoke", "--scenarios", "fsdp mlp", "tp llama",
+                          "--csv", out)
+    header, rows = _read_csv(out)
+    assert header == bench_comm.COLUMNS
+    assert len(rows) == len(result["rows"])
+    by = {(r["scenario"], r["variant"], r["kind"]): r for r in rows}
+
+    for scenario in ("fsdp mlp", "tp llama"):
+        assert float(by[(scenario, "bf16", "all_gather")]["bytes_vs_bf16"]) == 1.0
+        assert int(by[(scenario, "bf16", "all_gather")]["step_calls"]) > 0
+    # counted bytes, not timing: float8 TP+SP all-gathers its linears' inputs in float8
+    assert float(by[("tp llama", "float8", "all_gather")]["bytes_vs_bf16"]) < 1.0
+    # float8 without float8 all-gather moves the same weight bytes as bf16
+    assert float(by[("fsdp mlp", "float8", "all_gather")]["bytes_vs_bf16"]) == 1.0
+    fp8_ag = [r for r in rows if r["scenario"] == "fsdp mlp" and "fp8-ag" in r["variant"]]
+    assert fp8_ag, "the float8 all-gather variants must be listed (measured or pending)"
+    if bench_comm.HAS_FSDP_FLOAT8:
+        ratio = float(by[("fsdp mlp", "float8+fp8-ag", "all_gather")]["bytes_vs_bf16"])
+        assert ratio <= 0.51
+    else:
+        assert all(r["note"].startswith("pending") for r in fp8_ag)
