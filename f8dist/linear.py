@@ -246,6 +246,10 @@ class Float8Linear(nn.Linear):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config, fqn=fqn)
         new.weight = mod.weight
         new.bias = mod.bias
+        if new.config.enable_fsdp_float8_all_gather:
+            from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
+
+            wrap_weight_for_float8_all_gather(new)
         return new
 
     def delayed_scales(self) -> Optional[dict]:
