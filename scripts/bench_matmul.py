@@ -1,0 +1,78 @@
+"""Benchmark the float8 gemm alone: ``torch._scaled_mm`` (tensorwise and rowwise scales) vs bf16 mm.
+
+Prints TFLOP/s of each and its ratio to bf16 (> 1: float8 is faster), and writes them to CSV.
+
+    python scripts/bench_matmul.py                          # CPU-sized shapes
+    python scripts/bench_matmul.py --shapes llama70b        # LLaMa-2-70B linears, TP=8, M=16384
+    python scripts/bench_matmul.py --csv bench/matmul.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_common import GemmShape, add_common_args, median_times, report, shapes_from_args
+
+COLUMNS = [
+    "shape", "M", "K", "N",
+    "bf16_tflops", "tensorwise_tflops", "rowwise_tflops",
+    "tensorwise_vs_bf16", "rowwise_vs_bf16",
+]
+
+
+def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
+    """The three gemms of one shape, operands laid out as ``_scaled_mm`` wants them
+    (A row-major, B column-major), with unit scales of the right shape."""
+    m, k, n = shape.m, shape.k, shape.n
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)  # [M, K]
+    b = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()  # [K, N], column-major
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    row_a = torch.ones(m, 1, device=device)  # [M, 1]
+    col_b = torch.ones(1, n, device=device)  # [1, N]
+
+    def scaled(scale_a, scale_b):
+        return lambda: torch._scaled_mm(
+            a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )
+
+    return {
+        "bf16": lambda: torch.mm(a, b),
+        "tensorwise": scaled(one, one),
+        "rowwise": scaled(row_a, col_b),
+    }
+
+
+def main(argv=None) -> list:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--fast-accum", action="store_true",
+                        help="use_fast_accum=True in _scaled_mm (CUDA only makes use of it)")
+    args = parser.parse_args(argv)
+    shapes = shapes_from_args(args)
+    torch.manual_seed(0)
+
+    rows = []
+    for shape in shapes:
+        times = median_times(
+            gemm_candidates(shape, args.device, args.fast_accum),
+            warmup=args.warmup, repeats=args.repeats, device=args.device,
+        )
+        tflops = {name: shape.flops / t / 1e12 for name, t in times.items()}
+        rows.append({
+            "shape": shape.name, "M": shape.m, "K": shape.k, "N": shape.n,
+            "bf16_tflops": tflops["bf16"],
+            "tensorwise_tflops": tflops["tensorwise"],
+            "rowwise_tflops": tflops["rowwise"],
+            "tensorwise_vs_bf16": tflops["tensorwise"] / tflops["bf16"],
+            "rowwise_vs_bf16": tflops["rowwise"] / tflops["bf16"],
+        })
+    report(rows, COLUMNS, title="torch._scaled_mm vs bf16 mm (TFLOP/s; ratio > 1: float8 faster)",
+           device=args.device, csv_path=args.csv)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""torchrun program: scripts/bench_comm.py in its smoke mode; rank 0 returns the rows it printed
+and wrote (tests/scripts/test_bench_scripts.py checks their format and byte ratios)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+
+import bench_comm  # noqa: E402
+from tests.distributed.common import init, main, write_result  # noqa: E402
+
+
+def run(args):
+    init()
+    rows = bench_comm.run(args)
+    write_result(args, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main(run, extra_args=bench_comm.add_args)

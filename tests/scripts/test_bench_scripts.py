@@ -1,0 +1,127 @@
+"""Smoke runs of the benchmark scripts: the output format (table columns, CSV rows, parsable
+ratios), never the timing. Each run is ``--smoke``: one tiny shape, one repetition."""
+
+import csv
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+sys.path.insert(0, os.path.abspath(SCRIPTS))
+
+import bench_linear  # noqa: E402
+import bench_matmul  # noqa: E402
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        return header, [dict(zip(header, row)) for row in reader]
+
+
+def _table_header(printed: str):
+    """Column names of the first markdown table in the printed output."""
+    for line in printed.splitlines():
+        if line.startswith("| "):
+            return [c.strip() for c in line.strip("|").split("|")]
+    raise AssertionError(f"no table printed:\n{printed}")
+
+
+def _positive(value: str) -> float:
+    x = float(value)
+    assert math.isfinite(x) and x > 0, value
+    return x
+
+
+def test_bench_matmul_smoke(tmp_path, capsys):
+    out = tmp_path / "matmul.csv"
+    bench_matmul.main(["--smoke", "--device", "cpu", "--csv", str(out)])
+    printed = capsys.readouterr().out
+
+    assert _table_header(printed) == bench_matmul.COLUMNS
+    assert "device: CPU" in printed
+    header, rows = _read_csv(out)
+    assert header == bench_matmul.COLUMNS
+    assert len(rows) == 1  # one smoke shape
+    row = rows[0]
+    for kind in ("tensorwise", "rowwise"):
+        ratio = _positive(row[f"{kind}_vs_bf16"])
+        # the ratio is the two printed throughputs divided (to the printed precision)
+        expected = float(row[f"{kind}_tflops"]) / float(row["bf16_tflops"])
+        assert ratio == pytest.approx(expected, rel=1e-2)
+
+
+def test_bench_linear_smoke(tmp_path, capsys):
+    out = tmp_path / "linear.csv"
+    bench_linear.main(["--smoke", "--device", "cpu", "--recipes", "tensorwise", "--csv", str(out)])
+    printed = capsys.readouterr().out
+
+    assert _table_header(printed) == bench_linear.COLUMNS
+    header, rows = _read_csv(out)
+    assert header == bench_linear.COLUMNS
+    # one row per (mode, recipe) of the one smoke shape
+    assert [(r["mode"], r["recipe"]) for r in rows] == [
+        ("eager", "tensorwise"), ("compile", "tensorwise")
+    ]
+    for row in rows:
+        _positive(row["bf16_ms"])
+        speedup = _positive(row["f8dist_speedup"])
+        assert speedup == pytest.approx(
+            float(row["bf16_ms"]) / float(row["f8dist_ms"]), rel=1e-2
+        )
+        if HAS_TORCHAO:
+            _positive(row["torchao_ms"])
+            _positive(row["f8dist_vs_torchao"])
+        else:
+            assert row["torchao_ms"] == row["f8dist_vs_torchao"] == "-"
+            assert "torchao not installed" in printed
+
+
+def test_bench_linear_axiswise_recipes_no_torchao(tmp_path):
+    # eager only: compiling every recipe would cost CI more than the format check is worth
+    bench_linear.main(["--smoke", "--device", "cpu", "--recipes", "rowwise", "rowwise_with_gw_hp",
+                       "--modes", "eager", "--no-torchao", "--csv", str(tmp_path / "l.csv")])
+    _, rows = _read_csv(tmp_path / "l.csv")
+    assert [r["recipe"] for r in rows] == ["rowwise", "rowwise_with_gw_hp"]
+    for row in rows:
+        assert row["torchao_ms"] == row["torchao_speedup"] == row["f8dist_vs_torchao"] == "-"
+        _positive(row["f8dist_speedup"])
+
+
+def test_bad_repeats_is_a_clear_error():
+    with pytest.raises(SystemExit, match="--repeats must be >= 1"):
+        bench_matmul.main(["--repeats", "0"])
+
+
+def test_bench_comm_smoke(tmp_path):
+    import bench_comm
+    from tests.distributed.harness import run_torchrun
+
+    out = tmp_path / "comm.csv"
+    result = run_torchrun("bench_comm_smoke", 2, "--smoke", "--scenarios", "fsdp mlp", "tp llama",
+                          "--csv", out)
+    header, rows = _read_csv(out)
+    assert header == bench_comm.COLUMNS
+    assert len(rows) == len(result["rows"])
+    by = {(r["scenario"], r["variant"], r["kind"]): r for r in rows}
+
+    for scenario in ("fsdp mlp", "tp llama"):
+        assert float(by[(scenario, "bf16", "all_gather")]["bytes_vs_bf16"]) == 1.0
+        assert int(by[(scenario, "bf16", "all_gather")]["step_calls"]) > 0
+    # counted bytes, not timing: float8 TP+SP all-gathers its linears' inputs in float8
+    assert float(by[("tp llama", "float8", "all_gather")]["bytes_vs_bf16"]) < 1.0
+    # float8 without float8 all-gather moves the same weight bytes as bf16
+    assert float(by[("fsdp mlp", "float8", "all_gather")]["bytes_vs_bf16"]) == 1.0
+    fp8_ag = [r for r in rows if r["scenario"] == "fsdp mlp" and "fp8-ag" in r["variant"]]
+    assert fp8_ag, "the float8 all-gather variants must be listed (measured or pending)"
+    if bench_comm.HAS_FSDP_FLOAT8:
+        ratio = float(by[("fsdp mlp", "float8+fp8-ag", "all_gather")]["bytes_vs_bf16"])
+        assert ratio <= 0.51
+    else:
+        assert all(r["note"].startswith("pending") for r in fp8_ag)
