@@ -26,6 +26,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from f8dist.numerics import sqnr  # noqa: F401  (re-exported for the programs)
+
 ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
 
 
@@ -64,6 +66,10 @@ def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:
     args = parse_args(extra=extra_args)
     try:
         fn(args)
+        if dist.is_initialized():
+            # Leave together: a rank tearing gloo down while a peer still talks to it aborts
+            # ("terminate called without an active exception").
+            dist.barrier()
     except BaseException:
         error_dir = os.environ.get(ERROR_DIR_ENV)
         if error_dir:
@@ -74,15 +80,6 @@ def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``actual`` against ``ref`` in dB (inf if equal)."""
-    ref, actual = ref.detach().double(), actual.detach().double()
-    noise = (ref - actual).norm()
-    if noise == 0:
-        return float("inf")
-    return float(20 * torch.log10(ref.norm() / noise))
 
 
 def assert_equal(name: str, ref: torch.Tensor, actual: torch.Tensor) -> None:
