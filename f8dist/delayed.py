@@ -313,17 +313,29 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
 
 
 def load_delayed_state(module: nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
-    """Float8Linear._load_from_state_dict's delayed part: keys missing from a plain nn.Linear
-    checkpoint are not errors (the buffers stay fresh); loaded buffers resume their history."""
-    names = [n for op in module._delayed_operands for n in _names(op)]
-    absent = {prefix + n for n in names if prefix + n not in state_dict}
-    missing_keys[:] = [k for k in missing_keys if k not in absent]
-    if not absent and names:
+    """Float8Linear._load_from_state_dict's delayed part ([Note: delayed checkpoints]).
+
+    A checkpoint without any delayed buffer (a plain nn.Linear one) is not an error: the buffers
+    are reset to fresh, so the first forward initializes them from the loaded weights. A
+    checkpoint with them resumes their history. One with only some of them keeps those in
+    ``missing_keys`` (an error under ``strict=True``).
+    """
+    keys = [prefix + n for op in module._delayed_operands for n in _names(op)]
+    if any(k in state_dict for k in keys):
         # a history that saw data is resumed as is; an all-zero one still needs the first-step init
         seen = any(_buffer(module, _names(op)[1]).any() for op in module._delayed_operands)
         module.is_amax_initialized = bool(seen) or not module.config.enable_amax_init
-        module.amax_and_scale_synced = True
-        module._amax_history_from_init = False
+    else:
+        absent = set(keys)
+        missing_keys[:] = [k for k in missing_keys if k not in absent]
+        for op in module._delayed_operands:
+            amax, history, scale = _names(op)
+            _buffer(module, amax).zero_()
+            _buffer(module, history).zero_()
+            _buffer(module, scale).fill_(1.0)
+        module.is_amax_initialized = not module.config.enable_amax_init
+    module.amax_and_scale_synced = True
+    module._amax_history_from_init = False
 
 
 def strip_delayed_scaling_state(state_dict: dict) -> dict:
