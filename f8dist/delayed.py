@@ -17,7 +17,8 @@ One iteration::
                history, put the amax in front, fp8_scale_* = amax_to_scale(max(history))
 
 The amax recorded in forward and backward is ``tensor_amax`` (f8dist/scaling.py, the reduction a
-dynamic cast uses) of the *local* tensor: no collective runs in forward or backward. Under FSDP2
+dynamic cast uses; 0 for an empty shard, via ``f8dist.fsdp.amax.local_amax``) of the *local*
+tensor: no collective runs in forward or backward. Under FSDP2
 (weight shards), TP (weight shards) and SP (sequence shards) the local amax is a partial one;
 the MAX all-reduce of the sync makes it the amax of the logical tensor, and under data
 parallelism the amax of the global batch. So after each sync every rank holds the histories and
@@ -56,7 +57,8 @@ import torch.nn as nn
 
 from f8dist.cast import reduced_amax
 from f8dist.config import Float8LinearConfig, ScalingType
-from f8dist.scaling import amax_to_scale, tensor_amax
+from f8dist.fsdp.amax import local_amax
+from f8dist.scaling import amax_to_scale
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -169,7 +171,7 @@ def record_amax(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     local = _local(hp)
     if isinstance(local, Float8Tensor):
         return
-    _buffer(module, f"fp8_amax_{operand}").copy_(tensor_amax(local.detach()))
+    _buffer(module, f"fp8_amax_{operand}").copy_(local_amax(local.detach()))
 
 
 def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
