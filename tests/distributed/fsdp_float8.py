@@ -83,6 +83,10 @@ def parity(device, world, fp8_all_gather, out):
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tag = "fp8_ag" if fp8_all_gather else "hp_ag"
+    for name in ("fc1", "head"):  # uneven (and, on 3 ranks, empty) shards
+        rows = [None] * world
+        dist.all_gather_object(rows, getattr(model, name).weight.to_local().shape[0])
+        out[f"{name}_shard_rows"] = rows
     forward_all_reduces = []
     for step in range(STEPS):
         x = batch(device, step)
@@ -95,8 +99,9 @@ def parity(device, world, fp8_all_gather, out):
         y.float().pow(2).mean().backward()
         y_ref.float().pow(2).mean().backward()
         for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-            g_ref = p_ref.grad.mul(world).div(world)  # what sum-reduce-scatter then divide gives
-            assert_equal(f"{tag} step {step} grad {name}", g_ref, full(p.grad))
+            # FSDP2 sums the identical grads of all ranks, then divides by the world size
+            p_ref.grad.mul_(world).div_(world)
+            assert_equal(f"{tag} step {step} grad {name}", p_ref.grad, full(p.grad))
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
