@@ -17,7 +17,8 @@ One iteration::
                history, put the amax in front, fp8_scale_* = amax_to_scale(max(history))
 
 The amax recorded in forward and backward is ``tensor_amax`` (f8dist/scaling.py, the reduction a
-dynamic cast uses) of the *local* tensor: no collective runs in forward or backward. Under FSDP2
+dynamic cast uses; 0 for an empty shard, via ``f8dist.fsdp.amax.local_amax``) of the *local*
+tensor: no collective runs in forward or backward. Under FSDP2
 (weight shards), TP (weight shards) and SP (sequence shards) the local amax is a partial one;
 the MAX all-reduce of the sync makes it the amax of the logical tensor, and under data
 parallelism the amax of the global batch. So after each sync every rank holds the histories and
@@ -56,7 +57,8 @@ import torch.nn as nn
 
 from f8dist.cast import reduced_amax
 from f8dist.config import Float8LinearConfig, ScalingType
-from f8dist.scaling import amax_to_scale, tensor_amax
+from f8dist.fsdp.amax import local_amax
+from f8dist.scaling import amax_to_scale
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -145,12 +147,18 @@ def delayed_scales(module: nn.Module) -> Optional[dict]:
     for op in module._delayed_operands:
         for g in _OPERAND_GEMMS[op]:
             if config.cast_config(g, op).scaling_type is ScalingType.DELAYED:
-                scales[(g, op)] = getattr(module, f"fp8_scale_{op}")
+                scales[(g, op)] = _buffer(module, f"fp8_scale_{op}")
     return scales or None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if type(t).__name__ == "DTensor" and hasattr(t, "placements") else t
+
+
+def _buffer(module: nn.Module, name: str) -> torch.Tensor:
+    """A delayed buffer as a plain tensor. ``parallelize_module`` turns buffers into Replicate
+    DTensors; their local tensor is the whole buffer, and writing it writes the DTensor."""
+    return _local(getattr(module, name))
 
 
 def record_amax(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
@@ -163,7 +171,7 @@ def record_amax(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     local = _local(hp)
     if isinstance(local, Float8Tensor):
         return
-    getattr(module, f"fp8_amax_{operand}").copy_(tensor_amax(local.detach()))
+    _buffer(module, f"fp8_amax_{operand}").copy_(local_amax(local.detach()))
 
 
 def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
@@ -172,8 +180,8 @@ def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
         return
     _, history, scale = _names(operand)
     amax = _local(reduced_amax(hp.detach()))  # [], Replicate for a DTensor
-    getattr(module, history).fill_(amax)
-    getattr(module, scale).copy_(_scale_from(module, operand, amax))
+    _buffer(module, history).fill_(amax)
+    _buffer(module, scale).copy_(_scale_from(module, operand, amax))
 
 
 def _scale_from(module: nn.Module, operand: str, amax: torch.Tensor) -> torch.Tensor:
@@ -273,7 +281,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     if not layers:
         return
     entries = [(m, op) for m in layers for op in m._delayed_operands]
-    amaxes = torch.stack([getattr(m, f"fp8_amax_{op}") for m, op in entries])  # [E]
+    amaxes = torch.stack([_buffer(m, f"fp8_amax_{op}") for m, op in entries])  # [E]
     amaxes = _all_reduce_max(amaxes)  # [E]
 
     # histories of one length and scales of one dtype are updated as one stacked tensor each
@@ -286,7 +294,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
         )
         groups.setdefault(key, []).append(i)
     for (_, dtype, round_pow2), idx in groups.items():
-        histories = torch.stack([getattr(entries[i][0], _names(entries[i][1])[1]) for i in idx])
+        histories = torch.stack([_buffer(entries[i][0], _names(entries[i][1])[1]) for i in idx])
         amax = amaxes[idx]  # [G]
         rolled = torch.roll(histories, 1, dims=1)  # [G, L]
         rolled[:, 0] = amax
@@ -298,26 +306,38 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
         for j, i in enumerate(idx):
             m, op = entries[i]
             amax_name, history_name, scale_name = _names(op)
-            getattr(m, amax_name).copy_(amax[j])
-            getattr(m, history_name).copy_(new_hist[j])
-            getattr(m, scale_name).copy_(scales[j])
+            _buffer(m, amax_name).copy_(amax[j])
+            _buffer(m, history_name).copy_(new_hist[j])
+            _buffer(m, scale_name).copy_(scales[j])
     for m in layers:
         m.amax_and_scale_synced = True
         m._amax_history_from_init = False
 
 
 def load_delayed_state(module: nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
-    """Float8Linear._load_from_state_dict's delayed part: keys missing from a plain nn.Linear
-    checkpoint are not errors (the buffers stay fresh); loaded buffers resume their history."""
-    names = [n for op in module._delayed_operands for n in _names(op)]
-    absent = {prefix + n for n in names if prefix + n not in state_dict}
-    missing_keys[:] = [k for k in missing_keys if k not in absent]
-    if not absent and names:
+    """Float8Linear._load_from_state_dict's delayed part ([Note: delayed checkpoints]).
+
+    A checkpoint without any delayed buffer (a plain nn.Linear one) is not an error: the buffers
+    are reset to fresh, so the first forward initializes them from the loaded weights. A
+    checkpoint with them resumes their history. One with only some of them keeps those in
+    ``missing_keys`` (an error under ``strict=True``).
+    """
+    keys = [prefix + n for op in module._delayed_operands for n in _names(op)]
+    if any(k in state_dict for k in keys):
         # a history that saw data is resumed as is; an all-zero one still needs the first-step init
-        seen = any(getattr(module, _names(op)[1]).any() for op in module._delayed_operands)
+        seen = any(_buffer(module, _names(op)[1]).any() for op in module._delayed_operands)
         module.is_amax_initialized = bool(seen) or not module.config.enable_amax_init
-        module.amax_and_scale_synced = True
-        module._amax_history_from_init = False
+    else:
+        absent = set(keys)
+        missing_keys[:] = [k for k in missing_keys if k not in absent]
+        for op in module._delayed_operands:
+            amax, history, scale = _names(op)
+            _buffer(module, amax).zero_()
+            _buffer(module, history).zero_()
+            _buffer(module, scale).fill_(1.0)
+        module.is_amax_initialized = not module.config.enable_amax_init
+    module.amax_and_scale_synced = True
+    module._amax_history_from_init = False
 
 
 def strip_delayed_scaling_state(state_dict: dict) -> dict:

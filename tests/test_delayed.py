@@ -188,13 +188,21 @@ def test_checkpoint_resume_is_identical():
 
 
 def test_plain_and_float8_checkpoints_interchange():
+    x, t = batches(1)[0]
     plain_sd = plain_model(seed=5).state_dict()
     model = float8_model()
+    nn.functional.mse_loss(model(x), t).backward()
+    sync_float8_amax_and_scale_history(model)
     model.load_state_dict(plain_sd)  # strict: missing delayed buffers are not errors
     assert torch.equal(model[0].weight, plain_sd["0.weight"])
-    assert not model[0].is_amax_initialized  # first forward initializes from data
+    # the old weights' histories are dropped; the first forward initializes from the new ones
+    assert not model[0].is_amax_initialized
+    assert not model[0].fp8_amax_history_weight.any()
+    assert torch.equal(model[0].fp8_scale_weight, torch.tensor(1.0))
+    partial = {k: v for k, v in model.state_dict().items() if "history_input" not in k}
+    with pytest.raises(RuntimeError, match="fp8_amax_history_input"):
+        float8_model().load_state_dict(partial)
 
-    x, t = batches(1)[0]
     nn.functional.mse_loss(model(x), t).backward()
     sync_float8_amax_and_scale_history(model)
     f8_sd = model.state_dict()

@@ -184,7 +184,11 @@ class Float8AllGatherWeight(torch.Tensor):
     def _scale_for_all_gather(self, mesh, module, config, fp8_dtype) -> torch.Tensor:
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
         if config.cast_config_weight.scaling_type is ScalingType.DELAYED:
-            # the module's amax history (f8dist.delayed) is already synced: no collective
+            # the module's amax history (f8dist.delayed) is already synced: no collective; the
+            # shard's amax goes into the history at the next sync (one all-reduce for the model)
+            from f8dist.delayed import record_amax
+
+            record_amax(module, "weight", self._tensor)
             return module.delayed_scales()[("output", "weight")]
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
