@@ -116,7 +116,6 @@ def test_logger_records_every_n_steps(tmp_path):
 
 
 def test_plot_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
     model = converted()
     rec = record(model)
     for i in range(3):
