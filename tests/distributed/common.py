@@ -1,0 +1,101 @@
+"""What every torchrun program in tests/distributed/ shares: process-group setup, result
+reporting, and the comparison helpers.
+
+A program looks like::
+
+    from tests.distributed.common import init, main, write_result
+
+    def run(args):
+        rank, world, device = init()
+        ...                        # raise on a mismatch
+        write_result(args, {"ratio": 0.5})
+
+    if __name__ == "__main__":
+        main(run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import traceback
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
+
+
+def init(timeout_s: float = 120) -> Tuple[int, int, torch.device]:
+    """Join the process group (nccl with CUDA, else gloo); returns (rank, world_size, device)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def parse_args(argv: Optional[List[str]] = None, extra: Optional[Callable] = None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--result", default=None, help="JSON file rank 0 writes its figures to")
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args(argv)
+
+
+def write_result(args, obj: dict) -> None:
+    """Rank 0 writes ``obj`` as JSON to the path the harness passed (``--result``)."""
+    if args.result and (not dist.is_initialized() or dist.get_rank() == 0):
+        with open(args.result, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+
+
+def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:
+    """Run ``fn(args)``; a raising rank writes its traceback where the harness finds it."""
+    args = parse_args(extra=extra_args)
+    try:
+        fn(args)
+    except BaseException:
+        error_dir = os.environ.get(ERROR_DIR_ENV)
+        if error_dir:
+            rank = os.environ.get("RANK", "?")
+            with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``actual`` against ``ref`` in dB (inf if equal)."""
+    ref, actual = ref.double(), actual.double()
+    noise = (ref - actual).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / noise))
+
+
+def assert_equal(name: str, ref: torch.Tensor, actual: torch.Tensor) -> None:
+    """Bit-exact equality, with a message that says where and by how much it differs."""
+    if ref.shape != actual.shape or ref.dtype != actual.dtype:
+        raise AssertionError(
+            f"{name}: shape/dtype {tuple(actual.shape)}/{actual.dtype} != "
+            f"{tuple(ref.shape)}/{ref.dtype}"
+        )
+    if not torch.equal(ref, actual):
+        diff = (ref.double() - actual.double()).abs()
+        raise AssertionError(
+            f"{name}: not bit-identical, max abs diff {diff.max().item():.3e}, "
+            f"{int((diff != 0).sum())} of {diff.numel()} elements differ, "
+            f"sqnr {sqnr(ref, actual):.1f} dB"
+        )
