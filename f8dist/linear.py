@@ -81,14 +81,18 @@ def _cast(
             f"{fqn}: delayed scaling of {operand} in the {gemm} gemm needs a scale from the "
             "module's amax history"
         )
-    return cast_to_float8(
-        t,
-        dtype,
-        granularity=cc.scaling_granularity,
-        axiswise_dim=axis,
+    return cast_to_float8(t, dtype, scale=scale, **cast_kwargs(config, gemm, operand, fqn))
+
+
+def cast_kwargs(config: Float8LinearConfig, gemm: str, operand: str, fqn: str) -> dict:
+    """``cast_to_float8`` keyword arguments (all but ``scale``) for one operand of one gemm; the
+    float8 dtype is ``config.resolved_dtype(gemm, operand)``. Also used by f8dist.tp, which casts
+    a linear's input before communicating it."""
+    return dict(
+        granularity=config.cast_config(gemm, operand).scaling_granularity,
+        axiswise_dim=_AXIS[(gemm, operand)],
         round_scales_to_power_of_2=config.round_scales_to_power_of_2,
-        mm_config=mm_config,
-        scale=scale,
+        mm_config=_mm_config(config, gemm),
         site=CastSite(fqn, gemm, operand),
     )
 

@@ -179,8 +179,8 @@ def _transpose(func, args, kwargs):
 def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
     data = func(t._data, new_shape, *args[2:], **kwargs)
-    if not t.is_axiswise:
-        return _rewrap(t, data)
+    if not t.is_axiswise or data.shape == t._data.shape:
+        return _rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
     # Axiswise scales survive a reshape of the other dims as long as the scaled-over dim is the
     # last one and keeps its size: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with [B*S, 1].
     last = t._data.dim() - 1

@@ -1,0 +1,134 @@
+"""A ready tensor + sequence parallel plan for the LLaMA-style model (f8dist/models/llama.py).
+
+The plan is torchtitan's: embeddings row-sharded with a sequence-sharded output, every norm
+sequence parallel, attention's wq/wk/wv and the FFN's w1/w3 column-sharded behind one shared
+input all-gather per block, wo and w2 row-sharded with a reduce-scatter back to sequence shards,
+and the output projection column-sharded. With ``float8=True`` every linear that is a
+:class:`~f8dist.linear.Float8Linear` gets the float8 style (its shared input is all-gathered in
+float8), and linears left in high precision (e.g. ``output``, filtered out of the conversion) keep
+PyTorch's styles.
+
+Apply it after ``convert_to_float8_training`` and before FSDP2 (``fully_shard`` over the dp mesh
+axis, for 2-D).
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from f8dist.linear import Float8Linear
+from f8dist.tp.style import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+__all__ = ["llama_tp_plan", "parallelize_llama"]
+
+
+def _colwise(mod: nn.Module, float8: bool, **kwargs) -> ParallelStyle:
+    style = Float8ColwiseParallel if float8 and isinstance(mod, Float8Linear) else ColwiseParallel
+    return style(**kwargs)
+
+
+def _rowwise(mod: nn.Module, float8: bool, **kwargs) -> ParallelStyle:
+    style = Float8RowwiseParallel if float8 and isinstance(mod, Float8Linear) else RowwiseParallel
+    return style(**kwargs)
+
+
+def _shared_input(parent: nn.Module, first: str, float8: bool, **layouts) -> ParallelStyle:
+    """One all-gather of a block's input for the linears that share it; in float8 when they are
+    Float8Linears (cast as ``first``'s input cast config says)."""
+    if float8 and isinstance(parent.get_submodule(first), Float8Linear):
+        return PrepareFloat8ModuleInput(fwd_config_submodule_fqn=first, **layouts)
+    return PrepareModuleInput(**layouts)
+
+
+def llama_tp_plan(
+    model: nn.Module, *, float8: bool = True, loss_parallel: bool = False
+) -> Dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan (FQN -> style) for a :class:`~f8dist.models.llama.Transformer`.
+
+    ``loss_parallel=True`` leaves the logits sharded on the vocab dim (as a DTensor) for
+    ``torch.distributed.tensor.parallel.loss_parallel``; else they are replicated local tensors.
+    """
+    for name in ("tok_embeddings", "layers", "norm", "output"):
+        if not hasattr(model, name):
+            raise TypeError(
+                f"llama_tp_plan expects torchtitan's LLaMA module names (tok_embeddings, layers, "
+                f"norm, output); {type(model).__name__} has no {name!r}"
+            )
+    plan: Dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": _colwise(
+            model.output, float8,
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    for layer_name, block in model.layers.named_children():
+        p = f"layers.{layer_name}."
+        attn, ffn = block.attention, block.feed_forward
+        plan.update({
+            p + "attention_norm": SequenceParallel(),
+            p + "attention": _shared_input(
+                attn, "wq", float8,
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+            ),
+            p + "attention.wq": _colwise(attn.wq, float8),
+            p + "attention.wk": _colwise(attn.wk, float8),
+            p + "attention.wv": _colwise(attn.wv, float8),
+            p + "attention.wo": _rowwise(attn.wo, float8, output_layouts=Shard(1)),
+            p + "ffn_norm": SequenceParallel(),
+            p + "feed_forward": _shared_input(
+                ffn, "w1", float8,
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            ),
+            p + "feed_forward.w1": _colwise(ffn.w1, float8),
+            p + "feed_forward.w2": _rowwise(ffn.w2, float8, output_layouts=Shard(1)),
+            p + "feed_forward.w3": _colwise(ffn.w3, float8),
+        })
+    return plan
+
+
+def parallelize_llama(
+    model: nn.Module, tp_mesh: DeviceMesh, *, float8: bool = True, loss_parallel: bool = False
+) -> nn.Module:
+    """Apply :func:`llama_tp_plan` to ``model`` over the 1-D ``tp_mesh``, in place.
+
+    The model's input (token ids ``[B, S]``) is replicated over tp; its output is the replicated
+    logits ``[B, S, vocab]`` (or vocab-sharded ones with ``loss_parallel``).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
+        >>> parallelize_llama(model, mesh["tp"], float8=True)
+        >>> for block in model.layers.values():
+        ...     fully_shard(block, mesh=mesh["dp"])
+        >>> fully_shard(model, mesh=mesh["dp"])
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_llama takes the 1-D tp mesh, got a {tp_mesh.ndim}-D mesh "
+            f"{tp_mesh.mesh_dim_names}; pass mesh['tp']"
+        )
+    heads = (model.args.n_heads, model.args.kv_heads) if hasattr(model, "args") else ()
+    for h in heads:
+        if h % tp_mesh.size():
+            raise ValueError(
+                f"tensor parallelism over {tp_mesh.size()} ranks shards attention heads, so "
+                f"n_heads and n_kv_heads must be multiples of it; got {heads}"
+            )
+    return parallelize_module(
+        model, tp_mesh, llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
+    )

@@ -1,0 +1,421 @@
+"""Float8 tensor- and sequence-parallel styles: PyTorch's styles, communicating in float8.
+
+``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput`` take the
+keyword arguments of ``torch.distributed.tensor.parallel``'s ``ColwiseParallel``,
+``RowwiseParallel`` and ``PrepareModuleInput`` and shard the same way. What changes:
+
+[Note: cast before communicating]
+An activation that must be redistributed before a float8 gemm (the sequence-parallel all-gather
+``Shard(1) -> Replicate``) is cast to float8 *first*, with the cast config of the gemm that
+consumes it, so the all-gather moves 1 byte per element ([Note: float8 on the wire] in wire.py)
+and the linear reuses the gathered bytes instead of casting again. The cast is
+``f8dist.cast.cast_to_float8`` on the sharded DTensor, so its amax is the amax of the logical
+tensor ([Note: amax]): a tensorwise amax is all-reduced over tp, a per-token (axiswise) amax needs
+no collective because each token's row lives on one rank.
+
+Symmetrically, the gradient of a rowwise-parallel output that was reduce-scattered to sequence
+shards comes back sequence-sharded and is all-gathered in backward: it is cast to float8 (the
+grad_output cast of the grad_input gemm) before that all-gather.
+
+Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per column) re-scale the
+communicated float8 tensor (``linear._reuse_or_requantize``), a second rounding that a one-device
+run does not have; layers whose input needs no redistribution are not cast here at all.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+
+import f8dist.tp.wire  # noqa: F401  (registers the Float8Tensor collectives)
+from f8dist.cast import ToFloat8, cast_to_float8
+from f8dist.config import E4M3, CastConfig, Float8LinearConfig, ScalingType
+from f8dist.gemm import check_gemm_shape
+from f8dist.linear import Float8Linear, cast_kwargs
+
+__all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared cast helper
+# ---------------------------------------------------------------------------------------------
+
+
+class _Float8InputCast:
+    """Casts a linear's input to float8 as the linear's ("output", "input") cast config says.
+
+    A callable ``x -> x_fp8`` (differentiable: gradients pass through in high precision).
+    """
+
+    def __init__(self, config: Float8LinearConfig, fqn: str):
+        cc = config.cast_config("output", "input")
+        if cc.scaling_type is ScalingType.DELAYED:
+            raise ValueError(
+                f"{fqn or '<root>'}: float8 tensor parallelism casts inputs with dynamic scales; "
+                "delayed scaling of the input is not supported. Use a dynamic recipe for TP "
+                "layers, or PyTorch's ColwiseParallel/RowwiseParallel (high-precision TP)."
+            )
+        self.enabled = cc.enabled
+        self.dtype = config.resolved_dtype("output", "input")
+        self.kwargs = cast_kwargs(config, "output", "input", fqn)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        return ToFloat8.apply(x, self.dtype, self.kwargs)
+
+
+class _CastGradToFloat8(torch.autograd.Function):
+    """Identity in forward; in backward casts the gradient to float8 as the ("grad_input",
+    "grad_output") cast config says, so that what backward communicates next moves in float8."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, config: Float8LinearConfig, fqn: str):
+        ctx.config, ctx.fqn = config, fqn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        config = ctx.config
+        fp8 = cast_to_float8(
+            grad,
+            config.resolved_dtype("grad_input", "grad_output"),
+            **cast_kwargs(config, "grad_input", "grad_output", ctx.fqn),
+        )
+        return fp8, None, None
+
+
+def _moves(x: DTensor, placements) -> bool:
+    """Whether redistributing ``x`` to ``placements`` communicates (Shard(-1) is Shard(ndim-1))."""
+
+    def norm(p):
+        return Shard(p.dim % x.ndim) if isinstance(p, Shard) else p
+
+    return tuple(map(norm, x.placements)) != tuple(map(norm, placements))
+
+
+def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
+    if isinstance(module, Float8Linear):
+        return module
+    hint = (
+        "convert it with f8dist.convert_to_float8_training first, or use PyTorch's "
+        f"{style.replace('Float8', '')} to keep it in high precision"
+        if isinstance(module, nn.Linear)
+        else f"{style} shards Float8Linear layers only (nn.Embedding and other modules take "
+        "PyTorch's own styles)"
+    )
+    raise TypeError(f"{style} got a {type(module).__name__}, not a Float8Linear: {hint}")
+
+
+def _check_castable_layouts(style: str, layouts) -> None:
+    for p in layouts:
+        if p is not None and p.is_partial():
+            raise ValueError(
+                f"{style}: input layout {p} cannot be cast to float8: the amax of partial sums is "
+                "not the amax of their sum. Reduce the input first (pass Replicate() or Shard(d))."
+            )
+
+
+def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, style: str) -> None:
+    """Fail at parallelize time if a shard makes a gemm dim that torch._scaled_mm cannot take."""
+    config = module.config
+    if config.emulate or config.pad_inner_dim:
+        return
+    tp = mesh.size()
+    in_f, out_f = module.in_features, module.out_features
+    full = in_f if sharded == "in" else out_f
+    chunk = math.ceil(full / tp)
+    shard_sizes = sorted({min(chunk, full - i * chunk) for i in range(tp) if full > i * chunk})
+    for size in shard_sizes:
+        k, n = (size, out_f) if sharded == "in" else (in_f, size)
+        check_gemm_shape(
+            k, n, pad_inner_dim=False,
+            what=(
+                f"{style} on {module.fqn or '<root>'} ({in_f} -> {out_f}) over {tp} ranks: "
+                f"local shard of {'in' if sharded == 'in' else 'out'}_features = {size}"
+            ),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# styles
+# ---------------------------------------------------------------------------------------------
+
+
+class Float8ColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
+
+    The weight is sharded on ``out_features`` (``Shard(0)``) and its float8 scale comes from the
+    amax of the whole weight (all-reduced over tp). An input that arrives in another layout than
+    ``Replicate()`` (sequence parallel: ``input_layouts=Shard(1)``) is cast to float8 with the
+    layer's input cast config *before* the all-gather, so the all-gather moves 1 byte per element
+    (see [Note: cast before communicating]).
+
+    Keyword Args:
+        input_layouts (Placement, optional): layout of the module input; default ``Replicate()``.
+        output_layouts (Placement, optional): layout of the module output; default ``Shard(-1)``.
+        use_local_output (bool, optional): return a local tensor instead of a DTensor; default True.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> from torch.distributed.tensor import Shard
+        >>> from torch.distributed.tensor.parallel import parallelize_module
+        >>> convert_to_float8_training(model)
+        >>> parallelize_module(model, tp_mesh, {
+        ...     "w1": Float8ColwiseParallel(input_layouts=Shard(1)),  # SP input, gathered in float8
+        ...     "w2": Float8RowwiseParallel(output_layouts=Shard(1)),
+        ... })
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Optional[Placement] = None,
+        output_layouts: Optional[Placement] = None,
+        use_local_output: bool = True,
+    ):
+        super().__init__(
+            input_layouts=input_layouts, output_layouts=output_layouts,
+            use_local_output=use_local_output,
+        )
+        _check_castable_layouts(type(self).__name__, self.input_layouts)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+        if _moves(x, desired_input_layouts):
+            x = cast(x)  # float8 before it is communicated
+            x = x.redistribute(placements=desired_input_layouts, async_op=True)
+        return x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        module = _float8_linear(module, name)
+        _check_local_gemm(module, device_mesh, "out", name)
+        cast = _Float8InputCast(module.config, module.fqn)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts, cast),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Float8RowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
+
+    The weight is sharded on ``in_features`` (``Shard(1)``); the output is a partial sum that is
+    all-reduced (``output_layouts=Replicate()``) or reduce-scattered (``Shard(1)``, sequence
+    parallel) in high precision. With a sharded output, the gradient that comes back is cast to
+    float8 before backward all-gathers it. An input that needs redistributing to ``Shard(-1)`` is
+    cast to float8 before it moves.
+
+    Keyword Args:
+        input_layouts (Placement, optional): layout of the module input; default ``Shard(-1)``.
+        output_layouts (Placement, optional): layout of the module output; default ``Replicate()``.
+        use_local_output (bool, optional): return a local tensor instead of a DTensor; default True.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> parallelize_module(attention, tp_mesh, {
+        ...     "wq": Float8ColwiseParallel(),
+        ...     "wo": Float8RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter to SP
+        ... })
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Optional[Placement] = None,
+        output_layouts: Optional[Placement] = None,
+        use_local_output: bool = True,
+    ):
+        super().__init__(
+            input_layouts=input_layouts, output_layouts=output_layouts,
+            use_local_output=use_local_output,
+        )
+        _check_castable_layouts(type(self).__name__, self.input_layouts)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh):
+        return Float8ColwiseParallel._prepare_input_fn(
+            input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh
+        )
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        sharded = any(isinstance(p, Shard) for p in output_layouts)
+        if sharded and mod.bias is None and mod.config.gemm_in_float8("grad_input"):
+            # backward all-gathers the sharded gradient: cast it to float8 first
+            outputs = _CastGradToFloat8.apply(outputs, mod.config, mod.fqn)
+        return outputs.to_local() if use_local_output else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        module = _float8_linear(module, name)
+        _check_local_gemm(module, device_mesh, "in", name)
+        self.desired_input_layouts = (Shard(-1),)
+        cast = _Float8InputCast(module.config, module.fqn)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts, cast),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class PrepareFloat8ModuleInput(PrepareModuleInput):
+    """``PrepareModuleInput`` that casts the inputs it redistributes to float8 first.
+
+    Put it on a module whose float8 linears share one input (attention's wq/wk/wv, a SwiGLU FFN's
+    w1/w3): the input is cast once, with the input cast config of the linear named by
+    ``fwd_config_submodule_fqn``, all-gathered once in float8, and every linear reuses the bytes.
+    Those linears then take ``Float8ColwiseParallel()`` (their input already is ``Replicate()``).
+
+    Keyword Args:
+        input_layouts, desired_input_layouts, input_kwarg_layouts, desired_input_kwarg_layouts,
+        use_local_output: as in ``PrepareModuleInput``.
+        float8_dtype (torch.dtype, optional): the float8 dtype of a tensorwise dynamic cast, used
+            only without ``fwd_config_submodule_fqn``; default ``torch.float8_e4m3fn``.
+        fwd_config_submodule_fqn (str, optional): FQN (relative to this module) of the
+            Float8Linear whose ("output", "input") cast config the cast follows. Give it whenever
+            the linears use a non-default recipe, so their bytes are reused rather than re-cast.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> parallelize_module(block, tp_mesh, {
+        ...     "feed_forward": PrepareFloat8ModuleInput(
+        ...         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        ...         fwd_config_submodule_fqn="w1",  # w1 and w3 share one float8 all-gather
+        ...     ),
+        ...     "feed_forward.w1": Float8ColwiseParallel(),
+        ...     "feed_forward.w3": Float8ColwiseParallel(),
+        ...     "feed_forward.w2": Float8RowwiseParallel(output_layouts=Shard(1)),
+        ... })
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        desired_input_layouts=None,
+        input_kwarg_layouts=None,
+        desired_input_kwarg_layouts=None,
+        use_local_output: bool = False,
+        float8_dtype: Optional[torch.dtype] = None,
+        fwd_config_submodule_fqn: Optional[str] = None,
+    ):
+        super().__init__(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_output,
+        )
+        if float8_dtype is not None and fwd_config_submodule_fqn is not None:
+            raise ValueError(
+                "PrepareFloat8ModuleInput: pass float8_dtype or fwd_config_submodule_fqn, not "
+                "both; the submodule's config already fixes the dtype"
+            )
+        self.float8_dtype = float8_dtype
+        self.fwd_config_submodule_fqn = fwd_config_submodule_fqn
+        _check_castable_layouts(type(self).__name__, self.input_layouts or ())
+        _check_castable_layouts(type(self).__name__, self.input_kwarg_layouts.values())
+
+    def _cast_for(self, module: nn.Module) -> _Float8InputCast:
+        name = type(self).__name__
+        if self.fwd_config_submodule_fqn is None:
+            dtype = self.float8_dtype or E4M3
+            config = Float8LinearConfig(cast_config_input=CastConfig(target_dtype=dtype))
+            return _Float8InputCast(config, getattr(module, "fqn", ""))
+        try:
+            sub = module.get_submodule(self.fwd_config_submodule_fqn)
+        except AttributeError:
+            children = [n for n, _ in module.named_modules() if n]
+            raise ValueError(
+                f"{name}: fwd_config_submodule_fqn={self.fwd_config_submodule_fqn!r} is not a "
+                f"submodule of {type(module).__name__}; its submodules are {children}"
+            ) from None
+        sub = _float8_linear(sub, f"{name}(fwd_config_submodule_fqn=...)")
+        return _Float8InputCast(sub.config, sub.fqn)
+
+    def _prepare_input_arg(self, input: Any, mesh, input_layout, desired_layout, cast=None):
+        if input_layout is None:
+            return input
+        x = input
+        if not isinstance(x, DTensor):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{type(self).__name__}: expected a tensor input, got {type(x)}")
+            x = DTensor.from_local(x, mesh, (input_layout,), run_check=False)
+        if desired_layout is not None and _moves(x, (desired_layout,)):
+            if cast is not None:
+                x = cast(x)  # float8 before it is communicated
+            x = x.redistribute(placements=(desired_layout,))
+        return x.to_local() if self.use_local_output else x
+
+    def _prepare_input_fn(self, inputs, device_mesh, cast=None):
+        if self.input_layouts is None:
+            return inputs
+        if not isinstance(inputs, tuple):
+            inputs = (inputs,)
+        if len(inputs) != len(self.input_layouts):
+            raise ValueError(
+                f"{type(self).__name__}: the module got {len(inputs)} inputs but input_layouts "
+                f"has {len(self.input_layouts)} entries (use None for inputs to leave alone)"
+            )
+        return tuple(
+            self._prepare_input_arg(x, device_mesh, layout, desired, cast)
+            for x, layout, desired in zip(inputs, self.input_layouts, self.desired_input_layouts)
+        )
+
+    def _prepare_input_kwarg_fn(self, inputs, kwarg_inputs, device_mesh, cast=None):
+        args = self._prepare_input_fn(inputs, device_mesh, cast)
+        kwargs = {
+            key: self._prepare_input_arg(
+                value, device_mesh, self.input_kwarg_layouts.get(key),
+                self.desired_input_kwarg_layouts.get(key), cast,
+            )
+            for key, value in kwarg_inputs.items()
+        }
+        return args, kwargs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        cast = self._cast_for(module)
+        if self.with_kwargs:
+            module.register_forward_pre_hook(
+                lambda _, inputs, kwargs: self._prepare_input_kwarg_fn(
+                    inputs, kwargs, device_mesh, cast
+                ),
+                with_kwargs=True,
+            )
+        else:
+            module.register_forward_pre_hook(
+                lambda _, inputs: self._prepare_input_fn(inputs, device_mesh, cast)
+            )
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
+            f"desired_input_layouts={self.desired_input_layouts}, "
+            f"input_kwarg_layouts={self.input_kwarg_layouts}, "
+            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, "
+            f"use_local_output={self.use_local_output}, float8_dtype={self.float8_dtype}, "
+            f"fwd_config_submodule_fqn={self.fwd_config_submodule_fqn!r})"
+        )

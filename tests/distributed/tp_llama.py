@@ -1,0 +1,246 @@
+"""TP+SP (1-D) and FSDP2 x TP (2-D) float8 LLaMA against a one-device run of the same float8 model.
+
+Run by tests/distributed/test_tp.py::
+
+    torchrun --nproc_per_node=2 tests/distributed/tp_llama.py --recipe tensorwise --dp 1
+    torchrun --nproc_per_node=4 tests/distributed/tp_llama.py --recipe tensorwise --dp 2 --precompute
+
+Every rank builds the same float8 model and a reference copy. The parallel model is sharded with
+the ready plan (f8dist/tp/plan.py) over tp (and FSDP2 over dp); each dp rank feeds its own batch.
+The reference runs each dp rank's batch on one device. Compared (SQNR, fp32): the logits, the
+gradient of the embedding output (the first activation gradient), and every weight gradient
+(the reference's summed over the dp batches). Collectives are counted: the bytes of the forward
+all-gathers (all of them sequence-parallel inputs) per local input element.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.comm import count_collectives
+from f8dist.models.llama import ModelArgs, Transformer
+from f8dist.tp.plan import parallelize_llama
+from f8dist.tp.style import _CastGradToFloat8, _Float8InputCast
+from tests.distributed.common import init, main, sqnr, write_result
+
+BATCH, SEQ = 2, 16
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, multiple_of=32, max_seq_len=SEQ)
+FLOOR_DB = 120.0
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def add_wire_casts(model: Transformer) -> None:
+    """Give a one-device model the float8 casts the TP plan makes for communication: the shared
+    inputs of attention / feed_forward / output cast before their all-gather, the gradients of
+    wo / w2 cast before theirs. With them the one-device model runs the same roundings as the
+    parallel one, for recipes whose other-axis gemms re-scale communicated float8 tensors."""
+
+    def cast_input(linear):
+        cast = _Float8InputCast(linear.config, linear.fqn)
+        return lambda mod, args: (cast(args[0]), *args[1:])
+
+    def cast_grad(mod, args, out):
+        return _CastGradToFloat8.apply(out, mod.config, mod.fqn)
+
+    for block in model.layers.values():
+        block.attention.register_forward_pre_hook(cast_input(block.attention.wq))
+        block.feed_forward.register_forward_pre_hook(cast_input(block.feed_forward.w1))
+        block.attention.wo.register_forward_hook(cast_grad)
+        block.feed_forward.w2.register_forward_hook(cast_grad)
+    model.output.register_forward_pre_hook(cast_input(model.output))
+
+
+def shard_2d(model: Transformer, dp_mesh) -> None:
+    """FSDP2 over dp on top of TP, as torchtitan applies it (blocks, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def run_model(model, tokens, grad_logits):
+    """Forward + backward; returns (logits, grad of the embedding output, forward counts,
+    backward counts)."""
+    captured = {}
+
+    def keep(mod, args, out):
+        out.retain_grad()
+        captured["h"] = out
+
+    handle = model.tok_embeddings.register_forward_hook(keep)
+    with count_collectives() as fwd:
+        logits = model(tokens)
+    with count_collectives() as bwd:
+        logits.backward(grad_logits)
+    handle.remove()
+    return logits, captured["h"].grad, fwd, bwd
+
+
+def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
+    """One float8 recipe: SQNRs against one device and the counted all-gather bytes."""
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    device = mesh.device_type
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    with torch.device(device):
+        model = Transformer(ARGS)
+    model.init_weights(seed=0)
+    convert_to_float8_training(model, config=config)
+    reference = copy.deepcopy(model)
+    if wire_reference:
+        add_wire_casts(reference)
+    # loss_parallel: the logits stay vocab-sharded, so the forward's only all-gathers are the
+    # sequence-parallel inputs
+    parallelize_llama(model, mesh["tp"], float8=not args.hp_tp, loss_parallel=True)
+    if dp > 1:
+        shard_2d(model, mesh["dp"])
+
+    # the global batch: dp_rank's slice goes to this rank's model
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, ARGS.vocab_size, (dp * BATCH, SEQ), generator=gen).to(device)
+    grad_logits = torch.randn(dp * BATCH, SEQ, ARGS.vocab_size, generator=gen).to(device)
+    mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
+
+    grad_logits_tp = distribute_tensor(grad_logits[mine], mesh["tp"], [Shard(-1)])
+    logits, grad_h, fwd, bwd = run_model(model, tokens[mine], grad_logits_tp)
+    # the reference runs every dp rank's batch on its own (activations are scaled per batch,
+    # [Note: amax]), accumulating weight gradients over them
+    for d in range(dp):
+        batch = slice(d * BATCH, (d + 1) * BATCH)
+        ref = run_model(reference, tokens[batch], grad_logits[batch])
+        if d == dp_rank:
+            ref_logits, ref_grad_h = ref[0], ref[1]
+
+    seq = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)  # this rank's sequence shard
+    sqnrs = {
+        "logits": sqnr(ref_logits.detach(), full(logits).detach()),
+        "grad_input": sqnr(ref_grad_h[:, seq], grad_h),
+    }
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        # FSDP2 averages gradients over dp; the reference sums over the global batch (dp is a
+        # power of 2, so the rescaling is exact)
+        sqnrs[f"grad:{name}"] = sqnr(ref_params[name].grad, full(p.grad) * dp)
+
+    if dp > 1:  # FSDP2's weight all-gathers share the counts: no SP byte figures in 2-D
+        return _worst_over_ranks({"sqnr_db": sqnrs})
+    # forward all-gathers: one per sequence-parallel input (attention, feed_forward per layer,
+    # output), each of a [BATCH, SEQ / tp, dim] shard
+    shard = BATCH * (SEQ // tp) * ARGS.dim
+    ag = fwd.expect("all_gather")
+    # backward all-gathers: the gradients of wo / w2 outputs (float8) and of the embedding
+    # output (plain RowwiseParallel: float32), each a [BATCH, SEQ / tp, dim] shard
+    bag = bwd.expect("all_gather")
+    out = {
+        "sqnr_db": sqnrs,
+        "fwd_all_gather_calls": ag.calls,
+        "fwd_all_gather_bytes_per_element": ag.input_bytes / ((2 * ARGS.n_layers + 1) * shard),
+        "bwd_all_gather_calls": bag.calls,
+        "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
+        / (2 * ARGS.n_layers * shard),
+    }
+    return _worst_over_ranks(out)
+
+
+def _worst_over_ranks(out: dict) -> dict:
+    """Every rank's figures: the worst SQNR over ranks, the largest byte count."""
+    sqnrs = out["sqnr_db"]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    out["sqnr_db"] = {k: min(r["sqnr_db"][k] for r in gathered) for k in sqnrs}
+    for k in out:
+        if k != "sqnr_db":
+            out[k] = max(r[k] for r in gathered)
+    return out
+
+
+def errors(mesh) -> dict:
+    """Mis-specified plans: the message each one raises (the test checks what they say)."""
+    import torch.nn as nn
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from f8dist import Float8Linear
+    from f8dist.models.llama import FeedForward
+    from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+    tp_mesh = mesh["tp"]
+    cases = {
+        "embedding": lambda: parallelize_module(nn.Embedding(8, 16), tp_mesh, Float8ColwiseParallel()),
+        "plain_linear": lambda: parallelize_module(nn.Linear(32, 32), tp_mesh, Float8RowwiseParallel()),
+        "partial_input": lambda: Float8ColwiseParallel(input_layouts=Partial()),
+        "bad_submodule": lambda: parallelize_module(
+            FeedForward(32, 64), tp_mesh,
+            PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                     fwd_config_submodule_fqn="w9"),
+        ),
+        "shard_not_16": lambda: parallelize_module(
+            Float8Linear.from_float(nn.Linear(32, 48), fqn="proj"), tp_mesh, Float8ColwiseParallel()
+        ),
+        "delayed_input": lambda: parallelize_module(
+            Float8Linear.from_float(nn.Linear(32, 32), Float8LinearConfig.from_recipe_name("delayed")),
+            tp_mesh, Float8ColwiseParallel(),
+        ),
+        "2d_mesh_to_plan": lambda: parallelize_llama(Transformer(ARGS), mesh),
+    }
+    messages = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+        else:
+            messages[name] = "no error"
+    return messages
+
+
+def padded_shard(mesh) -> float:
+    """A 48-wide layer over tp=2 (local 24) with pad_inner_dim: SQNR of its output vs one device."""
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from f8dist import Float8Linear
+    from f8dist.tp import Float8ColwiseParallel
+
+    torch.manual_seed(0)
+    lin = Float8Linear.from_float(nn.Linear(32, 48, bias=False), Float8LinearConfig(pad_inner_dim=True))
+    ref = copy.deepcopy(lin)
+    x = torch.randn(4, 16, 32)
+    parallelize_module(lin, mesh["tp"], Float8ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+    tp, r = mesh["tp"].size(), mesh["tp"].get_local_rank()
+    return sqnr(ref(x).detach(), lin(x.chunk(tp, 1)[r]).detach())
+
+
+def run(args):
+    rank, world, device = init()
+    mesh = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
+    results = {}
+    for recipe in args.recipes.split(","):
+        results[recipe] = compare(args, mesh, recipe, wire_reference=False)
+        if recipe == "rowwise_with_gw_hp":  # see add_wire_casts
+            results[recipe + "+wire_reference"] = compare(args, mesh, recipe, wire_reference=True)
+    if args.dp == 1:
+        results["errors"] = errors(mesh)
+        results["padded_shard_sqnr_db"] = padded_shard(mesh)
+    write_result(args, results)
+
+
+def extra_args(parser):
+    parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_with_gw_hp")
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--hp-tp", action="store_true", help="PyTorch's styles (high-precision TP)")
+
+
+if __name__ == "__main__":
+    main(run, extra_args)
