@@ -12,6 +12,7 @@ from f8dist.config import (
 from f8dist.convert import convert_to_float8_training
 from f8dist.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
 from f8dist.linear import Float8Linear
+from f8dist.sac import Float8SACConfig, float8_sac_context_fn
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -21,10 +22,12 @@ __all__ = [
     "Float8Linear",
     "Float8LinearConfig",
     "Float8LinearRecipeName",
+    "Float8SACConfig",
     "Float8Tensor",
     "ScalingGranularity",
     "ScalingType",
     "convert_to_float8_training",
+    "float8_sac_context_fn",
     "strip_delayed_scaling_state",
     "sync_float8_amax_and_scale_history",
 ]

@@ -178,6 +178,10 @@ class Float8LinearConfig:
     enable_fsdp_float8_all_gather: bool = False
     # zero-pad the contraction dim of each gemm to a multiple of 16 instead of raising
     pad_inner_dim: bool = False
+    # axiswise grad_weight gemm: keep the float8 forward copy of the input for backward and
+    # re-scale it along the token axis there (less memory, a second rounding), instead of the
+    # high-precision input (exact); see [Note: what the matmul keeps for backward] in linear.py
+    axiswise_requantize_input_for_grad_weight: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -214,6 +218,20 @@ class Float8LinearConfig:
                     f"float8 (both operands cast) or in high precision (both ScalingType.DISABLED); "
                     f"set the {off} cast config of the {gemm} gemm "
                     f"({_field_name(gemm, off)}) to match"
+                )
+
+        if self.axiswise_requantize_input_for_grad_weight:
+            fwd, gw = self.cast_config("output", "input"), self.cast_config("grad_weight", "input")
+            if not (fwd.enabled and gw.enabled
+                    and gw.scaling_granularity is ScalingGranularity.AXISWISE):
+                raise ValueError(
+                    "axiswise_requantize_input_for_grad_weight re-scales the float8 forward copy "
+                    "of the input for an axiswise grad_weight gemm, so it needs the input cast in "
+                    "both the output and the grad_weight gemm, the latter AXISWISE (e.g. the "
+                    "'rowwise' recipe); got output:input "
+                    f"{fwd.short_str()}, grad_weight:input {gw.short_str()}. Turn it off for this "
+                    "config (tensorwise already keeps the float8 input; a high-precision "
+                    "grad_weight gemm needs the high-precision input)"
                 )
 
         if self.enable_fsdp_float8_all_gather:

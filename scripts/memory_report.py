@@ -1,0 +1,128 @@
+"""Bytes kept for backward and peak bytes of a fwd+bwd: bf16 vs each float8 recipe, plain and
+under ``float8_sac_context_fn``, for a SwiGLU FFN and a LLaMA-style transformer block.
+
+    PYTHONPATH=. python scripts/memory_report.py                    # CPU, small shapes
+    PYTHONPATH=. python scripts/memory_report.py --device cuda --dim 4096 --seq 8192
+
+kept: bytes allocated in the forward still alive at its end, output excluded (input included:
+it stands for the previous layer's output); scales: the part of kept made by amax reductions;
+peak: most bytes alive at once over fwd+bwd (CPU: live storages, see f8dist/memory.py; CUDA:
+also torch.cuda.max_memory_allocated). --compiled adds what torch.compile's partitioner saves for
+backward (f8dist.memory.compiled_saved_bytes; input included, parameters excluded). The last section compares the two axiswise choices for the
+grad_weight input (keep high precision vs requantize the float8 forward copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.memory import compiled_saved_bytes, measure_fwd_bwd
+from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
+
+RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
+
+
+def build(kind: str, args: ModelArgs, device, dtype):
+    torch.manual_seed(0)
+    if kind == "ffn":
+        return FeedForward(args.dim, args.ffn_hidden_dim).to(device, dtype), ()
+    rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta).to(device)
+    return TransformerBlock(0, args).to(device, dtype), (rope,)
+
+
+def convert(module, config):
+    module = copy.deepcopy(module)
+    if config is not None:
+        convert_to_float8_training(module, config=config)
+    return module
+
+
+def report(kind, args, x, device, dtype, compiled=False):
+    base, extra = build(kind, args, device, dtype)
+    cuda = x.is_cuda
+    head = f"{'model':6} {'recipe':19} {'plain kept':>11} {'ratio':>6} {'plain peak':>11} " \
+           f"{'SAC kept':>10} {'scales':>7} {'ratio':>6} {'SAC peak':>10}"
+    if cuda:
+        head += f" {'cuda peak plain':>15} {'cuda peak SAC':>14}"
+    if compiled:
+        head += f" {'compiled plain':>14} {'compiled SAC':>12}"
+    print(head)
+    ref = {}
+    for recipe in RECIPES:
+        config = None if recipe == "bf16" else Float8LinearConfig.from_recipe_name(recipe)
+        module = convert(base, config)
+        plain = measure_fwd_bwd(module, x, *extra)
+        sac = measure_fwd_bwd(module, x, *extra, context_fn=float8_sac_context_fn)
+        if recipe == "bf16":
+            ref = {"plain": plain.kept_bytes, "sac": sac.kept_bytes}
+        line = (
+            f"{kind:6} {recipe:19} {plain.kept_bytes:11d} {plain.kept_bytes / ref['plain']:6.3f} "
+            f"{plain.peak_bytes:11d} {sac.kept_bytes:10d} {sac.scale_bytes:7d} "
+            f"{sac.kept_bytes / ref['sac']:6.3f} {sac.peak_bytes:10d}"
+        )
+        if cuda:
+            line += f" {plain.cuda_peak_bytes:15d} {sac.cuda_peak_bytes:14d}"
+        if compiled:
+            saved = [
+                compiled_saved_bytes(module, x, *extra, context_fn=fn)
+                for fn in (None, float8_sac_context_fn)
+            ]
+            line += f" {saved[0]:14d} {saved[1]:12d}"
+        print(line)
+
+
+def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return (20 * torch.log10(ref.norm() / (ref - x.float()).norm())).item()
+
+
+def axiswise_choices(args, x, device):
+    """grad SQNR (vs fp32) and kept bytes of rowwise with the high-precision vs the requantized
+    grad_weight input, on the SwiGLU FFN."""
+    ref, _ = build("ffn", args, device, torch.float32)
+    xf = x.float().detach().requires_grad_()
+    ref(xf).sum().backward()
+    print(f"{'rowwise grad_weight input':26} {'pow2 scales':>11} {'kept':>8} "
+          f"{'SQNR dW min (dB)':>16} {'SQNR dx (dB)':>12}")
+    for pow2 in (True, False):
+        rowwise = Float8LinearConfig.from_recipe_name("rowwise").replace(
+            round_scales_to_power_of_2=pow2
+        )
+        for name, requantize in (("high precision (default)", False), ("requantized float8", True)):
+            config = rowwise.replace(axiswise_requantize_input_for_grad_weight=requantize)
+            module = convert(ref, config).to(x.dtype)
+            xi = x.detach().clone().requires_grad_()
+            module(xi).float().sum().backward()
+            dw = min(_sqnr(r.grad, p.grad) for r, p in zip(ref.parameters(), module.parameters()))
+            kept = measure_fwd_bwd(module, x).kept_bytes
+            print(f"{name:26} {str(pow2):>11} {kept:8d} {dw:16.2f} {_sqnr(xf.grad, xi.grad):12.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add the bytes torch.compile saves for backward (aot_eager partition)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    opts = parser.parse_args()
+    dtype = getattr(torch, opts.dtype)
+    args = ModelArgs(dim=opts.dim, n_heads=opts.n_heads, max_seq_len=max(opts.seq, 128))
+    torch.manual_seed(1)
+    x = torch.randn(opts.batch, opts.seq, opts.dim, device=opts.device, dtype=dtype)
+    print(f"# dim={args.dim} ffn_hidden={args.ffn_hidden_dim} heads={args.n_heads} "
+          f"tokens={opts.batch}x{opts.seq} {opts.dtype} {opts.device}; bytes; ratio = vs bf16")
+    for kind in ("ffn", "block"):
+        report(kind, args, x, opts.device, dtype, opts.compiled)
+    print()
+    axiswise_choices(args, x, opts.device)
+
+
+if __name__ == "__main__":
+    main()

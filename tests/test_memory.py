@@ -1,0 +1,133 @@
+"""Bytes float8 keeps for backward, against bf16, measured with f8dist.memory (CPU)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist.memory import measure_fwd_bwd, saved_tensor_bytes
+from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
+from f8dist.sac import float8_sac_context_fn
+
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+ARGS = ModelArgs(dim=64, n_heads=4)  # SwiGLU hidden 176
+TOKENS = (2, 32)
+
+
+def make_model(kind: str, recipe: str):
+    """(module, x, extra forward args) in bf16; ``recipe`` "bf16" leaves it unconverted."""
+    torch.manual_seed(0)
+    if kind == "ffn":
+        module, extra = FeedForward(ARGS.dim, ARGS.ffn_hidden_dim), ()
+    else:
+        module = TransformerBlock(0, ARGS)
+        extra = (precompute_rope(ARGS.head_dim, ARGS.max_seq_len, ARGS.rope_theta),)
+    module = module.to(torch.bfloat16)
+    if recipe != "bf16":
+        convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
+    x = torch.randn(*TOKENS, ARGS.dim, dtype=torch.bfloat16)
+    return module, x, extra
+
+
+def scale_bytes_bound(module: nn.Module) -> int:
+    """What the forward amax reductions can weigh at most: per float8 linear, one float32 per token
+    (input) and one per output feature (weight)."""
+    tokens = TOKENS[0] * TOKENS[1]
+    return sum(
+        (tokens + m.out_features) * 4 for m in module.modules() if isinstance(m, Float8Linear)
+    )
+
+
+@pytest.fixture(scope="module")
+def bf16_kept():
+    out = {}
+    for kind in ("ffn", "block"):
+        module, x, extra = make_model(kind, "bf16")
+        for sac in (None, float8_sac_context_fn):
+            out[kind, sac] = measure_fwd_bwd(module, x, *extra, context_fn=sac).kept_bytes
+    return out
+
+
+@pytest.mark.parametrize("sac", [None, float8_sac_context_fn], ids=["plain", "sac"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("kind", ["ffn", "block"])
+def test_float8_keeps_no_more_than_bf16(kind, recipe, sac, bf16_kept):
+    module, x, extra = make_model(kind, recipe)
+    stats = measure_fwd_bwd(module, x, *extra, context_fn=sac)
+    assert stats.activation_bytes <= bf16_kept[kind, sac], stats.kept_by_op
+    # what SAC keeps beyond bf16 is the amax reductions alone: O(tokens + features) numbers
+    assert stats.scale_bytes <= scale_bytes_bound(module), stats.kept_by_op
+    if sac is None:
+        assert stats.scale_bytes == 0
+
+
+def test_tensorwise_keeps_at_most_0_9_of_bf16_on_swiglu(bf16_kept):
+    module, x, _ = make_model("ffn", "tensorwise")
+    kept = measure_fwd_bwd(module, x).kept_bytes
+    assert kept <= 0.9 * bf16_kept["ffn", None], (kept, bf16_kept["ffn", None])
+
+
+@pytest.mark.parametrize("recipe", ["bf16", *RECIPES])
+@pytest.mark.parametrize("kind", ["ffn", "block"])
+def test_live_bytes_agree_with_saved_tensors(kind, recipe):
+    """Two independent counts of a plain forward: storages alive at its end (dispatch mode) and
+    autograd's saved tensors (pack hooks)."""
+    module, x, extra = make_model(kind, recipe)
+    assert measure_fwd_bwd(module, x, *extra).kept_bytes == saved_tensor_bytes(module, x, *extra)
+
+
+def test_tensorwise_keeps_float8_input_and_no_weight_copy():
+    """A tensorwise Float8Linear keeps the float8 input (1 byte per element) and its scale for the
+    grad_weight gemm, no high-precision input, and no float8 copy of the weight."""
+    lin = Float8Linear.from_float(nn.Linear(64, 32, bias=False).to(torch.bfloat16))
+    x = torch.randn(48, 64, dtype=torch.bfloat16)
+    stats = measure_fwd_bwd(lin, x)
+    e4m3 = torch.empty((), dtype=torch.float8_e4m3fn).element_size()
+    assert stats.kept_bytes == x.numel() * e4m3 + 4, stats.kept_by_op  # data + float32 scale
+    bf16 = measure_fwd_bwd(nn.Linear(64, 32, bias=False).to(torch.bfloat16), x)
+    assert bf16.kept_bytes == x.numel() * x.element_size()
+
+
+def test_peak_counts_backward_allocations():
+    module, x, _ = make_model("ffn", "bf16")
+    stats = measure_fwd_bwd(module, x)
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    # the weight gradients alone are allocated in backward and all alive at its end
+    assert stats.peak_bytes >= stats.kept_bytes + params
+
+
+# -- axiswise: keep the high-precision input (default) or requantize the float8 copy -----------
+
+
+def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return (20 * torch.log10(ref.norm() / (ref - x.float()).norm())).item()
+
+
+def test_axiswise_requantize_input_keeps_less_at_float8_precision():
+    torch.manual_seed(0)
+    ref = FeedForward(ARGS.dim, ARGS.ffn_hidden_dim)  # fp32 reference
+    x = torch.randn(*TOKENS, ARGS.dim)
+    ref(x).sum().backward()
+    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
+    kept, sqnr = {}, {}
+    for requantize in (False, True):
+        config = rowwise.replace(axiswise_requantize_input_for_grad_weight=requantize)
+        module = copy.deepcopy(ref).to(torch.bfloat16)
+        convert_to_float8_training(module, config=config)
+        module(x.to(torch.bfloat16)).float().sum().backward()
+        sqnr[requantize] = min(
+            _sqnr(p_ref.grad, p.grad) for p_ref, p in zip(ref.parameters(), module.parameters())
+        )
+        kept[requantize] = measure_fwd_bwd(module, x.to(torch.bfloat16)).kept_bytes
+    assert kept[True] < kept[False]
+    assert sqnr[False] > 20 and sqnr[True] > 20, sqnr
+
+
+def test_axiswise_requantize_needs_an_axiswise_grad_weight_input():
+    for recipe in ("tensorwise", "rowwise_with_gw_hp"):
+        with pytest.raises(ValueError, match="axiswise_requantize_input_for_grad_weight"):
+            Float8LinearConfig.from_recipe_name(recipe).replace(
+                axiswise_requantize_input_for_grad_weight=True
+            )
