@@ -98,6 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
             print(table, flush=True)
             if plot(curves, steps, png, f"bf16 vs float8: {title}"):
                 print(f"plot: {png}", flush=True)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
