@@ -254,6 +254,10 @@ class Float8Linear(nn.Linear):
         new.bias = mod.bias
         if new._delayed_operands:  # its buffers were made on meta: make them on mod's device
             delayed.register_delayed_buffers(new)
+        if new.config.enable_fsdp_float8_all_gather:
+            from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
+
+            wrap_weight_for_float8_all_gather(new)
         return new
 
     def delayed_scales(self) -> Optional[dict]:

@@ -78,7 +78,7 @@ def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``actual`` against ``ref`` in dB (inf if equal)."""
-    ref, actual = ref.double(), actual.double()
+    ref, actual = ref.detach().double(), actual.detach().double()
     noise = (ref - actual).norm()
     if noise == 0:
         return float("inf")

@@ -1,0 +1,64 @@
+"""``precompute_float8_dynamic_scale_for_fsdp``: the scales of every float8 all-gather weight with
+one all-reduce, after the optimizer step, so the next forward's all-gathers need none."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from f8dist.config import ScalingType
+from f8dist.fsdp.amax import local_amax, reduce_amax_over_shards
+from f8dist.fsdp.weight import Float8AllGatherWeight
+from f8dist.scaling import amax_to_scale
+
+__all__ = ["precompute_float8_dynamic_scale_for_fsdp"]
+
+
+@torch.no_grad()
+def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
+    """Compute the float8 scale of every dynamically scaled float8 all-gather weight in ``model``
+    (FSDP2-sharded) in one all-reduce of their stacked amaxes, and store each on its weight.
+
+    Call it after ``optimizer.step()``. A stored scale is used by the weight's next all-gathers
+    as long as the weight is unchanged (an in-place op on it, or on its high-precision tensor,
+    drops the stored scale): a weight updated after the call is re-scaled with its own all-reduce, never cast with a stale scale.
+    Weights sharded over several mesh axes (2-D FSDP x TP) all-reduce once per sharding axis.
+
+    Example::
+
+        >>> optimizer.step()                                   # doctest: +SKIP
+        >>> precompute_float8_dynamic_scale_for_fsdp(model)    # one all-reduce
+        >>> model(x)                                           # no amax all-reduce
+    """
+    from f8dist.linear import Float8Linear
+
+    groups = defaultdict(list)  # (mesh, placements) -> [(module, local weight)]
+    for module in model.modules():
+        if not isinstance(module, Float8Linear):
+            continue
+        weight = module.weight
+        local = weight.to_local() if hasattr(weight, "placements") else weight
+        if not isinstance(local, Float8AllGatherWeight):
+            continue
+        if module.config.cast_config_weight.scaling_type is not ScalingType.DYNAMIC:
+            continue
+        if not hasattr(weight, "placements"):
+            raise ValueError(
+                f"precompute_float8_dynamic_scale_for_fsdp: {module.fqn or type(module).__name__}'s "
+                "weight is not sharded; call it on a model after fully_shard"
+            )
+        local = weight._local_tensor  # the object FSDP2 calls the all-gather hooks on
+        groups[(weight.device_mesh, tuple(weight.placements))].append((module, local))
+
+    for (mesh, placements), members in groups.items():
+        amaxes = torch.stack([local_amax(w._tensor) for _, w in members])  # [n]
+        amaxes = reduce_amax_over_shards(amaxes, mesh, placements)  # [n]
+        for (module, w), amax in zip(members, amaxes):
+            config = module.config
+            scale = amax_to_scale(
+                amax, config.resolved_dtype("output", "weight"),
+                round_to_power_of_2=config.round_scales_to_power_of_2,
+            )
+            w._precomputed = (scale, w._tensor._version)

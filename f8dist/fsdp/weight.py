@@ -1,0 +1,245 @@
+"""A high-precision weight that FSDP2 all-gathers in float8.
+
+[Note: float8 all-gather]
+With ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` a Float8Linear's weight is a
+:class:`Float8AllGatherWeight`: it holds the high-precision weight (what the optimizer updates and
+checkpoints store) and implements FSDP2's all-gather extension hooks:
+
+* ``fsdp_pre_all_gather`` casts this rank's shard to float8 with the scale of the WHOLE weight
+  (``[Note: sharded weight amax]``; a precomputed or delayed scale when there is one), pads it to
+  FSDP2's padded shard size (uneven shards, empty ones included) and hands FSDP2 its bytes as
+  ``uint8``, so gloo and NCCL carry it. The scale rides along as metadata: it is the same on every
+  rank.
+* ``fsdp_post_all_gather`` views the gathered bytes as float8 and returns a
+  :class:`~f8dist.tensor.Float8Tensor` (of ``param_dtype``, so a bf16 MixedPrecisionPolicy gives
+  bf16 gemm outputs) that ``_Float8Matmul`` takes as its weight without casting again. From the
+  second all-gather on FSDP2 passes ``out=``: the gathered bytes are already in ``out``'s buffer
+  and only the scale is updated.
+
+The bytes each rank casts are exactly those a single device casts from the unsharded weight (same
+scale, same elementwise cast), so results match one device bit for bit.
+
+Outside the hooks the wrapper behaves like its high-precision tensor: view-like and allocation ops
+keep the wrapper (FSDP2 chunks, pads and narrows it), everything else returns plain tensors, and
+in-place ops (the optimizer) update the wrapped tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+
+from f8dist.cast import CastSite, cast_to_float8
+from f8dist.config import Float8LinearConfig, ScalingType
+from f8dist.fsdp.amax import local_amax, reduce_amax_over_shards
+from f8dist.scaling import amax_to_scale
+from f8dist.tensor import Float8Tensor, _rewrap, implements
+
+__all__ = ["Float8AllGatherWeight"]
+
+aten = torch.ops.aten
+
+# ops whose results stay wrapped: how FSDP2 shards, pads and re-views a parameter, and how
+# ``module.to(...)`` / ``to_empty`` rebuild one
+_KEEP_WRAPPED = {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.as_strided.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.empty_like.default,
+}
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A high-precision weight whose FSDP2 all-gather runs in float8 ([Note: float8 all-gather]).
+
+    Made by ``Float8Linear.from_float`` when ``config.enable_fsdp_float8_all_gather`` is set.
+
+    Example::
+
+        >>> config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        >>> lin = Float8Linear.from_float(nn.Linear(32, 16), config)   # doctest: +SKIP
+        >>> type(lin.weight).__name__                                   # doctest: +SKIP
+        'Float8AllGatherWeight'
+        >>> fully_shard(lin)                       # all-gathers 1 byte per element  # doctest: +SKIP
+    """
+
+    _tensor: torch.Tensor
+    _config: Float8LinearConfig
+    # (scale, version of _tensor it was computed at), set by precompute_float8_dynamic_scale_for_fsdp;
+    # dropped by any in-place op on the wrapper (which does not bump _tensor's version counter)
+    _precomputed: Optional[Tuple[torch.Tensor, int]]
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig):
+        if isinstance(tensor, Float8AllGatherWeight):
+            tensor = tensor._tensor
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+        self._tensor = tensor
+        self._config = config
+        self._precomputed = None
+        return self
+
+    def __repr__(self):
+        return f"Float8AllGatherWeight({self._tensor})"
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._config
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, config, outer_size, outer_stride):
+        return Float8AllGatherWeight(inner_tensors["_tensor"], config)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        config = next(a._config for a in tree_leaves((args, kwargs)) if isinstance(a, cls))
+        unwrapped = {}
+
+        def unwrap(t):
+            if isinstance(t, cls):
+                unwrapped[id(t._tensor)] = t
+                return t._tensor
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func._schema.is_mutable:
+            for w in unwrapped.values():  # e.g. the optimizer step: a precomputed scale is stale
+                w._precomputed = None
+        if func in _KEEP_WRAPPED:
+            return tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
+        # an in-place op returns the tensor it mutated: give back the wrapper around it
+        return tree_map_only(torch.Tensor, lambda t: unwrapped.get(id(t), t), out)
+
+    # -- FSDP2 all-gather extension --------------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        shard = self._tensor  # [rows, K], rows <= padded rows (0 for an empty shard)
+        if tuple(shard.shape[1:]) != tuple(outer_size[1:]):
+            raise NotImplementedError(
+                f"float8 all-gather supports FSDP2 sharding on dim 0 only; got a shard of shape "
+                f"{tuple(shard.shape)} of a weight of shape {tuple(outer_size)}. Use the default "
+                "shard_placement_fn or enable_fsdp_float8_all_gather=False."
+            )
+        config = getattr(module, "config", self._config)
+        fp8_dtype = config.resolved_dtype("output", "weight")
+        scale = self._scale_for_all_gather(mesh, module, config, fp8_dtype)
+        fqn = getattr(module, "fqn", "")
+        fp8 = cast_to_float8(
+            shard, fp8_dtype, scale=scale, site=CastSite(fqn, "output", "weight")
+        )
+        padded_rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to chunk 0's size
+        data = fp8._data.view(torch.uint8)  # [rows, K]
+        data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0])) if data.dim() == 2 else \
+            F.pad(data, (0, padded_rows - data.shape[0]))  # [padded_rows, K]
+        return (data,), (scale, fp8_dtype)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: Tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: Optional[torch.Tensor] = None,
+    ):
+        (data,) = all_gather_outputs  # [world * padded_rows, K] uint8
+        scale, fp8_dtype = metadata
+        data = data.view(fp8_dtype)
+        if out is not None:
+            target = out.to_local() if hasattr(out, "placements") else out
+            if not isinstance(target, Float8Tensor):
+                raise TypeError(f"FSDP2 passed out={type(target).__name__}, expected a Float8Tensor")
+            if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                target._data.copy_(data[: target._data.shape[0]])
+            target._scale.copy_(scale)
+            return
+        return Float8Tensor(data, scale, param_dtype), (data,)
+
+    def _scale_for_all_gather(self, mesh, module, config, fp8_dtype) -> torch.Tensor:
+        """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
+        if config.cast_config_weight.scaling_type is ScalingType.DELAYED:
+            # the module's amax history (f8dist.delayed) is already synced: no collective
+            return module.delayed_scales()[("output", "weight")]
+        if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
+            return self._precomputed[0]
+        placements_of = _sharding_of(self, module, mesh)
+        amax = reduce_amax_over_shards(local_amax(self._tensor), *placements_of)
+        return amax_to_scale(amax, fp8_dtype, round_to_power_of_2=config.round_scales_to_power_of_2)
+
+
+def _sharding_of(local: torch.Tensor, module, mesh):
+    """(mesh, placements) of the sharded DTensor parameter whose local tensor is ``local``.
+
+    Under 2-D FSDP x TP this is the 2-D mesh with dp and tp placements; without a module (the
+    1-argument hook) the FSDP mesh, sharded on every axis."""
+    if module is not None:
+        for p in module.parameters(recurse=False):
+            if getattr(p, "_local_tensor", None) is local:
+                return p.device_mesh, p.placements
+    from torch.distributed.tensor import Shard
+
+    return mesh, [Shard(0)] * mesh.ndim
+
+
+# FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided
+@implements([aten.as_strided.default])
+def _float8_as_strided(func, args, kwargs):
+    t = args[0]
+    if t.is_axiswise:
+        raise NotImplementedError("as_strided of an axiswise Float8Tensor is not defined")
+    return _rewrap(t, func(t._data, *args[1:], **kwargs))
+
+
+def wrap_weight_for_float8_all_gather(module: torch.nn.Module) -> None:
+    """Make ``module.weight`` (a Float8Linear's) a :class:`Float8AllGatherWeight` parameter sharing
+    its storage, and keep the module's ``state_dict`` in plain high-precision tensors (the keys
+    and values of ``nn.Linear``), so checkpoints load into models with or without float8."""
+    weight = module.weight
+    if isinstance(weight, Float8AllGatherWeight):
+        return
+    module.weight = torch.nn.Parameter(
+        Float8AllGatherWeight(weight.detach(), module.config), requires_grad=weight.requires_grad
+    )
+    module._register_state_dict_hook(_plain_weight_in_state_dict)
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is None:
+        return
+    if isinstance(value, Float8AllGatherWeight):
+        state_dict[key] = value._tensor
+    elif hasattr(value, "placements") and isinstance(value._local_tensor, Float8AllGatherWeight):
+        from torch.distributed.tensor import DTensor
+
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor, value.device_mesh, value.placements,
+            run_check=False, shape=value.shape, stride=value.stride(),
+        )
