@@ -48,6 +48,7 @@ import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer
 from f8dist.models.data import VOCAB_SIZE, ByteBatches
+from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.tp import parallelize_llama
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
@@ -92,6 +93,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--resume needs --checkpoint-dir")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if args.float8 == "delayed" and args.tp > 1:
+        p.error("float8 tensor parallelism casts activations with dynamic scales: use --float8 "
+                "tensorwise/rowwise/rowwise_with_gw_hp with --tp, or delayed with FSDP2 only")
     return args
 
 
@@ -140,7 +144,10 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
         return None
     config = Float8LinearConfig.from_recipe_name(args.float8)
     if args.float8_all_gather:
-        config = config.replace(enable_fsdp_float8_all_gather=True)
+        # a delayed weight is cast before the all-gather, before any forward could initialize
+        # its amax history: the first step uses scale 1.0 (see [Note: first step], delayed.py)
+        config = config.replace(enable_fsdp_float8_all_gather=True,
+                                enable_amax_init=args.float8 != "delayed")
     return config
 
 
@@ -312,10 +319,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # INTEGRATION (branch fsdp): one all-reduce for every float8 weight's next all-gather scale
         if args.float8_all_gather and args.float8 == "tensorwise":
-            from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
-
+            # one all-reduce for the scales of every float8 weight's next all-gather
             precompute_float8_dynamic_scale_for_fsdp(model)
 
         global_loss = loss.detach().clone()
