@@ -53,14 +53,21 @@ def plot(curves: Dict[str, List[float]], steps: List[int], path: str, title: str
     except ImportError:
         print('matplotlib is not installed (pip install -e ".[plot]"): no plot written', flush=True)
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for recipe, losses in curves.items():
-        ax.plot(steps, losses, label="bf16" if recipe == "none" else f"float8 {recipe}", lw=1.2)
-    ax.set_xlabel("step")
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [2, 1]})
+    for i, (recipe, losses) in enumerate(curves.items()):
+        label, color = ("bf16" if recipe == "none" else f"float8 {recipe}"), f"C{i}"
+        ax.plot(steps, losses, label=label, color=color, lw=1.2)
+        if "none" in curves and recipe != "none":
+            diff.plot(steps, [a - b for a, b in zip(losses, curves["none"])], color=color, lw=1.0)
     ax.set_ylabel("training loss (nats/byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    diff.axhline(0.0, color="black", lw=0.8)
+    diff.set_xlabel("step")
+    diff.set_ylabel("loss - bf16 loss")
+    diff.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -98,6 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
             print(table, flush=True)
             if plot(curves, steps, png, f"bf16 vs float8: {title}"):
                 print(f"plot: {png}", flush=True)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -46,9 +46,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import f8dist
-from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer
 from f8dist.models.data import VOCAB_SIZE, ByteBatches
+from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
+from f8dist.tp import parallelize_llama
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 
@@ -100,6 +102,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 "recipe and no --compile")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if args.float8 == "delayed" and args.tp > 1:
+        p.error("float8 tensor parallelism casts activations with dynamic scales: use --float8 "
+                "tensorwise/rowwise/rowwise_with_gw_hp with --tp, or delayed with FSDP2 only")
     return args
 
 
@@ -148,23 +153,23 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
         return None
     config = Float8LinearConfig.from_recipe_name(args.float8)
     if args.float8_all_gather:
-        config = config.replace(enable_fsdp_float8_all_gather=True)
+        # a delayed weight is cast before the all-gather, before any forward could initialize
+        # its amax history: the first step uses scale 1.0 (see [Note: first step], delayed.py)
+        config = config.replace(enable_fsdp_float8_all_gather=True,
+                                enable_amax_init=args.float8 != "delayed")
     return config
 
 
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
     margs = model_args(args)
-    if args.tp > 1 and (margs.n_heads % args.tp or margs.kv_heads % args.tp):
-        raise ValueError(f"--tp {args.tp} must divide n_heads ({margs.n_heads}) and "
-                         f"n_kv_heads ({margs.kv_heads})")
     model = Transformer(margs)
     model.init_weights(seed=args.seed)  # same weights on every rank before sharding
     config = float8_config(args)
     if config is not None:
         # the output layer (logits over the vocabulary) stays in high precision
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
-    if args.tp > 1:
-        apply_tp(model, mesh["tp"], float8=config is not None)
+    if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
+        parallelize_llama(model, mesh["tp"], float8=config is not None)
     for name, block in list(model.layers.items()):
         block = apply_ac(block, args.ac)
         if args.compile:
@@ -179,26 +184,6 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
     return model
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, float8: bool) -> None:
-    # INTEGRATION (branch tp): f8dist.tp's ready LLaMA plan with Float8ColwiseParallel,
-    # Float8RowwiseParallel and PrepareFloat8ModuleInput. Meanwhile torch's own styles (the
-    # float8 linears then run in float8 on their local shards, all-gathers in high precision).
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from torch.distributed.tensor import Replicate
-
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
-    parallelize_module(model, tp_mesh, {
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
-
-
 def apply_ac(block: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return block
@@ -206,24 +191,8 @@ def apply_ac(block: nn.Module, mode: str) -> nn.Module:
 
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
-    # INTEGRATION (SAC): f8dist.float8_sac_context_fn once it lands; meanwhile save the outputs
-    # of matmuls and attention and recompute the rest (torchtitan's op-level policy).
-    context_fn = getattr(f8dist, "float8_sac_context_fn", _sac_context_fn)
-    return checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
-
-
-def _sac_context_fn():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    # op-level SAC that is safe for float8: saves matmul outputs, attention and amaxes
+    return checkpoint_wrapper(block, context_fn=float8_sac_context_fn, preserve_rng_state=False)
 
 
 # -- optimization -------------------------------------------------------------------------------
@@ -367,10 +336,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # INTEGRATION (branch fsdp): one all-reduce for every float8 weight's next all-gather scale
         if args.float8_all_gather and args.float8 == "tensorwise":
-            from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
-
+            # one all-reduce for the scales of every float8 weight's next all-gather
             precompute_float8_dynamic_scale_for_fsdp(model)
 
         global_loss = loss.detach().clone()
@@ -411,6 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         train(args)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
