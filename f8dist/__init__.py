@@ -10,6 +10,7 @@ from f8dist.config import (
     ScalingType,
 )
 from f8dist.convert import convert_to_float8_training
+from f8dist import debug  # noqa: E402  (f8dist.debug.record)
 from f8dist.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
 from f8dist.linear import Float8Linear
 from f8dist.sac import Float8SACConfig, float8_sac_context_fn
@@ -27,6 +28,7 @@ __all__ = [
     "ScalingGranularity",
     "ScalingType",
     "convert_to_float8_training",
+    "debug",
     "float8_sac_context_fn",
     "strip_delayed_scaling_state",
     "sync_float8_amax_and_scale_history",

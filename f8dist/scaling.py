@@ -94,8 +94,8 @@ def amax_to_scale(
 def saturated_cast(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """``clamp(x * scale, -max, max)`` in float8; ``scale`` broadcasts against ``x``."""
     limit = fp8_max(float8_dtype)
-    scaled = x.to(torch.float32) * scale
-    return scaled.clamp(min=-limit, max=limit).to(float8_dtype)
+    scaled = x.to(torch.float32) * scale  # a fresh float32 tensor: clamp it in place
+    return scaled.clamp_(min=-limit, max=limit).to(float8_dtype)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
