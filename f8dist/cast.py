@@ -21,7 +21,10 @@ from f8dist.config import ScalingGranularity
 from f8dist.scaling import amax_to_scale, saturated_cast, tensor_amax
 from f8dist.tensor import Float8Tensor, ScaledMMConfig
 
-__all__ = ["CastSite", "cast_to_float8", "ToFloat8", "reduced_amax", "cast_observers"]
+__all__ = [
+    "CastSite", "cast_to_float8", "ToFloat8", "reduced_amax", "cast_observers", "is_dtensor",
+    "local_part",
+]
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,21 @@ class CastSite:
 cast_observers: List[Callable[[CastSite, torch.Tensor, torch.Tensor], None]] = []
 
 
-def _is_dtensor(x) -> bool:
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (checked by name: the core imports no torch.distributed)."""
     return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+
+
+def local_part(x: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor: ``x.to_local()`` for a DTensor, ``x`` itself otherwise."""
+    return x.to_local() if is_dtensor(x) else x
 
 
 def reduced_amax(x: torch.Tensor, dim=None) -> torch.Tensor:
     """amax of the logical tensor. For a DTensor, Partial placements are reduced (all-reduce over
     the axes sharding the reduced dims); Shard placements of kept dims stay sharded."""
     amax = tensor_amax(x, dim)
-    if _is_dtensor(amax):
+    if is_dtensor(amax):
         from torch.distributed.tensor import Replicate
 
         placements = [Replicate() if p.is_partial() else p for p in amax.placements]
@@ -84,10 +93,10 @@ def cast_to_float8(
     elif axis is not None:
         raise ValueError("a given scale is tensorwise; axiswise casts compute their own scales")
 
-    if _is_dtensor(hp):
+    if is_dtensor(hp):
         from torch.distributed.tensor import DTensor
 
-        if _is_dtensor(scale):
+        if is_dtensor(scale):
             scale_local = scale.to_local()
         else:
             scale_local = scale

@@ -55,10 +55,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.cast import reduced_amax
+from f8dist.cast import local_part, reduced_amax
 from f8dist.config import Float8LinearConfig, ScalingType
-from f8dist.fsdp.amax import local_amax
-from f8dist.scaling import amax_to_scale
+from f8dist.scaling import amax_to_scale, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -151,14 +150,10 @@ def delayed_scales(module: nn.Module) -> Optional[dict]:
     return scales or None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if type(t).__name__ == "DTensor" and hasattr(t, "placements") else t
-
-
 def _buffer(module: nn.Module, name: str) -> torch.Tensor:
     """A delayed buffer as a plain tensor. ``parallelize_module`` turns buffers into Replicate
     DTensors; their local tensor is the whole buffer, and writing it writes the DTensor."""
-    return _local(getattr(module, name))
+    return local_part(getattr(module, name))
 
 
 def record_amax(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
@@ -168,18 +163,18 @@ def record_amax(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     all-gather, float8 parallel styles). A tensor that already is float8 was recorded where it was
     cast and is skipped.
     """
-    local = _local(hp)
+    local = local_part(hp)
     if isinstance(local, Float8Tensor):
         return
-    _buffer(module, f"fp8_amax_{operand}").copy_(local_amax(local.detach()))
+    _buffer(module, f"fp8_amax_{operand}").copy_(tensor_amax(local.detach()))
 
 
 def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     """[Note: first step]: history and scale from the amax of the logical tensor."""
-    if isinstance(_local(hp), Float8Tensor):
+    if isinstance(local_part(hp), Float8Tensor):
         return
     _, history, scale = _names(operand)
-    amax = _local(reduced_amax(hp.detach()))  # [], Replicate for a DTensor
+    amax = local_part(reduced_amax(hp.detach()))  # [], Replicate for a DTensor
     _buffer(module, history).fill_(amax)
     _buffer(module, scale).copy_(_scale_from(module, operand, amax))
 

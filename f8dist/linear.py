@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from f8dist.cast import CastSite, cast_to_float8
+from f8dist.cast import CastSite, cast_to_float8, is_dtensor, local_part
 from f8dist.config import Float8LinearConfig, ScalingGranularity, ScalingType
 from f8dist import delayed
 from f8dist.gemm import check_gemm_shape
@@ -77,7 +77,7 @@ def _cast(
     dtype = config.resolved_dtype(gemm, operand)
     mm_config = _mm_config(config, gemm)
     axis = _AXIS[(gemm, operand)]
-    local = t.to_local() if _is_dtensor(t) else t
+    local = local_part(t)
     if isinstance(local, Float8Tensor):
         return _reuse_or_requantize(t, local, cc, dtype, axis, mm_config, config, gemm, operand, fqn)
     if cc.scaling_type is ScalingType.DELAYED and scale is None:
@@ -109,7 +109,7 @@ def _reuse_or_requantize(t, local, cc, dtype, axis, mm_config, config, gemm, ope
         want_axis = axis % local.dim()
     fits = local._data.dtype == dtype and local._axiswise_dim == want_axis
     if fits:
-        if _is_dtensor(t):
+        if is_dtensor(t):
             from torch.distributed.tensor import DTensor
 
             return DTensor.from_local(
@@ -117,7 +117,7 @@ def _reuse_or_requantize(t, local, cc, dtype, axis, mm_config, config, gemm, ope
                 run_check=False, shape=t.shape, stride=t.stride(),
             )
         return local.with_mm_config(mm_config)
-    hp = t.to_original_precision() if not _is_dtensor(t) else _dequantize_dtensor(t)
+    hp = t.to_original_precision() if not is_dtensor(t) else _dequantize_dtensor(t)
     return _cast(hp, config, gemm, operand, fqn)
 
 
@@ -131,15 +131,11 @@ def _dequantize_dtensor(t):
     )
 
 
-def _is_dtensor(x) -> bool:
-    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
-
-
 def _hp(t: torch.Tensor) -> torch.Tensor:
     """The high-precision value of an operand (dequantized if it arrived in float8)."""
-    local = t.to_local() if _is_dtensor(t) else t
+    local = local_part(t)
     if isinstance(local, Float8Tensor):
-        return _dequantize_dtensor(t) if _is_dtensor(t) else local.to_original_precision()
+        return _dequantize_dtensor(t) if is_dtensor(t) else local.to_original_precision()
     return t
 
 

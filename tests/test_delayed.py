@@ -16,15 +16,12 @@ from f8dist import (
 )
 from f8dist import cast as f8cast
 from f8dist.config import E4M3, E5M2
+from f8dist.numerics import sqnr
 from f8dist.scaling import amax_to_scale
 
 DELAYED = Float8LinearConfig.from_recipe_name("delayed")
 BUFFERS = ("fp8_amax_{}", "fp8_amax_history_{}", "fp8_scale_{}")
 OPERANDS = ("input", "weight", "grad_output")
-
-
-def sqnr(ref, x):
-    return (10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum())).item()
 
 
 def plain_model(seed=0):

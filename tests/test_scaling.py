@@ -91,3 +91,8 @@ def test_compiled_scales_equal_eager():
     compiled = torch.compile(scales, fullgraph=True)
     for e, c in zip(scales(x), compiled(x)):
         assert torch.equal(e, c)
+
+
+def test_empty_tensor_has_amax_zero():
+    # a rank's empty shard of an unevenly sharded weight
+    assert tensor_amax(torch.empty(0, 16)).item() == 0.0

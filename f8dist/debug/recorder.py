@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from f8dist import cast as _cast_module
-from f8dist.cast import CastSite
+from f8dist.cast import CastSite, is_dtensor
 from f8dist.debug.stats import CastStats, cast_stats_tensors
 from f8dist.linear import Float8Linear
 from f8dist.tensor import Float8Tensor
@@ -42,10 +42,6 @@ _NEEDS_EAGER = (
 )
 
 
-def _is_dtensor(x) -> bool:
-    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
-
-
 def is_rank0() -> bool:
     """True on one process: rank 0 of the default group, or the only process."""
     import torch.distributed as dist
@@ -58,7 +54,7 @@ def _is_fake(*tensors) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     for t in tensors:
-        local = t.to_local() if _is_dtensor(t) else t
+        local = t.to_local() if is_dtensor(t) else t
         inner = local._data if isinstance(local, Float8Tensor) else local
         if isinstance(inner, FakeTensor) or isinstance(local, FakeTensor):
             return True
@@ -158,7 +154,7 @@ class StatsRecorder:
         if site.fqn not in self.fqns:
             return
         with torch.no_grad():
-            if _is_dtensor(hp):
+            if is_dtensor(hp):
                 local = fp8.to_local()
                 sums, maxes = cast_stats_tensors(hp.to_local(), local._data, local._scale)
                 sums, maxes = _reduce_over_shards(hp, sums, maxes)
