@@ -3,8 +3,6 @@ one all-reduce, after the optimizer step, so the next forward's all-gathers need
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.nn as nn
 
@@ -34,7 +32,10 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     """
     from f8dist.linear import Float8Linear
 
-    groups = defaultdict(list)  # (mesh, placements) -> [(module, local weight)]
+    # weights sharded over the same mesh axes share one all-reduce per axis, whatever their
+    # placements say otherwise (2-D: colwise (_StridedShard(0), Shard(0)) and rowwise
+    # (Shard(0), Shard(1)) weights both reduce over dp and tp)
+    groups = {}  # (mesh, sharded axes) -> (placements, [(module, local weight)])
     for module in model.modules():
         if not isinstance(module, Float8Linear):
             continue
@@ -50,9 +51,10 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
                 "weight is not sharded; call it on a model after fully_shard"
             )
         local = weight._local_tensor  # the object FSDP2 calls the all-gather hooks on
-        groups[(weight.device_mesh, tuple(weight.placements))].append((module, local))
+        key = (weight.device_mesh, tuple(not p.is_replicate() for p in weight.placements))
+        groups.setdefault(key, (weight.placements, []))[1].append((module, local))
 
-    for (mesh, placements), members in groups.items():
+    for (mesh, _), (placements, members) in groups.items():
         amaxes = torch.stack([local_amax(w._tensor) for _, w in members])  # [n]
         amaxes = reduce_amax_over_shards(amaxes, mesh, placements)  # [n]
         for (module, w), amax in zip(members, amaxes):

@@ -149,7 +149,54 @@ def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, styl
 # ---------------------------------------------------------------------------------------------
 
 
-class Float8ColwiseParallel(ColwiseParallel):
+class _Float8LinearParallel:
+    """What :class:`Float8ColwiseParallel` and :class:`Float8RowwiseParallel` share: checked
+    layouts, the cast of an input before it is redistributed ([Note: cast before
+    communicating]), and ``_apply`` on a Float8Linear. Listed before PyTorch's style in the bases;
+    subclasses set ``_sharded_features`` ("out": colwise, "in": rowwise)."""
+
+    _sharded_features: str
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Optional[Placement] = None,
+        output_layouts: Optional[Placement] = None,
+        use_local_output: bool = True,
+    ):
+        super().__init__(
+            input_layouts=input_layouts, output_layouts=output_layouts,
+            use_local_output=use_local_output,
+        )
+        _check_castable_layouts(type(self).__name__, self.input_layouts)
+        if self._sharded_features == "in":
+            self.desired_input_layouts = (Shard(-1),)  # a rowwise linear takes in_features shards
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+        if _moves(x, desired_input_layouts):
+            x = cast(x)  # float8 before it is communicated
+            x = x.redistribute(placements=desired_input_layouts, async_op=True)
+        return x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        module = _float8_linear(module, name)
+        _check_local_gemm(module, device_mesh, self._sharded_features, name)
+        cast = _Float8InputCast(module.config, module.fqn)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts, cast),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Float8ColwiseParallel(_Float8LinearParallel, ColwiseParallel):
     """``ColwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
 
     The weight is sharded on ``out_features`` (``Shard(0)``) and its float8 scale comes from the
@@ -175,44 +222,10 @@ class Float8ColwiseParallel(ColwiseParallel):
         ... })
     """
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Optional[Placement] = None,
-        output_layouts: Optional[Placement] = None,
-        use_local_output: bool = True,
-    ):
-        super().__init__(
-            input_layouts=input_layouts, output_layouts=output_layouts,
-            use_local_output=use_local_output,
-        )
-        _check_castable_layouts(type(self).__name__, self.input_layouts)
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh):
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-        if _moves(x, desired_input_layouts):
-            x = cast(x)  # float8 before it is communicated
-            x = x.redistribute(placements=desired_input_layouts, async_op=True)
-        return x
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        name = type(self).__name__
-        module = _float8_linear(module, name)
-        _check_local_gemm(module, device_mesh, "out", name)
-        cast = _Float8InputCast(module.config, module.fqn)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts, cast),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+    _sharded_features = "out"
 
 
-class Float8RowwiseParallel(RowwiseParallel):
+class Float8RowwiseParallel(_Float8LinearParallel, RowwiseParallel):
     """``RowwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
 
     The weight is sharded on ``in_features`` (``Shard(1)``); the output is a partial sum that is
@@ -235,24 +248,7 @@ class Float8RowwiseParallel(RowwiseParallel):
         ... })
     """
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Optional[Placement] = None,
-        output_layouts: Optional[Placement] = None,
-        use_local_output: bool = True,
-    ):
-        super().__init__(
-            input_layouts=input_layouts, output_layouts=output_layouts,
-            use_local_output=use_local_output,
-        )
-        _check_castable_layouts(type(self).__name__, self.input_layouts)
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh):
-        return Float8ColwiseParallel._prepare_input_fn(
-            input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh
-        )
+    _sharded_features = "in"
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
@@ -263,20 +259,6 @@ class Float8RowwiseParallel(RowwiseParallel):
             # backward all-gathers the sharded gradient: cast it to float8 first
             outputs = _CastGradToFloat8.apply(outputs, mod.config, mod.fqn)
         return outputs.to_local() if use_local_output else outputs
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        name = type(self).__name__
-        module = _float8_linear(module, name)
-        _check_local_gemm(module, device_mesh, "in", name)
-        self.desired_input_layouts = (Shard(-1),)
-        cast = _Float8InputCast(module.config, module.fqn)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts, cast),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
 
 
 class PrepareFloat8ModuleInput(PrepareModuleInput):

@@ -6,14 +6,14 @@
 * A TP-like Float8Linear (weight Shard(0), input replicated) forward and backward.
 * FSDP2 (fully_shard per layer, same data on every rank): every rank records one device's figures.
 
-Prints "OK" on rank 0 when every comparison holds; exits non-zero otherwise.
+Rank 0 reports the comparisons it ran (``{"checked": [...]}``); a mismatch raises on its rank.
+Run by tests/test_debug_distributed.py through tests/distributed/harness.py.
 """
 
 import copy
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -23,6 +23,7 @@ import f8dist
 from f8dist.cast import CastSite, cast_to_float8
 from f8dist.config import ScalingGranularity
 from f8dist.debug import record
+from tests.distributed.common import init, main, write_result
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 COUNTS = ("casts", "numel", "nonzero", "saturated", "underflow")
@@ -40,22 +41,24 @@ def assert_same(dist_stats, ref_stats, what):
         assert got.float8_dtype == ref.float8_dtype
 
 
-def tiny_model():
+def tiny_model(device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     return f8dist.convert_to_float8_training(model, config=f8dist.Float8LinearConfig(emulate=True))
 
 
-def direct_casts(mesh, checked):
-    model = tiny_model()  # only gives the recorder the FQN "0"
+def direct_casts(mesh, device, checked):
+    model = tiny_model(device)  # only gives the recorder the FQN "0"
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 32, generator=g) * torch.logspace(-6, 1, 32)  # [16, 32] wide range
     x[3, 5] = 0.0
+    x = x.to(device)
     casts = [
         ("tensorwise", E4M3, {}),
         ("axiswise", E4M3, dict(granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)),
         ("axiswise_e5m2", E5M2, dict(granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)),
-        ("given_scale", E4M3, dict(scale=torch.tensor(100.0))),  # saturates and underflows
+        ("given_scale", E4M3, dict(scale=torch.tensor(100.0, device=device))),  # saturates and underflows
     ]
     for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
         xd = distribute_tensor(x, mesh, placements)
@@ -72,13 +75,13 @@ def direct_casts(mesh, checked):
         checked.append(f"direct {placements}")
 
 
-def tp_like_linear(mesh, checked):
-    ref = tiny_model()
+def tp_like_linear(mesh, device, checked):
+    ref = tiny_model(device)
     model = copy.deepcopy(ref)
     lin = model[0]  # colwise: weight [64, 32] sharded on out_features
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
     lin.bias = nn.Parameter(distribute_tensor(lin.bias.detach(), mesh, [Shard(0)]))
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2)).to(device)
     with record(ref) as ref_rec:
         ref[0](x).sum().backward()
     xd = distribute_tensor(x, mesh, [Replicate()])
@@ -88,13 +91,13 @@ def tp_like_linear(mesh, checked):
     checked.append("tp-like colwise linear")
 
 
-def fsdp(mesh, checked):
-    ref = tiny_model()
+def fsdp(mesh, device, checked):
+    ref = tiny_model(device)
     model = copy.deepcopy(ref)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))  # same data on every rank
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).to(device)  # same on every rank
     with record(ref) as ref_rec:
         ref(x).sum().backward()
     with record(model) as rec:
@@ -103,20 +106,15 @@ def fsdp(mesh, checked):
     checked.append("fsdp2")
 
 
-def main():
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def run(args):
+    rank, world, device = init()
+    mesh = init_device_mesh(device.type, (world,))
     checked = []
-    try:
-        direct_casts(mesh, checked)
-        tp_like_linear(mesh, checked)
-        fsdp(mesh, checked)
-        if dist.get_rank() == 0:
-            print("checked:", ", ".join(checked))
-            print("OK", flush=True)
-    finally:
-        dist.destroy_process_group()
+    direct_casts(mesh, device, checked)
+    tp_like_linear(mesh, device, checked)
+    fsdp(mesh, device, checked)
+    write_result(args, {"checked": checked})
 
 
 if __name__ == "__main__":
-    main()
+    main(run)

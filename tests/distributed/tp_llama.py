@@ -3,7 +3,7 @@
 Run by tests/distributed/test_tp.py::
 
     torchrun --nproc_per_node=2 tests/distributed/tp_llama.py --recipe tensorwise --dp 1
-    torchrun --nproc_per_node=4 tests/distributed/tp_llama.py --recipe tensorwise --dp 2 --precompute
+    torchrun --nproc_per_node=4 tests/distributed/tp_llama.py --recipes tensorwise,rowwise --dp 2
 
 Every rank builds the same float8 model and a reference copy. The parallel model is sharded with
 the ready plan (f8dist/tp/plan.py) over tp (and FSDP2 over dp); each dp rank feeds its own batch.
@@ -11,6 +11,11 @@ The reference runs each dp rank's batch on one device. Compared (SQNR, fp32): th
 gradient of the embedding output (the first activation gradient), and every weight gradient
 (the reference's summed over the dp batches). Collectives are counted: the bytes of the forward
 all-gathers (all of them sequence-parallel inputs) per local input element.
+
+In 2-D the program also runs FSDP2's float8 all-gather of the weights (tensorwise), with and
+without ``precompute_float8_dynamic_scale_for_fsdp``: every float8 weight's scale must equal the
+one-device scale of the whole weight exactly (its amax reduced over dp AND tp, [Note: amax]), and
+the forward all-reduces are counted (precompute must leave no weight amax all-reduce to them).
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist.cast import cast_to_float8
 from f8dist.comm import count_collectives
+from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.models.llama import ModelArgs, Transformer
 from f8dist.tp.plan import parallelize_llama
+from f8dist.tensor import Float8Tensor
 from f8dist.tp.style import _CastGradToFloat8, _Float8InputCast
 from tests.distributed.common import init, main, sqnr, write_result
 
@@ -86,13 +94,22 @@ def run_model(model, tokens, grad_logits):
     return logits, captured["h"].grad, fwd, bwd
 
 
-def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
-    """One float8 recipe: SQNRs against one device and the counted all-gather bytes."""
+def compare(
+    args, mesh, recipe: str, wire_reference: bool, *,
+    float8_all_gather: bool = False, precompute: bool = False,
+) -> dict:
+    """One float8 recipe: SQNRs against one device and the counted all-gather bytes.
+
+    ``float8_all_gather`` (2-D only): FSDP2 all-gathers the weights in float8; ``precompute``
+    computes their scales before the forward with ``precompute_float8_dynamic_scale_for_fsdp``.
+    """
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     device = mesh.device_type
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if float8_all_gather:
+        config = config.replace(enable_fsdp_float8_all_gather=True)
     with torch.device(device):
         model = Transformer(ARGS)
     model.init_weights(seed=0)
@@ -113,6 +130,11 @@ def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
     mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
 
     grad_logits_tp = distribute_tensor(grad_logits[mine], mesh["tp"], [Shard(-1)])
+    pre = None
+    if precompute:
+        with count_collectives() as pre:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+    weight_scales = capture_weight_scales(model) if float8_all_gather else None
     logits, grad_h, fwd, bwd = run_model(model, tokens[mine], grad_logits_tp)
     # the reference runs every dp rank's batch on its own (activations are scaled per batch,
     # [Note: amax]), accumulating weight gradients over them
@@ -134,7 +156,18 @@ def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
         sqnrs[f"grad:{name}"] = sqnr(ref_params[name].grad, full(p.grad) * dp)
 
     if dp > 1:  # FSDP2's weight all-gathers share the counts: no SP byte figures in 2-D
-        return _worst_over_ranks({"sqnr_db": sqnrs})
+        out = {
+            "sqnr_db": sqnrs,
+            "fwd_all_reduce_calls": fwd.expect("all_reduce").calls,
+            "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
+        }
+        if weight_scales is not None:
+            out["weight_scales_equal_one_device"] = check_weight_scales(
+                model, reference, weight_scales, precompute
+            )
+        if pre is not None:
+            out["precompute_all_reduce_calls"] = pre.expect("all_reduce").calls
+        return _worst_over_ranks(out)
     # forward all-gathers: one per sequence-parallel input (attention, feed_forward per layer,
     # output), each of a [BATCH, SEQ / tp, dim] shard
     shard = BATCH * (SEQ // tp) * ARGS.dim
@@ -151,6 +184,53 @@ def compare(args, mesh, recipe: str, wire_reference: bool) -> dict:
         / (2 * ARGS.n_layers * shard),
     }
     return _worst_over_ranks(out)
+
+
+def capture_weight_scales(model) -> dict:
+    """Record, for every Float8Linear, the scale of the float8 weight FSDP2 all-gathered (the
+    Float8Tensor inside the unsharded DTensor parameter) at its first forward."""
+    scales = {}
+
+    def keep(mod, args):
+        local = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
+        if not isinstance(local, Float8Tensor):
+            raise AssertionError(f"{mod.fqn}: weight arrived as {type(local).__name__}, not float8")
+        scales.setdefault(mod.fqn, local._scale.clone())
+
+    for module in model.modules():
+        if isinstance(module, Float8Linear):
+            module.register_forward_pre_hook(keep)
+    return scales
+
+
+def check_weight_scales(model, reference, gathered: dict, precompute: bool) -> bool:
+    """Every float8 weight's scale (all-gathered, and precomputed on the FSDP2 shard when
+    ``precompute``) equals the one-device scale of the whole weight exactly. A weight amax
+    reduced over dp only (each tp rank its own scale) fails this on every tp rank without the
+    global max."""
+    ref_modules = dict(reference.named_modules())
+    checked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Float8Linear):
+            continue
+        ref = ref_modules[name]
+        weight = ref.weight._tensor if isinstance(ref.weight, Float8AllGatherWeight) else ref.weight
+        expected = cast_to_float8(
+            weight.detach(), module.config.resolved_dtype("output", "weight"),
+            round_scales_to_power_of_2=module.config.round_scales_to_power_of_2,
+        )._scale
+        found = {"all-gathered": gathered[module.fqn]}
+        if precompute:
+            found["precomputed"] = module.weight._local_tensor._precomputed[0]
+        for what, scale in found.items():
+            if not torch.equal(scale, expected):
+                raise AssertionError(
+                    f"{name}: {what} weight scale {scale.item()!r} != one-device {expected.item()!r}"
+                )
+        checked += 1
+    if checked == 0:
+        raise AssertionError("no Float8Linear weight scale was checked")
+    return True
 
 
 def _worst_over_ranks(out: dict) -> dict:
@@ -230,6 +310,13 @@ def run(args):
         results[recipe] = compare(args, mesh, recipe, wire_reference=False)
         if recipe == "rowwise_with_gw_hp":  # see add_wire_casts
             results[recipe + "+wire_reference"] = compare(args, mesh, recipe, wire_reference=True)
+    if args.dp > 1:  # FSDP2's float8 all-gather (tensorwise weights), with and without precompute
+        for precompute in (False, True):
+            name = "tensorwise+float8_all_gather" + ("+precompute" if precompute else "")
+            results[name] = compare(
+                args, mesh, "tensorwise", wire_reference=False,
+                float8_all_gather=True, precompute=precompute,
+            )
     if args.dp == 1:
         results["errors"] = errors(mesh)
         results["padded_shard_sqnr_db"] = padded_shard(mesh)
