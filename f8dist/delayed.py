@@ -67,6 +67,7 @@ __all__ = [
     "register_delayed_buffers",
     "delayed_scales",
     "record_amax",
+    "record_and_scale",
     "delayed_pre_forward",
     "delayed_post_forward",
     "sync_float8_amax_and_scale_history",
@@ -178,10 +179,37 @@ def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     """[Note: first step]: history and scale from the amax of the logical tensor."""
     if isinstance(_local(hp), Float8Tensor):
         return
+    _init_from_amax(module, operand, _local(reduced_amax(hp.detach())))  # [], Replicate for a DTensor
+
+
+def _init_from_amax(module: nn.Module, operand: str, amax: torch.Tensor) -> None:
     _, history, scale = _names(operand)
-    amax = _local(reduced_amax(hp.detach()))  # [], Replicate for a DTensor
     _buffer(module, history).fill_(amax)
     _buffer(module, scale).copy_(_scale_from(module, operand, amax))
+
+
+def record_and_scale(
+    modules: List[nn.Module], operand: str, hp: torch.Tensor, init: Optional[bool] = None
+) -> torch.Tensor:
+    """The scale of a delayed cast of ``operand`` made outside the linears' forward, by the float8
+    parallel styles before they communicate ([Note: delayed casts in the float8 styles] in
+    f8dist/tp/style.py).
+
+    ``hp``'s local amax (the rank's shard; the sync's MAX makes it global) is recorded into every
+    module of ``modules``. On the first step ([Note: first step]; ``init`` says whether it is, or
+    None: each module's own ``not is_amax_initialized``) a module's history and scale are first
+    filled from the amax of the logical tensor (for a sharded DTensor, one all-reduce, on that
+    step only). Returns the scale buffer of ``modules[0]``, the one the cast uses.
+    """
+    starting = [m for m in modules if (not m.is_amax_initialized if init is None else init)]
+    if starting:
+        amax = _local(reduced_amax(hp.detach()))  # [], the logical tensor's
+        for m in starting:
+            _init_from_amax(m, operand, amax)
+    local = local_amax(_local(hp).detach())  # [], this rank's shard
+    for m in modules:
+        _buffer(m, f"fp8_amax_{operand}").copy_(local)
+    return _buffer(modules[0], f"fp8_scale_{operand}")
 
 
 def _scale_from(module: nn.Module, operand: str, amax: torch.Tensor) -> torch.Tensor:
@@ -224,6 +252,9 @@ def delayed_post_forward(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     if init:
         module.is_amax_initialized = True
         module._amax_history_from_init = True
+    # read by a float8 parallel style that casts grad_output outside the linear (its backward
+    # must know whether this forward was the first step)
+    module._delayed_init_forward = init
     if module.config.enable_pre_and_post_forward:
         module.amax_and_scale_synced = False
     return out
