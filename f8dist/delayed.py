@@ -29,7 +29,10 @@ Before the first sync the buffers hold no history (scale 1.0). With ``enable_ama
 default) the first forward (and its backward) cast like a dynamic cast: the amax of the tensor
 (of the logical tensor for a DTensor) fills the history and gives the scale. Under data
 parallelism that amax is the rank's own micro-batch, so the first sync refills the whole history
-with the synced amax instead of rolling it in, and ranks agree again. With
+with the synced amax instead of rolling it in, and ranks agree again. Under TP/SP the tensors
+are sharded, not split by data, so the logical amax is one device's: the float8 parallel styles
+init their casts from it too (one scalar all-reduce per cast, first step only; [Note: delayed
+casts in the float8 styles] in f8dist/tp/style.py). With
 ``enable_amax_init=False`` the first step casts with scale 1.0 (needed where the weight is cast
 before any forward sees it, i.e. FSDP2 float8 all-gather, and for autocast + compile + FSDP).
 
