@@ -17,7 +17,7 @@ One iteration::
                history, put the amax in front, fp8_scale_* = amax_to_scale(max(history))
 
 The amax recorded in forward and backward is ``tensor_amax`` (f8dist/scaling.py, the reduction a
-dynamic cast uses; 0 for an empty shard, via ``f8dist.fsdp.amax.local_amax``) of the *local*
+dynamic cast uses; 0 for an empty shard, as ``f8dist.scaling.tensor_amax`` gives it) of the *local*
 tensor: no collective runs in forward or backward. Under FSDP2
 (weight shards), TP (weight shards) and SP (sequence shards) the local amax is a partial one;
 the MAX all-reduce of the sync makes it the amax of the logical tensor, and under data
@@ -29,7 +29,10 @@ Before the first sync the buffers hold no history (scale 1.0). With ``enable_ama
 default) the first forward (and its backward) cast like a dynamic cast: the amax of the tensor
 (of the logical tensor for a DTensor) fills the history and gives the scale. Under data
 parallelism that amax is the rank's own micro-batch, so the first sync refills the whole history
-with the synced amax instead of rolling it in, and ranks agree again. With
+with the synced amax instead of rolling it in, and ranks agree again. Under TP/SP the tensors
+are sharded, not split by data, so the logical amax is one device's: the float8 parallel styles
+init their casts from it too (one scalar all-reduce per cast, first step only; [Note: delayed
+casts in the float8 styles] in f8dist/tp/style.py). With
 ``enable_amax_init=False`` the first step casts with scale 1.0 (needed where the weight is cast
 before any forward sees it, i.e. FSDP2 float8 all-gather, and for autocast + compile + FSDP).
 
@@ -66,6 +69,7 @@ __all__ = [
     "register_delayed_buffers",
     "delayed_scales",
     "record_amax",
+    "record_and_scale",
     "delayed_pre_forward",
     "delayed_post_forward",
     "sync_float8_amax_and_scale_history",
@@ -173,10 +177,37 @@ def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     """[Note: first step]: history and scale from the amax of the logical tensor."""
     if isinstance(local_part(hp), Float8Tensor):
         return
+    _init_from_amax(module, operand, local_part(reduced_amax(hp.detach())))  # [], Replicate for a DTensor
+
+
+def _init_from_amax(module: nn.Module, operand: str, amax: torch.Tensor) -> None:
     _, history, scale = _names(operand)
-    amax = local_part(reduced_amax(hp.detach()))  # [], Replicate for a DTensor
     _buffer(module, history).fill_(amax)
     _buffer(module, scale).copy_(_scale_from(module, operand, amax))
+
+
+def record_and_scale(
+    modules: List[nn.Module], operand: str, hp: torch.Tensor, init: Optional[bool] = None
+) -> torch.Tensor:
+    """The scale of a delayed cast of ``operand`` made outside the linears' forward, by the float8
+    parallel styles before they communicate ([Note: delayed casts in the float8 styles] in
+    f8dist/tp/style.py).
+
+    ``hp``'s local amax (the rank's shard; the sync's MAX makes it global) is recorded into every
+    module of ``modules``. On the first step ([Note: first step]; ``init`` says whether it is, or
+    None: each module's own ``not is_amax_initialized``) a module's history and scale are first
+    filled from the amax of the logical tensor (for a sharded DTensor, one all-reduce, on that
+    step only). Returns the scale buffer of ``modules[0]``, the one the cast uses.
+    """
+    starting = [m for m in modules if (not m.is_amax_initialized if init is None else init)]
+    if starting:
+        amax = local_part(reduced_amax(hp.detach()))  # [], the logical tensor's
+        for m in starting:
+            _init_from_amax(m, operand, amax)
+    local = tensor_amax(local_part(hp).detach())  # [], this rank's shard
+    for m in modules:
+        _buffer(m, f"fp8_amax_{operand}").copy_(local)
+    return _buffer(modules[0], f"fp8_scale_{operand}")
 
 
 def _scale_from(module: nn.Module, operand: str, amax: torch.Tensor) -> torch.Tensor:
@@ -219,6 +250,9 @@ def delayed_post_forward(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     if init:
         module.is_amax_initialized = True
         module._amax_history_from_init = True
+    # read by a float8 parallel style that casts grad_output outside the linear (its backward
+    # must know whether this forward was the first step)
+    module._delayed_init_forward = init
     if module.config.enable_pre_and_post_forward:
         module.amax_and_scale_synced = False
     return out

@@ -7,9 +7,9 @@ and ``placements`` say which mesh axes shard it (dp under FSDP2; dp and tp under
 The local amax is the plain ``tensor_amax`` of the shard, placed as ``Partial("max")`` on exactly
 those axes and ``Replicate`` elsewhere; redistributing to ``Replicate`` is the all-reduce.
 
-The local amax is computed here rather than by running ``tensor_amax`` on the DTensor because an
-unevenly sharded weight can leave a rank with an empty shard, whose ``max`` has no value: its
-amax is 0 (the identity of ``max`` over magnitudes).
+The local amax is ``tensor_amax`` of the local shard rather than of the DTensor because an
+unevenly sharded weight can leave a rank with an empty shard: ``tensor_amax`` gives it 0 (the
+identity of ``max`` over magnitudes), while DTensor's local ``max`` would raise.
 """
 
 from __future__ import annotations
@@ -19,16 +19,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from f8dist.scaling import tensor_amax
-
-__all__ = ["local_amax", "reduce_amax_over_shards"]
-
-
-def local_amax(shard: torch.Tensor) -> torch.Tensor:
-    """max(|shard|) in float32; 0 for an empty shard."""
-    if shard.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=shard.device)
-    return tensor_amax(shard)
+__all__ = ["reduce_amax_over_shards"]
 
 
 def reduce_amax_over_shards(amax: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from f8dist.config import ScalingType
-from f8dist.fsdp.amax import local_amax, reduce_amax_over_shards
+from f8dist.fsdp.amax import reduce_amax_over_shards
 from f8dist.fsdp.weight import Float8AllGatherWeight
-from f8dist.scaling import amax_to_scale
+from f8dist.scaling import amax_to_scale, tensor_amax
 
 __all__ = ["precompute_float8_dynamic_scale_for_fsdp"]
 
@@ -55,7 +55,7 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
         groups.setdefault(key, (weight.placements, []))[1].append((module, local))
 
     for (mesh, _), (placements, members) in groups.items():
-        amaxes = torch.stack([local_amax(w._tensor) for _, w in members])  # [n]
+        amaxes = torch.stack([tensor_amax(w._tensor) for _, w in members])  # [n]
         amaxes = reduce_amax_over_shards(amaxes, mesh, placements)  # [n]
         for (module, w), amax in zip(members, amaxes):
             config = module.config

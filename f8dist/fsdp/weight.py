@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from f8dist.cast import CastSite, cast_to_float8
 from f8dist.config import Float8LinearConfig, ScalingType
-from f8dist.fsdp.amax import local_amax, reduce_amax_over_shards
-from f8dist.scaling import amax_to_scale
+from f8dist.fsdp.amax import reduce_amax_over_shards
+from f8dist.scaling import amax_to_scale, tensor_amax
 from f8dist.tensor import Float8Tensor, _rewrap, implements
 
 __all__ = ["Float8AllGatherWeight"]
@@ -193,7 +193,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         placements_of = _sharding_of(self, module, mesh)
-        amax = reduce_amax_over_shards(local_amax(self._tensor), *placements_of)
+        amax = reduce_amax_over_shards(tensor_amax(self._tensor), *placements_of)
         return amax_to_scale(amax, fp8_dtype, round_to_power_of_2=config.round_scales_to_power_of_2)
 
 

@@ -20,6 +20,34 @@ grad_output cast of the grad_input gemm) before that all-gather.
 Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per column) re-scale the
 communicated float8 tensor (``linear._reuse_or_requantize``), a second rounding that a one-device
 run does not have; layers whose input needs no redistribution are not cast here at all.
+
+[Note: delayed casts in the float8 styles]
+With ``ScalingType.DELAYED`` (recipe "delayed") the casts above take their scale from the amax
+history of the linear that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py),
+exactly as the linear would itself (``f8dist.delayed.record_and_scale``):
+
+* forward: the style records the amax of the rank's *shard* of the input into the linear's
+  ``fp8_amax_input`` and casts the shard with its ``fp8_scale_input``; no amax collective runs.
+  The linear receives the gathered float8 bytes, reuses them and records nothing more.
+* backward: ``Float8RowwiseParallel`` records the amax of the sequence-sharded gradient into
+  ``fp8_amax_grad_output`` and casts it with ``fp8_scale_grad_output`` before the all-gather.
+* ``sync_float8_amax_and_scale_history``'s one MAX all-reduce turns the shard amaxes into the amax
+  of the logical tensor, so every rank holds the histories and scales of one device.
+* first step (``enable_amax_init``, the default; [Note: first step]): the history and scale are
+  filled from the amax of the logical tensor, reduced over tp, so the first step also equals one
+  device's. That costs one scalar all-reduce per such cast, on the first step only;
+  ``enable_amax_init=False`` avoids it (the first step casts with scale 1.0, as one device with
+  that config does).
+* shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``): the input is cast
+  once, with the named linear's scale, and its amax is recorded into *every* delayed Float8Linear
+  below the module. The linears that consume that input (wq/wk/wv, w1/w3) thus record the same
+  amaxes every step, from the same first step, so their histories and scales are identical to the
+  named one's and to what each has on one device: which linear's scale casts makes no
+  difference (given one config for all of them, which reusing the bytes assumes anyway). A linear
+  below the module that is fed another tensor (wo, w2) records its own input in its forward,
+  which runs later and overwrites the shared amax (and on the first step re-initializes its
+  history). Caveat: a delayed linear below the module that does not run in a step keeps the
+  shared amax for that step, where one device would keep its previous one.
 """
 
 from __future__ import annotations
@@ -36,6 +64,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import f8dist.tp.wire  # noqa: F401  (registers the Float8Tensor collectives)
 from f8dist.cast import ToFloat8, cast_to_float8
+from f8dist import delayed
 from f8dist.config import E4M3, CastConfig, Float8LinearConfig, ScalingType
 from f8dist.gemm import check_gemm_shape
 from f8dist.linear import Float8Linear, cast_kwargs
@@ -51,45 +80,76 @@ __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8Modul
 class _Float8InputCast:
     """Casts a linear's input to float8 as the linear's ("output", "input") cast config says.
 
-    A callable ``x -> x_fp8`` (differentiable: gradients pass through in high precision).
+    A callable ``(x, mod) -> x_fp8`` (differentiable: gradients pass through in high precision).
+    With a delayed input (see [Note: delayed casts in the float8 styles]) the input's amax is
+    recorded into ``linears`` (default: ``[mod]``, the linear the style is applied to) and the
+    cast uses the delayed scale of the first of them.
     """
 
-    def __init__(self, config: Float8LinearConfig, fqn: str):
+    def __init__(self, config: Float8LinearConfig, fqn: str, linears=None):
         cc = config.cast_config("output", "input")
-        if cc.scaling_type is ScalingType.DELAYED:
-            raise ValueError(
-                f"{fqn or '<root>'}: float8 tensor parallelism casts inputs with dynamic scales; "
-                "delayed scaling of the input is not supported. Use a dynamic recipe for TP "
-                "layers, or PyTorch's ColwiseParallel/RowwiseParallel (high-precision TP)."
-            )
         self.enabled = cc.enabled
         self.dtype = config.resolved_dtype("output", "input")
         self.kwargs = cast_kwargs(config, "output", "input", fqn)
+        self.delayed_scale = cc.scaling_type is ScalingType.DELAYED
+        # the input is recorded even when only another gemm's input cast is delayed: the linear
+        # gets float8 bytes and cannot record it itself
+        self.records = "input" in delayed.delayed_operands(config)
+        self.linears, self.fqn = linears, fqn
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, mod: Optional[nn.Module] = None) -> torch.Tensor:
         if not self.enabled:
             return x
-        return ToFloat8.apply(x, self.dtype, self.kwargs)
+        kwargs = self.kwargs
+        if self.records:
+            linears = self.linears if self.linears is not None else [mod]
+            if linears[0] is None:
+                raise RuntimeError(
+                    f"{self.fqn or '<root>'}: a delayed input cast needs the Float8Linear whose "
+                    "amax history it records into and scales from"
+                )
+            scale = delayed.record_and_scale(linears, "input", x)
+            if self.delayed_scale:
+                kwargs = dict(kwargs, scale=scale)
+        return ToFloat8.apply(x, self.dtype, kwargs)
 
 
 class _CastGradToFloat8(torch.autograd.Function):
     """Identity in forward; in backward casts the gradient to float8 as the ("grad_input",
-    "grad_output") cast config says, so that what backward communicates next moves in float8."""
+    "grad_output") cast config says, so that what backward communicates next moves in float8.
+
+    ``module``: the Float8Linear whose output this is; needed when its grad_output is delayed
+    (its amax is recorded there and its delayed scale used, [Note: delayed casts in the float8
+    styles])."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, config: Float8LinearConfig, fqn: str):
-        ctx.config, ctx.fqn = config, fqn
+    def forward(ctx, x: torch.Tensor, config: Float8LinearConfig, fqn: str, module=None):
+        ctx.config, ctx.fqn, ctx.module = config, fqn, module
+        # whether the forward that made x was the linear's first step (read now: it is reset
+        # by the time backward runs)
+        ctx.init = bool(getattr(module, "_delayed_init_forward", False))
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         config = ctx.config
+        scale = None
+        if "grad_output" in delayed.delayed_operands(config):
+            if ctx.module is None:
+                raise RuntimeError(
+                    f"{ctx.fqn or '<root>'}: a delayed grad_output cast needs the Float8Linear "
+                    "whose amax history it records into and scales from"
+                )
+            scale = delayed.record_and_scale([ctx.module], "grad_output", grad, ctx.init)
+            if config.cast_config("grad_input", "grad_output").scaling_type is not ScalingType.DELAYED:
+                scale = None
         fp8 = cast_to_float8(
             grad,
             config.resolved_dtype("grad_input", "grad_output"),
+            scale=scale,
             **cast_kwargs(config, "grad_input", "grad_output", ctx.fqn),
         )
-        return fp8, None, None
+        return fp8, None, None, None
 
 
 def _moves(x: DTensor, placements) -> bool:
@@ -112,6 +172,10 @@ def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
         "PyTorch's own styles)"
     )
     raise TypeError(f"{style} got a {type(module).__name__}, not a Float8Linear: {hint}")
+
+
+def _delayed_input(m: nn.Module) -> bool:
+    return isinstance(m, Float8Linear) and "input" in m._delayed_operands
 
 
 def _check_castable_layouts(style: str, layouts) -> None:
@@ -178,7 +242,7 @@ class _Float8LinearParallel:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
         if _moves(x, desired_input_layouts):
-            x = cast(x)  # float8 before it is communicated
+            x = cast(x, mod)  # float8 before it is communicated
             x = x.redistribute(placements=desired_input_layouts, async_op=True)
         return x
 
@@ -257,7 +321,7 @@ class Float8RowwiseParallel(_Float8LinearParallel, RowwiseParallel):
         sharded = any(isinstance(p, Shard) for p in output_layouts)
         if sharded and mod.bias is None and mod.config.gemm_in_float8("grad_input"):
             # backward all-gathers the sharded gradient: cast it to float8 first
-            outputs = _CastGradToFloat8.apply(outputs, mod.config, mod.fqn)
+            outputs = _CastGradToFloat8.apply(outputs, mod.config, mod.fqn, mod)
         return outputs.to_local() if use_local_output else outputs
 
 
@@ -323,6 +387,14 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
     def _cast_for(self, module: nn.Module) -> _Float8InputCast:
         name = type(self).__name__
         if self.fwd_config_submodule_fqn is None:
+            delayed_linears = [n for n, m in module.named_modules() if _delayed_input(m)]
+            if delayed_linears:
+                raise ValueError(
+                    f"{name}: {delayed_linears} cast their input with delayed scaling, but "
+                    "without fwd_config_submodule_fqn the shared input would be cast with a "
+                    "dynamic scale and no amax history would record it; pass "
+                    "fwd_config_submodule_fqn=<the linear whose input cast config to follow>"
+                )
             dtype = self.float8_dtype or E4M3
             config = Float8LinearConfig(cast_config_input=CastConfig(target_dtype=dtype))
             return _Float8InputCast(config, getattr(module, "fqn", ""))
@@ -335,7 +407,18 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
                 f"submodule of {type(module).__name__}; its submodules are {children}"
             ) from None
         sub = _float8_linear(sub, f"{name}(fwd_config_submodule_fqn=...)")
-        return _Float8InputCast(sub.config, sub.fqn)
+        # [Note: delayed casts in the float8 styles]: scale from sub, amax into every delayed
+        # linear below the module (its consumers; the others overwrite it in their forward)
+        others = [n for n, m in module.named_modules() if _delayed_input(m) and m is not sub]
+        if others and not _delayed_input(sub):
+            raise ValueError(
+                f"{name}: {others} cast their input with delayed scaling but "
+                f"fwd_config_submodule_fqn={self.fwd_config_submodule_fqn!r} does not, so the "
+                "shared input would reach them cast with a dynamic scale and unrecorded; name a "
+                "linear with a delayed input cast (give the linears sharing the input one config)"
+            )
+        linears = [sub] + [module.get_submodule(n) for n in others]
+        return _Float8InputCast(sub.config, sub.fqn, linears)
 
     def _prepare_input_arg(self, input: Any, mesh, input_layout, desired_layout, cast=None):
         if input_layout is None:

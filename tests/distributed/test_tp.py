@@ -59,7 +59,7 @@ def test_padded_local_shard(tp_results):
         ("partial_input", ["P(sum)", "Replicate()"]),
         ("bad_submodule", ["'w9'", "['w1', 'w2', 'w3']"]),
         ("shard_not_16", ["proj", "over 2 ranks", "out_features = 24", "pad_inner_dim"]),
-        ("delayed_input", ["delayed", "dynamic"]),
+        ("delayed_input", ["delayed", "fwd_config_submodule_fqn"]),
         ("2d_mesh_to_plan", ["1-D", "mesh['tp']"]),
     ],
 )

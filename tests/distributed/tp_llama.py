@@ -268,9 +268,9 @@ def errors(mesh) -> dict:
         "shard_not_16": lambda: parallelize_module(
             Float8Linear.from_float(nn.Linear(32, 48), fqn="proj"), tp_mesh, Float8ColwiseParallel()
         ),
-        "delayed_input": lambda: parallelize_module(
-            Float8Linear.from_float(nn.Linear(32, 32), Float8LinearConfig.from_recipe_name("delayed")),
-            tp_mesh, Float8ColwiseParallel(),
+        "delayed_input": lambda: parallelize_module(  # delayed: needs the submodule's history
+            convert_to_float8_training(FeedForward(32, 64), config=Float8LinearConfig.from_recipe_name("delayed")),
+            tp_mesh, PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         ),
         "2d_mesh_to_plan": lambda: parallelize_llama(Transformer(ARGS), mesh),
     }
