@@ -32,9 +32,20 @@ parallelism that amax is the rank's own micro-batch, so the first sync refills t
 with the synced amax instead of rolling it in, and ranks agree again. Under TP/SP the tensors
 are sharded, not split by data, so the logical amax is one device's: the float8 parallel styles
 init their casts from it too (one scalar all-reduce per cast, first step only; [Note: delayed
-casts in the float8 styles] in f8dist/tp/style.py). With
-``enable_amax_init=False`` the first step casts with scale 1.0 (needed where the weight is cast
-before any forward sees it, i.e. FSDP2 float8 all-gather, and for autocast + compile + FSDP).
+casts in the float8 styles] in f8dist/tp/style.py).
+
+Under FSDP2 float8 all-gather the weight is cast before the forward, in ``fsdp_pre_all_gather``:
+there the first step initializes the weight history from the amax of the WHOLE weight (one
+all-reduce over the shards, first step only, [Note: sharded weight amax] in
+f8dist/fsdp/amax.py); the forward then sees a float8 weight and initializes only input and
+grad_output as above.
+
+``enable_amax_init=False`` casts the first step with scale 1.0. That is unsafe for small
+tensors: gradients are small (a mean over many tokens), and at scale 1.0 e5m2 flushes everything
+below 2**-16 to zero. Measured with ``scripts/train.py --float8 delayed --float8-all-gather
+--float8-stats-every 1`` (2 ranks, default model): at scale 1.0 the first step's grad_output of
+wq, wk, w1 and w3 underflowed 92-100% (SQNR 0-3 dB), i.e. those layers got no gradient on step
+one. Keep it for autocast + compile + FSDP, where module-level Python state must not change.
 
 ``enable_pre_and_post_forward`` (default on) makes a training forward (grad enabled) raise if the
 previous one was not followed by a sync, so scales never silently go stale; turn it off where
@@ -70,6 +81,7 @@ __all__ = [
     "delayed_scales",
     "record_amax",
     "record_and_scale",
+    "init_history",
     "delayed_pre_forward",
     "delayed_post_forward",
     "sync_float8_amax_and_scale_history",
@@ -118,18 +130,6 @@ def register_delayed_buffers(module: nn.Module) -> None:
     module._delayed_operands = ops
     if not ops:
         return
-    w = config.cast_config("output", "weight")
-    if (
-        config.enable_fsdp_float8_all_gather
-        and w.scaling_type is ScalingType.DELAYED
-        and config.enable_amax_init
-    ):
-        raise ValueError(
-            "enable_fsdp_float8_all_gather casts a delayed weight with its history scale before "
-            "the all-gather, before any forward could initialize the history from the weight; "
-            "set enable_amax_init=False (the first step then uses scale 1.0, see [Note: first "
-            "step] in f8dist/delayed.py)"
-        )
     device = module.weight.device
     hist_len = config.delayed_scaling_config.history_len
     for op in ops:
@@ -177,10 +177,12 @@ def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     """[Note: first step]: history and scale from the amax of the logical tensor."""
     if isinstance(local_part(hp), Float8Tensor):
         return
-    _init_from_amax(module, operand, local_part(reduced_amax(hp.detach())))  # [], Replicate for a DTensor
+    init_history(module, operand, local_part(reduced_amax(hp.detach())))  # [], Replicate for a DTensor
 
 
-def _init_from_amax(module: nn.Module, operand: str, amax: torch.Tensor) -> None:
+def init_history(module: nn.Module, operand: str, amax: torch.Tensor) -> None:
+    """Fill ``operand``'s history with ``amax`` (of the logical tensor) and set its scale
+    ([Note: first step]). For callers that cast before the forward (FSDP2 float8 all-gather)."""
     _, history, scale = _names(operand)
     _buffer(module, history).fill_(amax)
     _buffer(module, scale).copy_(_scale_from(module, operand, amax))
@@ -203,7 +205,7 @@ def record_and_scale(
     if starting:
         amax = local_part(reduced_amax(hp.detach()))  # [], the logical tensor's
         for m in starting:
-            _init_from_amax(m, operand, amax)
+            init_history(m, operand, amax)
     local = tensor_amax(local_part(hp).detach())  # [], this rank's shard
     for m in modules:
         _buffer(m, f"fp8_amax_{operand}").copy_(local)

@@ -153,10 +153,9 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
         return None
     config = Float8LinearConfig.from_recipe_name(args.float8)
     if args.float8_all_gather:
-        # a delayed weight is cast before the all-gather, before any forward could initialize
-        # its amax history: the first step uses scale 1.0 (see [Note: first step], delayed.py)
-        config = config.replace(enable_fsdp_float8_all_gather=True,
-                                enable_amax_init=args.float8 != "delayed")
+        # a delayed weight's first-step history comes from the whole weight, in the
+        # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)
+        config = config.replace(enable_fsdp_float8_all_gather=True)
     return config
 
 

@@ -220,9 +220,6 @@ def test_config_errors():
     )
     with pytest.raises(ValueError, match="same target_dtype"):
         float8_model(mixed)
-    with pytest.raises(ValueError, match="enable_amax_init=False"):
-        float8_model(DELAYED.replace(enable_fsdp_float8_all_gather=True))
-    float8_model(DELAYED.replace(enable_fsdp_float8_all_gather=True, enable_amax_init=False))
 
 
 def test_sync_without_delayed_layers_is_a_noop():

@@ -185,16 +185,23 @@ class Float8AllGatherWeight(torch.Tensor):
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
         if config.cast_config_weight.scaling_type is ScalingType.DELAYED:
             # the module's amax history (f8dist.delayed) is already synced: no collective; the
-            # shard's amax goes into the history at the next sync (one all-reduce for the model)
-            from f8dist.delayed import record_amax
+            # shard's amax goes into the history at the next sync (one all-reduce for the model).
+            # On the first step the history is empty: fill it from the whole weight's amax
+            # ([Note: first step] in f8dist/delayed.py), the one all-reduce a dynamic scale takes
+            from f8dist.delayed import init_history, record_amax
 
+            if not module.is_amax_initialized:
+                init_history(module, "weight", self._whole_weight_amax(mesh, module))
             record_amax(module, "weight", self._tensor)
             return module.delayed_scales()[("output", "weight")]
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
-        placements_of = _sharding_of(self, module, mesh)
-        amax = reduce_amax_over_shards(tensor_amax(self._tensor), *placements_of)
+        amax = self._whole_weight_amax(mesh, module)
         return amax_to_scale(amax, fp8_dtype, round_to_power_of_2=config.round_scales_to_power_of_2)
+
+    def _whole_weight_amax(self, mesh, module) -> torch.Tensor:
+        """amax of the logical weight: one all-reduce over the axes sharding it."""
+        return reduce_amax_over_shards(tensor_amax(self._tensor), *_sharding_of(self, module, mesh))
 
 
 def _sharding_of(local: torch.Tensor, module, mesh):

@@ -5,6 +5,8 @@ device (every rank runs that reference too):
 
 * ``fsdp``: FSDP2 (float8 all-gather of the delayed weights unless ``--no-fp8-all-gather``),
   different data per rank; the reference sees the global batch.
+* ``fsdp_amax_init``: FSDP2 float8 all-gather with the first-step init: the weight histories
+  come from the whole weights, in the pre-all-gather cast, as on one device.
 * ``tp``: PyTorch's ColwiseParallel / RowwiseParallel on Float8Linear, same data on every rank;
   the row-wise layer's input and the column-wise layer's grad_output are activations sharded over
   the ranks, recorded per rank and made global by the sync.
@@ -131,6 +133,44 @@ def run_fsdp(rank, world, fp8_all_gather):
     return _train(model, ref, batch, loss, LR * world)
 
 
+def run_fsdp_amax_init(rank, world):
+    """FSDP2 float8 all-gather with the first-step init ([Note: first step] in f8dist/delayed.py):
+    the pre-all-gather cast fills each weight history from the whole weight (one all-reduce per
+    weight, first step only), bit-identical to one device's init from the unsharded weight."""
+    config = Float8LinearConfig.from_recipe_name("delayed").replace(enable_fsdp_float8_all_gather=True)
+    model, ref = _models(config, (32, 64, 32, 16))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    n_weights = 3
+    g = torch.Generator().manual_seed(3)
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world)
+    weight_buffers = ("fp8_amax_history_weight", "fp8_scale_weight")
+    forward_all_reduces = []
+    for step in range(3):
+        x = torch.randn(16 * world, 32, generator=g)
+        with count_collectives() as fwd:
+            y = model(x.chunk(world)[rank])
+        forward_all_reduces.append(fwd["all_reduce"].calls)
+        if step == 0:
+            ref(x)  # one device: the first forward initializes from the unsharded weight
+            for i in (0, 2, 4):
+                for name in weight_buffers:
+                    v, v_ref = getattr(model[i], name), getattr(ref[i], name)
+                    assert v_ref.ne(0).all() and v_ref.ne(1).all(), (name, v_ref)
+                    assert_equal(f"first forward, layer {i} {name}", v_ref, v)
+            # one all-reduce of 4 bytes per weight, nothing else
+            assert fwd["all_reduce"].calls == n_weights, fwd
+            assert fwd["all_reduce"].input_bytes == 4 * n_weights, fwd
+        y.square().mean().backward()
+        sync_float8_amax_and_scale_history(model)
+        opt.step()
+        opt.zero_grad()
+    assert forward_all_reduces == [n_weights, 0, 0], forward_all_reduces
+    return {"forward_all_reduces": forward_all_reduces}
+
+
 def run_tp(world):
     config = Float8LinearConfig.from_recipe_name("delayed")  # with the first-step init
     model, ref = _models(config, (32, 64, 32))
@@ -154,13 +194,15 @@ def run(args):
     result = {"world": world}
     if "fsdp" in args.scenarios:
         result["fsdp"] = run_fsdp(rank, world, not args.no_fp8_all_gather)
+    if "fsdp_amax_init" in args.scenarios:
+        result["fsdp_amax_init"] = run_fsdp_amax_init(rank, world)
     if "tp" in args.scenarios:
         result["tp"] = run_tp(world)
     write_result(args, result)
 
 
 def _args(parser):
-    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "tp"])
+    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_amax_init", "tp"])
     parser.add_argument("--no-fp8-all-gather", action="store_true")
     parser.add_argument("--compile-sync", action="store_true")
 

@@ -15,6 +15,8 @@ def test_delayed_sync_fsdp_and_tp_match_one_device():
         assert all(s["sync"] == {"all_reduce": {"calls": 1, "input_bytes": 4 * n_amax,
                                                 "output_bytes": 4 * n_amax}} for s in steps), steps
         assert min(r[scenario]["weight_sqnr_db"].values()) >= 60, r[scenario]
+    # first-step init under float8 all-gather: one all-reduce per weight in the first forward only
+    assert r["fsdp_amax_init"]["forward_all_reduces"] == [3, 0, 0], r["fsdp_amax_init"]
     fsdp_steps = r["fsdp"]["collectives_per_step"]
     assert all("all_reduce" not in s["fwd_bwd"] for s in fsdp_steps)
     # weights all-gathered in float8 (1 byte per element, with the delayed scale, no amax
