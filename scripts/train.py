@@ -102,9 +102,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 "recipe and no --compile")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
-    if args.float8 == "delayed" and args.tp > 1:
-        p.error("float8 tensor parallelism casts activations with dynamic scales: use --float8 "
-                "tensorwise/rowwise/rowwise_with_gw_hp with --tp, or delayed with FSDP2 only")
     return args
 
 
