@@ -303,24 +303,30 @@ class Float8LinearConfig:
             return Float8LinearConfig()
 
         if recipe_name is Float8LinearRecipeName.ROWWISE:
+            # every operand axiswise; grad_output in e4m3 too: with a scale per row (or column)
+            # the extra mantissa bit is worth more than e5m2's range (torchao's choice as well)
             axiswise = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)
             return Float8LinearConfig(
                 cast_config_input=axiswise,
                 cast_config_weight=axiswise,
-                cast_config_grad_output=axiswise,
+                cast_config_grad_output=CastConfig(
+                    scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3
+                ),
                 round_scales_to_power_of_2=True,
             )
 
         if recipe_name is Float8LinearRecipeName.ROWWISE_WITH_GW_HP:
             # output and grad_input in rowwise float8; grad_weight (the gemm most sensitive to
-            # precision: it sums over all tokens) in high precision. grad_output is cast to e4m3:
-            # with a scale per row the extra mantissa bit is worth more than e5m2's range.
+            # precision: it sums over all tokens) in high precision. grad_output in e4m3 as in
+            # "rowwise". The weight of the grad_input gemm is scaled tensorwise, as torchao does: its columns
+            # would need a second pass over the weight, and the result is torchao's bit for bit.
             axiswise = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)
             disabled = CastConfig(scaling_type=ScalingType.DISABLED)
             return Float8LinearConfig(
                 cast_config_input=axiswise,
                 cast_config_input_for_grad_weight=disabled,
                 cast_config_weight=axiswise,
+                cast_config_weight_for_grad_input=CastConfig(),
                 cast_config_grad_output=CastConfig(
                     scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3
                 ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 __all__ = ["reduce_amax_over_shards"]
@@ -27,11 +28,18 @@ def reduce_amax_over_shards(amax: torch.Tensor, mesh, placements: Sequence) -> t
     (``placements`` of a parameter: Shard-like or Replicate).
 
     ``amax`` may hold several amaxes (one per weight, stacked): they travel in one collective per
-    sharding mesh axis. Returns a plain tensor, the same on every rank.
+    sharding mesh axis, or in ONE collective when every axis of a mesh spanning all ranks shards
+    the tensor (2-D FSDP x TP weights). Returns a plain tensor, the same on every rank.
     """
     # Shard and _StridedShard (what FSDP2 puts on dp over a TP-sharded dim) both shard
     partial = [Replicate() if p.is_replicate() else Partial("max") for p in placements]
-    if not any(p.is_partial() for p in partial):
+    n_partial = sum(p.is_partial() for p in partial)
+    if n_partial == 0:
+        return amax
+    if n_partial > 1 and n_partial == mesh.ndim and mesh.size() == dist.get_world_size():
+        # max over every mesh axis = max over all ranks: one all-reduce instead of one per axis
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         return amax
     reduced = DTensor.from_local(amax, mesh, partial, run_check=False)
     return reduced.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()

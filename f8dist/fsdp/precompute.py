@@ -21,8 +21,10 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
 
     Call it after ``optimizer.step()``. A stored scale is used by the weight's next all-gathers
     as long as the weight is unchanged (an in-place op on it, or on its high-precision tensor,
-    drops the stored scale): a weight updated after the call is re-scaled with its own all-reduce, never cast with a stale scale.
-    Weights sharded over several mesh axes (2-D FSDP x TP) all-reduce once per sharding axis.
+    drops the stored scale): a weight updated after the call is re-scaled with its own
+    all-reduce, never cast with a stale scale. 2-D FSDP x TP weights (sharded over every axis of
+    a mesh spanning all ranks) also take one all-reduce; other multi-axis shardings take one per
+    sharding axis.
 
     Example::
 
@@ -32,7 +34,7 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     """
     from f8dist.linear import Float8Linear
 
-    # weights sharded over the same mesh axes share one all-reduce per axis, whatever their
+    # weights sharded over the same mesh axes share their all-reduce(s), whatever their
     # placements say otherwise (2-D: colwise (_StridedShard(0), Shard(0)) and rowwise
     # (Shard(0), Shard(1)) weights both reduce over dp and tp)
     groups = {}  # (mesh, sharded axes) -> (placements, [(module, local weight)])

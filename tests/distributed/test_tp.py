@@ -100,10 +100,10 @@ def test_fsdp_x_tp_precompute_all_reduces(results_2d):
     pre = results_2d["tensorwise+float8_all_gather+precompute"]
     n = pre["float8_linears"]
     assert n > 0
-    # precompute: one all-reduce per mesh axis that shards the weights (dp and tp), for all of them
-    assert pre["precompute_all_reduce_calls"] == 2
-    # forward: a high-precision all-gathered weight reduces its amax over tp (1 per weight), a
-    # float8 all-gathered one over dp and tp (2 per weight), a precomputed one not at all; the
-    # other all-reduces (activation amaxes) are the same in every variant
+    # precompute: ONE all-reduce for all weights (sharded over dp and tp = over every rank)
+    assert pre["precompute_all_reduce_calls"] == 1
+    # forward: a high-precision all-gathered weight reduces its amax over tp, a float8
+    # all-gathered one over dp and tp at once (1 per weight either way), a precomputed one not at
+    # all; the other all-reduces (activation amaxes) are the same in every variant
     assert plain["fwd_all_reduce_calls"] - pre["fwd_all_reduce_calls"] == n
-    assert eager["fwd_all_reduce_calls"] - pre["fwd_all_reduce_calls"] == 2 * n
+    assert eager["fwd_all_reduce_calls"] - pre["fwd_all_reduce_calls"] == n
