@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import report  # noqa: E402
 from f8dist import Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from f8dist.comm import count_collectives  # noqa: E402
+from f8dist.comm import count_collectives, exit_cleanly  # noqa: E402
 from f8dist.models.llama import ModelArgs, Transformer  # noqa: E402
 from f8dist.tp.plan import parallelize_llama  # noqa: E402
 
@@ -181,12 +181,9 @@ def run(args) -> list:
 
 def main(argv=None) -> list:
     args = add_args(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
-    try:
-        return run(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return run(args)
 
 
 if __name__ == "__main__":
-    main()
+    with exit_cleanly():  # [Note: gloo teardown] in f8dist/comm.py
+        main()

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from f8dist.comm import exit_cleanly  # noqa: E402
 import train  # noqa: E402  (scripts/train.py)
 
 DEFAULT_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
@@ -87,30 +88,26 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
         p.error(f"unknown recipes {unknown}; choose from {list(train.RECIPES)}")
 
     curves, steps = {}, []
-    try:
-        for recipe in recipes:
-            run_args = train.parse_args([*train_argv, "--float8", recipe])
-            result = train.train(run_args)
-            curves[recipe], steps = result["losses"], result["steps"]
-        if dist.get_rank() == 0:
-            layout = f"dp={dist.get_world_size() // run_args.tp} tp={run_args.tp}"
-            title = f"{run_args.steps} steps, {layout}, seed {run_args.seed}"
-            os.makedirs(args.out_dir, exist_ok=True)
-            table = loss_table(curves, args.tail, title)
-            with open(os.path.join(args.out_dir, "loss_table.md"), "w") as f:
-                f.write(table)
-            with open(os.path.join(args.out_dir, "losses.json"), "w") as f:
-                json.dump({"steps": steps, "losses": curves, "train_argv": train_argv}, f)
-            png = os.path.join(args.out_dir, "loss_curves.png")
-            print(table, flush=True)
-            if plot(curves, steps, png, f"bf16 vs float8: {title}"):
-                print(f"plot: {png}", flush=True)
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for recipe in recipes:
+        run_args = train.parse_args([*train_argv, "--float8", recipe])
+        result = train.train(run_args)
+        curves[recipe], steps = result["losses"], result["steps"]
+    if dist.get_rank() == 0:
+        layout = f"dp={dist.get_world_size() // run_args.tp} tp={run_args.tp}"
+        title = f"{run_args.steps} steps, {layout}, seed {run_args.seed}"
+        os.makedirs(args.out_dir, exist_ok=True)
+        table = loss_table(curves, args.tail, title)
+        with open(os.path.join(args.out_dir, "loss_table.md"), "w") as f:
+            f.write(table)
+        with open(os.path.join(args.out_dir, "losses.json"), "w") as f:
+            json.dump({"steps": steps, "losses": curves, "train_argv": train_argv}, f)
+        png = os.path.join(args.out_dir, "loss_curves.png")
+        print(table, flush=True)
+        if plot(curves, steps, png, f"bf16 vs float8: {title}"):
+            print(f"plot: {png}", flush=True)
     return curves
 
 
 if __name__ == "__main__":
-    main()
+    with exit_cleanly():  # [Note: gloo teardown] in f8dist/comm.py
+        main()

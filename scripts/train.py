@@ -49,6 +49,7 @@ import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer
 from f8dist.models.data import VOCAB_SIZE, ByteBatches
+from f8dist.comm import exit_cleanly
 from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.tp import parallelize_llama
 
@@ -371,13 +372,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
-    try:
-        train(args)
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with exit_cleanly():  # barrier, destroy the group, exit: [Note: gloo teardown]
+        train(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from f8dist.comm import exit_cleanly
 from f8dist.numerics import sqnr  # noqa: F401  (re-exported for the programs)
 
 ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
@@ -64,22 +65,16 @@ def write_result(args, obj: dict) -> None:
 def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:
     """Run ``fn(args)``; a raising rank writes its traceback where the harness finds it."""
     args = parse_args(extra=extra_args)
-    try:
-        fn(args)
-        if dist.is_initialized():
-            # Leave together: a rank tearing gloo down while a peer still talks to it aborts
-            # ("terminate called without an active exception").
-            dist.barrier()
-    except BaseException:
-        error_dir = os.environ.get(ERROR_DIR_ENV)
-        if error_dir:
-            rank = os.environ.get("RANK", "?")
-            with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-                f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with exit_cleanly():  # [Note: gloo teardown] in f8dist/comm.py
+        try:
+            fn(args)
+        except BaseException:
+            error_dir = os.environ.get(ERROR_DIR_ENV)
+            if error_dir:
+                rank = os.environ.get("RANK", "?")
+                with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+                    f.write(traceback.format_exc())
+            raise
 
 
 def assert_equal(name: str, ref: torch.Tensor, actual: torch.Tensor) -> None:

@@ -53,7 +53,6 @@ def run(args):
     table = compare_loss.loss_table({"none": bf16["losses"], args.recipe: fp8["losses"]},
                                     tail=10, title=args.train)
     write_result(args, {"bf16": bf16, "float8": fp8, "resumed": resumed, "table": table})
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it
 
 
 if __name__ == "__main__":
