@@ -40,6 +40,12 @@ def check_gemm_shape(k: int, n: int, *, what: str, pad_inner_dim: bool) -> None:
         )
 
 
+def rowwise_fp32_output_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` on ``device`` emits float32 with per-row scales (CUDA's
+    rowwise kernels emit bfloat16 only; see [Note: scaled_mm constraints])."""
+    return device.type != "cuda"
+
+
 def _round_up(x: int) -> int:
     return (x + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
 
@@ -77,7 +83,7 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor) -> torch.Tensor:
     if axiswise and b_inv.dim() == 0:
         b_inv = b_inv.expand(1, b_data.shape[1])
 
-    if axiswise and out_dtype == torch.float32 and a_data.is_cuda:
+    if axiswise and out_dtype == torch.float32 and not rowwise_fp32_output_supported(a_data.device):
         one = torch.ones((), dtype=torch.float32, device=a_data.device)
         out = torch._scaled_mm(
             a_data, b_data, scale_a=one, scale_b=one, out_dtype=torch.float32,

@@ -52,3 +52,18 @@ def test_check_gemm_shape_names_the_culprit():
     check_gemm_shape(32, 16, what="x", pad_inner_dim=False)
     with pytest.raises(ValueError, match="layers.0.w1.*N=8"):
         check_gemm_shape(32, 8, what="layers.0.w1", pad_inner_dim=False)
+
+
+def test_fp32_rowwise_fallback_applies_scales_to_a_fp32_result(monkeypatch):
+    # CUDA's rowwise kernel emits bf16 only; the fallback (unit-scale fp32 gemm, scales applied
+    # after) must give the float32 result, not a bf16-rounded one. Forced here on the CPU.
+    import f8dist.gemm as gemm
+
+    a, b, fa, fb = _operands(32, 64, 48, torch.float32, True, ScaledMMConfig())
+    native = scaled_mm(fa, fb)
+    monkeypatch.setattr(gemm, "rowwise_fp32_output_supported", lambda device: False)
+    fallback = scaled_mm(fa, fb)
+    assert fallback.dtype == torch.float32
+    emu = scaled_mm(fa.with_mm_config(ScaledMMConfig(emulate=True)), fb)
+    assert sqnr(emu, fallback) > 100 and sqnr(native, fallback) > 100
+    assert sqnr(emu, fallback.bfloat16()) < 70  # what a bf16 output would have cost
