@@ -139,6 +139,24 @@ def _hp(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _reduce_partial(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient with Partial placements, reduced (Replicate on those mesh axes).
+
+    [Note: gradient placements under compile]
+    torch.compile traces an autograd.Function's backward when it traces the forward, with a
+    gradient that has the forward output's placements: a rowwise-parallel gemm's output is
+    Partial(sum), so the traced backward sees a Partial gradient, while eager autograd hands it the
+    gradient of the reduce-scatter, Replicate. Reducing a Partial gradient here makes both see the
+    same (logical) gradient; in eager mode it never is Partial and this is a no-op.
+    """
+    if not is_dtensor(grad) or not any(p.is_partial() for p in grad.placements):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    return grad.redistribute(grad.device_mesh, placements)
+
+
 class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.t()`` with float8 gemms; see [Note: gemms].
 
@@ -177,6 +195,7 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, grad_output):
         saved_input, weight = ctx.saved_tensors
         config, fqn, scales = ctx.config, ctx.fqn, ctx.scales
+        grad_output = _reduce_partial(grad_output)
 
         # grad_input = grad_output @ weight    [M, N] x [N, K]
         if config.gemm_in_float8("grad_input"):

@@ -21,6 +21,14 @@ Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per c
 communicated float8 tensor (``linear._reuse_or_requantize``), a second rounding that a one-device
 run does not have; layers whose input needs no redistribution are not cast here at all.
 
+[Note: float8 gradients under compile]
+The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
+becomes a DTensor of Float8Tensors). torch.compile traces an autograd.Function's backward when it
+traces the forward, assuming a gradient of the forward output's type, so the linear's compiled
+backward would treat the float8 gradient as high precision (and fail on it). Under torch.compile
+the rowwise style therefore all-gathers the gradient in high precision; forward activations are
+still cast before their all-gather. Eager mode sends float8 both ways.
+
 [Note: delayed casts in the float8 styles]
 With ``ScalingType.DELAYED`` (recipe "delayed") the casts above take their scale from the amax
 history of the linear that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py),
@@ -319,7 +327,12 @@ class Float8RowwiseParallel(_Float8LinearParallel, RowwiseParallel):
         if outputs.placements != output_layouts:
             outputs = outputs.redistribute(placements=output_layouts, async_op=True)
         sharded = any(isinstance(p, Shard) for p in output_layouts)
-        if sharded and mod.bias is None and mod.config.gemm_in_float8("grad_input"):
+        if (
+            sharded
+            and mod.bias is None
+            and mod.config.gemm_in_float8("grad_input")
+            and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
+        ):
             # backward all-gathers the sharded gradient: cast it to float8 first
             outputs = _CastGradToFloat8.apply(outputs, mod.config, mod.fqn, mod)
         return outputs.to_local() if use_local_output else outputs
