@@ -23,7 +23,7 @@ from f8dist.tensor import Float8Tensor, ScaledMMConfig
 
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "reduced_amax", "cast_observers", "is_dtensor",
-    "local_part",
+    "local_part", "like",
 ]
 
 
@@ -53,6 +53,19 @@ def is_dtensor(x) -> bool:
 def local_part(x: torch.Tensor) -> torch.Tensor:
     """This rank's tensor: ``x.to_local()`` for a DTensor, ``x`` itself otherwise."""
     return x.to_local() if is_dtensor(x) else x
+
+
+def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as this rank's part of a DTensor laid out like ``template`` (same mesh,
+    placements, global shape and stride); ``local`` itself when ``template`` is no DTensor."""
+    if not is_dtensor(template):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, template.device_mesh, template.placements, run_check=False,
+        shape=template.shape, stride=template.stride(),
+    )
 
 
 def reduced_amax(x: torch.Tensor, dim=None) -> torch.Tensor:
@@ -93,23 +106,9 @@ def cast_to_float8(
     elif axis is not None:
         raise ValueError("a given scale is tensorwise; axiswise casts compute their own scales")
 
-    if is_dtensor(hp):
-        from torch.distributed.tensor import DTensor
-
-        if is_dtensor(scale):
-            scale_local = scale.to_local()
-        else:
-            scale_local = scale
-        local = hp.to_local()
-        data = saturated_cast(local, scale_local, float8_dtype)
-        fp8_local = Float8Tensor(data, scale_local, hp.dtype, axis, mm_config)
-        out = DTensor.from_local(
-            fp8_local, hp.device_mesh, hp.placements, run_check=False,
-            shape=hp.shape, stride=hp.stride(),
-        )
-    else:
-        data = saturated_cast(hp, scale, float8_dtype)
-        out = Float8Tensor(data, scale, hp.dtype, axis, mm_config)
+    scale_local = local_part(scale)  # [] or the local shard's [..., 1, ...]
+    data = saturated_cast(local_part(hp), scale_local, float8_dtype)
+    out = like(hp, Float8Tensor(data, scale_local, hp.dtype, axis, mm_config))
 
     if cast_observers and site is not None:
         for observer in cast_observers:

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from f8dist.cast import CastSite, cast_to_float8, is_dtensor, local_part
+from f8dist.cast import CastSite, cast_to_float8, is_dtensor, like, local_part
 from f8dist.config import Float8LinearConfig, ScalingGranularity, ScalingType
 from f8dist import delayed
 from f8dist.gemm import check_gemm_shape
@@ -109,33 +109,15 @@ def _reuse_or_requantize(t, local, cc, dtype, axis, mm_config, config, gemm, ope
         want_axis = axis % local.dim()
     fits = local._data.dtype == dtype and local._axiswise_dim == want_axis
     if fits:
-        if is_dtensor(t):
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(
-                local.with_mm_config(mm_config), t.device_mesh, t.placements,
-                run_check=False, shape=t.shape, stride=t.stride(),
-            )
-        return local.with_mm_config(mm_config)
-    hp = t.to_original_precision() if not is_dtensor(t) else _dequantize_dtensor(t)
-    return _cast(hp, config, gemm, operand, fqn)
-
-
-def _dequantize_dtensor(t):
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local()
-    return DTensor.from_local(
-        local.to_original_precision(), t.device_mesh, t.placements,
-        run_check=False, shape=t.shape, stride=t.stride(),
-    )
+        return like(t, local.with_mm_config(mm_config))
+    return _cast(_hp(t), config, gemm, operand, fqn)
 
 
 def _hp(t: torch.Tensor) -> torch.Tensor:
     """The high-precision value of an operand (dequantized if it arrived in float8)."""
     local = local_part(t)
     if isinstance(local, Float8Tensor):
-        return _dequantize_dtensor(t) if is_dtensor(t) else local.to_original_precision()
+        return like(t, local.to_original_precision())
     return t
 
 

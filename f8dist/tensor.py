@@ -23,7 +23,7 @@ import torch
 
 from f8dist.scaling import dequantize
 
-__all__ = ["Float8Tensor", "ScaledMMConfig", "implements"]
+__all__ = ["Float8Tensor", "ScaledMMConfig", "implements", "rewrap"]
 
 aten = torch.ops.aten
 
@@ -145,7 +145,9 @@ def implements(ops):
     return decorator
 
 
-def _rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same") -> Float8Tensor:
+def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same") -> Float8Tensor:
+    """A Float8Tensor like ``t`` (orig dtype, mm config; scale and axis unless given) around
+    ``data``: how every op of the table builds its result."""
     return Float8Tensor(
         data,
         t._scale if scale is None else scale,
@@ -159,7 +161,7 @@ def _rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same"
 def _same_scale_unary(func, args, kwargs):
     t = args[0]
     scale = t._scale if func is not aten.clone.default else t._scale.clone()
-    return _rewrap(t, func(t._data, *args[1:], **kwargs), scale)
+    return rewrap(t, func(t._data, *args[1:], **kwargs), scale)
 
 
 @implements([aten.t.default, aten.transpose.int])
@@ -167,12 +169,12 @@ def _transpose(func, args, kwargs):
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
     if not t.is_axiswise:
-        return _rewrap(t, data)
+        return rewrap(t, data)
     if t._data.dim() != 2:
         raise NotImplementedError("transposing an axiswise Float8Tensor is defined for 2-D tensors")
     # [N, 1] scales of a [N, K] tensor become [1, N] scales of its [K, N] transpose
     axis = 1 - (t._axiswise_dim % 2)
-    return _rewrap(t, data, t._scale.t(), axis)
+    return rewrap(t, data, t._scale.t(), axis)
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
@@ -180,7 +182,7 @@ def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
     data = func(t._data, new_shape, *args[2:], **kwargs)
     if not t.is_axiswise or data.shape == t._data.shape:
-        return _rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
+        return rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
     # Axiswise scales survive a reshape of the other dims as long as the scaled-over dim is the
     # last one and keeps its size: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with [B*S, 1].
     last = t._data.dim() - 1
@@ -190,7 +192,7 @@ def _view(func, args, kwargs):
             f"{t._axiswise_dim}) to {tuple(data.shape)}: the scaled-over dim must stay last"
         )
     scale = t._scale.reshape(*data.shape[:-1], 1)
-    return _rewrap(t, data, scale, data.dim() - 1)
+    return rewrap(t, data, scale, data.dim() - 1)
 
 
 @implements([aten.is_same_size.default])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from f8dist.cast import is_dtensor, local_part
 from f8dist.config import ScalingType
 from f8dist.fsdp.amax import reduce_amax_over_shards
 from f8dist.fsdp.weight import Float8AllGatherWeight
@@ -42,12 +43,12 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
         if not isinstance(module, Float8Linear):
             continue
         weight = module.weight
-        local = weight.to_local() if hasattr(weight, "placements") else weight
+        local = local_part(weight)
         if not isinstance(local, Float8AllGatherWeight):
             continue
         if module.config.cast_config_weight.scaling_type is not ScalingType.DYNAMIC:
             continue
-        if not hasattr(weight, "placements"):
+        if not is_dtensor(weight):
             raise ValueError(
                 f"precompute_float8_dynamic_scale_for_fsdp: {module.fqn or type(module).__name__}'s "
                 "weight is not sharded; call it on a model after fully_shard"

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from f8dist.cast import CastSite, cast_to_float8
+from f8dist.cast import CastSite, cast_to_float8, is_dtensor, like, local_part
 from f8dist.config import Float8LinearConfig, ScalingType
 from f8dist.fsdp.amax import reduce_amax_over_shards
 from f8dist.scaling import amax_to_scale, tensor_amax
-from f8dist.tensor import Float8Tensor, _rewrap, implements
+from f8dist.tensor import Float8Tensor, implements, rewrap
 
 __all__ = ["Float8AllGatherWeight"]
 
@@ -172,7 +172,7 @@ class Float8AllGatherWeight(torch.Tensor):
         scale, fp8_dtype = metadata
         data = data.view(fp8_dtype)
         if out is not None:
-            target = out.to_local() if hasattr(out, "placements") else out
+            target = local_part(out)
             if not isinstance(target, Float8Tensor):
                 raise TypeError(f"FSDP2 passed out={type(target).__name__}, expected a Float8Tensor")
             if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
@@ -224,7 +224,7 @@ def _float8_as_strided(func, args, kwargs):
     t = args[0]
     if t.is_axiswise:
         raise NotImplementedError("as_strided of an axiswise Float8Tensor is not defined")
-    return _rewrap(t, func(t._data, *args[1:], **kwargs))
+    return rewrap(t, func(t._data, *args[1:], **kwargs))
 
 
 def wrap_weight_for_float8_all_gather(module: torch.nn.Module) -> None:
@@ -247,10 +247,5 @@ def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):
         return
     if isinstance(value, Float8AllGatherWeight):
         state_dict[key] = value._tensor
-    elif hasattr(value, "placements") and isinstance(value._local_tensor, Float8AllGatherWeight):
-        from torch.distributed.tensor import DTensor
-
-        state_dict[key] = DTensor.from_local(
-            value._local_tensor._tensor, value.device_mesh, value.placements,
-            run_check=False, shape=value.shape, stride=value.stride(),
-        )
+    elif is_dtensor(value) and isinstance(value._local_tensor, Float8AllGatherWeight):
+        state_dict[key] = like(value, value._local_tensor._tensor)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from f8dist.tensor import Float8Tensor, implements
+from f8dist.tensor import Float8Tensor, implements, rewrap
 
 __all__ = []
 
@@ -50,7 +50,7 @@ def _all_gather(func, args, kwargs):
     scale = t._scale
     if t.is_axiswise:
         scale = _gather(scale.contiguous(), group_size, group_name)  # [n * group_size, ..., 1, ...]
-    return Float8Tensor(gathered, scale, t._orig_dtype, t._axiswise_dim, t._mm_config)
+    return rewrap(t, gathered, scale)
 
 
 # DTensor wraps a collective's result for async waiting (torch >= 2.13 routes this through an op)
@@ -70,14 +70,11 @@ def _split(func, args, kwargs):
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     datas = func(t._data, size_or_chunks, dim)
     if not t.is_axiswise:
-        return [Float8Tensor(d, t._scale, t._orig_dtype, None, t._mm_config) for d in datas]
+        return [rewrap(t, d) for d in datas]
     if dim % t._data.dim() == t._axiswise_dim % t._data.dim():
         raise NotImplementedError("cannot split an axiswise Float8Tensor along its scaled-over dim")
     scales = func(t._scale, size_or_chunks, dim)
-    return [
-        Float8Tensor(d, s, t._orig_dtype, t._axiswise_dim, t._mm_config)
-        for d, s in zip(datas, scales)
-    ]
+    return [rewrap(t, d, s) for d, s in zip(datas, scales)]
 
 
 @implements([aten.cat.default])
@@ -91,8 +88,8 @@ def _cat(func, args, kwargs):
     if not first.is_axiswise:
         if any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors):
             raise ValueError("cat of tensorwise Float8Tensors needs one shared scale")
-        return Float8Tensor(data, first._scale, first._orig_dtype, None, first._mm_config)
+        return rewrap(first, data)
     if dim % data.dim() == first._axiswise_dim % data.dim():
         raise NotImplementedError("cannot cat axiswise Float8Tensors along their scaled-over dim")
     scale = func([t._scale for t in tensors], dim)
-    return Float8Tensor(data, scale, first._orig_dtype, first._axiswise_dim, first._mm_config)
+    return rewrap(first, data, scale)
