@@ -28,6 +28,7 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
+from f8dist.numerics import sqnr_from_energies
 from f8dist.scaling import dequantize, fp8_max
 
 __all__ = [
@@ -89,13 +90,8 @@ def cast_stats_tensors(
     return sums, maxes
 
 
-def sqnr_db(signal_sq: float, error_sq: float) -> float:
-    """``10 log10(signal_sq / error_sq)`` in dB; inf for an exact cast (an all-zero one too)."""
-    if error_sq == 0:
-        return math.inf
-    if signal_sq == 0:
-        return -math.inf
-    return 10.0 * math.log10(signal_sq / error_sq)
+# SQNR of a cast from its summed squares (summable across casts and shards)
+sqnr_db = sqnr_from_energies
 
 
 @dataclass(frozen=True, kw_only=True)
