@@ -14,7 +14,7 @@ Nothing is clamped into a finite number: the gemm output turns NaN (all of it fo
 scale, the affected rows or columns for an axiswise one), so a diverging run fails loudly, as it
 would in high precision, rather than training on silently clipped numbers.
 
-This module imports nothing from torch.distributed. The reductions are plain torch ops, so when
+This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes
 to reduce over (``[Note: amax]`` in DESIGN.md).
 """
