@@ -72,20 +72,23 @@ def _cast(
     fqn: str,
     scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Cast one operand of one gemm as the config says (a Float8Tensor, or a DTensor of them)."""
-    cc = config.cast_config(gemm, operand)
+    """Cast one operand of one gemm as the config says (a Float8Tensor, or a DTensor of them).
+
+    An operand that already is float8 keeps its bytes if they fit this gemm's cast, else it is
+    dequantized and cast again (e.g. a per-token input re-scaled per channel for grad_weight)."""
     dtype = config.resolved_dtype(gemm, operand)
-    mm_config = _mm_config(config, gemm)
-    axis = _AXIS[(gemm, operand)]
+    kwargs = cast_kwargs(config, gemm, operand, fqn)
     local = local_part(t)
     if isinstance(local, Float8Tensor):
-        return _reuse_or_requantize(t, local, cc, dtype, axis, mm_config, config, gemm, operand, fqn)
-    if cc.scaling_type is ScalingType.DELAYED and scale is None:
+        if _fits(local, dtype, kwargs):
+            return like(t, local.with_mm_config(kwargs["mm_config"]))
+        return _cast(_hp(t), config, gemm, operand, fqn)
+    if config.cast_config(gemm, operand).scaling_type is ScalingType.DELAYED and scale is None:
         raise RuntimeError(
             f"{fqn}: delayed scaling of {operand} in the {gemm} gemm needs a scale from the "
             "module's amax history"
         )
-    return cast_to_float8(t, dtype, scale=scale, **cast_kwargs(config, gemm, operand, fqn))
+    return cast_to_float8(t, dtype, scale=scale, **kwargs)
 
 
 def cast_kwargs(config: Float8LinearConfig, gemm: str, operand: str, fqn: str) -> dict:
@@ -101,16 +104,12 @@ def cast_kwargs(config: Float8LinearConfig, gemm: str, operand: str, fqn: str) -
     )
 
 
-def _reuse_or_requantize(t, local, cc, dtype, axis, mm_config, config, gemm, operand, fqn):
-    """An operand that already is float8: reuse its bytes if they fit this gemm's cast, else
-    dequantize and cast again (e.g. a per-token input re-scaled per channel for grad_weight)."""
+def _fits(local: Float8Tensor, dtype: torch.dtype, kwargs: dict) -> bool:
+    """Whether float8 bytes are what a cast with these ``cast_kwargs`` to ``dtype`` would give."""
     want_axis = None
-    if cc.scaling_granularity is ScalingGranularity.AXISWISE:
-        want_axis = axis % local.dim()
-    fits = local._data.dtype == dtype and local._axiswise_dim == want_axis
-    if fits:
-        return like(t, local.with_mm_config(mm_config))
-    return _cast(_hp(t), config, gemm, operand, fqn)
+    if kwargs["granularity"] is ScalingGranularity.AXISWISE:
+        want_axis = kwargs["axiswise_dim"] % local.dim()
+    return local._data.dtype == dtype and local._axiswise_dim == want_axis
 
 
 def _hp(t: torch.Tensor) -> torch.Tensor:

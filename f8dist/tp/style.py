@@ -18,7 +18,7 @@ shards comes back sequence-sharded and is all-gathered in backward: it is cast t
 grad_output cast of the grad_input gemm) before that all-gather.
 
 Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per column) re-scale the
-communicated float8 tensor (``linear._reuse_or_requantize``), a second rounding that a one-device
+communicated float8 tensor (``linear._cast``), a second rounding that a one-device
 run does not have; layers whose input needs no redistribution are not cast here at all.
 
 [Note: float8 gradients under compile]
