@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.comm import count_collectives
+from f8dist.testing import count_collectives
 from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
 from tests.distributed.common import assert_equal, init, main, sqnr, write_result
 
@@ -187,13 +187,15 @@ def run(args):
     if "bytes" in scenarios:
         bytes_ratio(device, out)
     if "dcp" in scenarios:
+        if not args.ckpt_dir:
+            raise ValueError("the dcp scenario writes checkpoints: pass --ckpt-dir <a temporary dir>")
         dcp_round_trip(device, args.ckpt_dir, out)
     write_result(args, out)
 
 
 def extra(parser):
     parser.add_argument("--scenarios", required=True)
-    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--ckpt-dir", default=None, help="required by the dcp scenario")
 
 
 if __name__ == "__main__":
