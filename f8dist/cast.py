@@ -1,43 +1,31 @@
-"""The one place a high-precision tensor becomes a Float8Tensor.
+"""The one place a high-precision tensor becomes a Float8Tensor: ``cast_to_float8(t, spec)``.
 
-Every cast is described by a :class:`CastSite` (which module, which gemm, which operand), so a cast
-can be inspected before and after quantization (``f8dist.debug``) and its scale looked up in the
-module's delayed-scaling state (``f8dist.delayed``).
+A cast is described by a :class:`~f8dist.config.CastSpec` (which linear, gemm and operand, and
+how: dtype, granularity, contraction axis, rounding), so every cast knows where it happens and can
+be observed (``f8dist.debug``). Linear, the tensor-parallel styles and the FSDP2 all-gather all cast
+through it.
 
-``cast_to_float8`` handles plain tensors and DTensors alike. For a DTensor, the amax is the plain
-torch reduction; its Partial(max) placements are turned Replicate, which all-reduces over exactly
-the mesh axes that shard the reduced dims (``[Note: amax]`` in DESIGN.md). The result is a DTensor
-whose local tensor is a Float8Tensor holding the local shard and its scale.
+``cast_to_float8`` takes plain tensors and DTensors alike. For a DTensor the amax is the plain
+torch reduction, whose ``Partial(max)`` placements are then reduced ([Note: amax] in
+f8dist/placement.py); the result is a DTensor whose local tensor is a Float8Tensor holding the local
+shard and its scale. A tensor that already is float8 keeps its bytes when they are what this spec
+would produce, and is re-cast from its high-precision value otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 
-from f8dist.config import ScalingGranularity
+from f8dist.config import CastSite, CastSpec, ScalingType
+from f8dist.placement import like, local_part, reduce_partial
 from f8dist.scaling import amax_to_scale, saturated_cast, tensor_amax
-from f8dist.tensor import Float8Tensor, ScaledMMConfig
+from f8dist.tensor import Float8Tensor
 
 __all__ = [
-    "CastSite", "cast_to_float8", "ToFloat8", "reduced_amax", "cast_observers", "is_dtensor",
-    "local_part", "like",
+    "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
 ]
-
-
-@dataclass(frozen=True)
-class CastSite:
-    """Where a cast happens: module FQN, gemm ("output", "grad_input", "grad_weight") and operand
-    ("input", "weight", "grad_output")."""
-
-    fqn: str
-    gemm: str
-    operand: str
-
-    def __str__(self):
-        return f"{self.fqn or '<root>'}:{self.gemm}:{self.operand}"
 
 
 # Callbacks ``fn(site, hp, fp8)`` run after every cast while non-empty (f8dist.debug fills it).
@@ -45,85 +33,83 @@ class CastSite:
 cast_observers: List[Callable[[CastSite, torch.Tensor, torch.Tensor], None]] = []
 
 
-def is_dtensor(x) -> bool:
-    """Whether ``x`` is a DTensor (checked by name: the core imports no torch.distributed)."""
-    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+def logical_amax(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """amax of the logical tensor ([Note: amax]): for a DTensor the reduction's Partial
+    placements are reduced (an all-reduce over the axes sharding the reduced dims), Shard
+    placements of kept dims stay sharded."""
+    return reduce_partial(tensor_amax(x, dim))
 
 
-def local_part(x: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor: ``x.to_local()`` for a DTensor, ``x`` itself otherwise."""
-    return x.to_local() if is_dtensor(x) else x
+def high_precision(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision value of an operand (dequantized if it is float8)."""
+    local = local_part(t)
+    if isinstance(local, Float8Tensor):
+        return like(t, local.to_original_precision())
+    return t
 
 
-def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as this rank's part of a DTensor laid out like ``template`` (same mesh,
-    placements, global shape and stride); ``local`` itself when ``template`` is no DTensor."""
-    if not is_dtensor(template):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, template.device_mesh, template.placements, run_check=False,
-        shape=template.shape, stride=template.stride(),
-    )
-
-
-def reduced_amax(x: torch.Tensor, dim=None) -> torch.Tensor:
-    """amax of the logical tensor. For a DTensor, Partial placements are reduced (all-reduce over
-    the axes sharding the reduced dims); Shard placements of kept dims stay sharded."""
-    amax = tensor_amax(x, dim)
-    if is_dtensor(amax):
-        from torch.distributed.tensor import Replicate
-
-        placements = [Replicate() if p.is_partial() else p for p in amax.placements]
-        amax = amax.redistribute(amax.device_mesh, placements)
-    return amax
+def _fits(fp8: Float8Tensor, spec: CastSpec) -> bool:
+    """Whether float8 bytes are what casting their value with ``spec`` would give."""
+    return fp8._data.dtype == spec.dtype and fp8._axiswise_dim == spec.axiswise_dim(fp8.dim())
 
 
 def cast_to_float8(
-    hp: torch.Tensor,
-    float8_dtype: torch.dtype,
-    *,
-    granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
-    axiswise_dim: int = -1,
-    round_scales_to_power_of_2: bool = False,
-    mm_config: ScaledMMConfig = ScaledMMConfig(),
-    scale: Optional[torch.Tensor] = None,
-    site: Optional[CastSite] = None,
+    t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Cast ``hp`` to a Float8Tensor (a DTensor of them if ``hp`` is a DTensor).
+    """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
-    ``scale`` given: use it (delayed scaling, precomputed FSDP scales); else compute it from the
-    amax of ``hp``: of the whole tensor (tensorwise) or over ``axiswise_dim`` (axiswise). Not
-    differentiable: see :class:`ToFloat8` for that.
+    ``scale`` given: use it (a delayed scale from an amax history, a precomputed FSDP scale);
+    else compute it from the amax of the logical ``t``: of the whole tensor (tensorwise) or over
+    ``spec.axis`` (axiswise). Not differentiable: see :class:`ToFloat8` for that.
+
+    Example::
+
+        >>> fp8 = cast_to_float8(torch.randn(32, 16), CastSpec(dtype=torch.float8_e4m3fn))
+        >>> fp8._data.dtype, fp8._scale.shape
+        (torch.float8_e4m3fn, torch.Size([]))
     """
-    axis = None
-    if granularity is ScalingGranularity.AXISWISE:
-        axis = axiswise_dim % hp.dim()
+    local = local_part(t)
+    if isinstance(local, Float8Tensor):
+        if _fits(local, spec):
+            return like(t, local.with_mm_config(spec.mm_config))
+        t = high_precision(t)
+    if not spec.enabled:
+        raise ValueError(f"{spec.site}: its CastSpec says ScalingType.DISABLED; nothing to cast")
+    if spec.scaling_type is ScalingType.DELAYED and scale is None:
+        raise RuntimeError(
+            f"{spec.site}: a delayed cast needs the scale from the module's amax history"
+        )
+    axis = spec.axiswise_dim(t.dim())
     if scale is None:
-        amax = reduced_amax(hp, axis)  # [] or hp.shape with 1 at axis
-        scale = amax_to_scale(amax, float8_dtype, round_to_power_of_2=round_scales_to_power_of_2)
+        amax = logical_amax(t, axis)  # [] or t.shape with 1 at axis
+        scale = amax_to_scale(amax, spec.dtype, round_to_power_of_2=spec.round_scales_to_power_of_2)
     elif axis is not None:
-        raise ValueError("a given scale is tensorwise; axiswise casts compute their own scales")
+        raise ValueError(f"{spec.site}: a given scale is tensorwise; axiswise casts compute their own")
 
     scale_local = local_part(scale)  # [] or the local shard's [..., 1, ...]
-    data = saturated_cast(local_part(hp), scale_local, float8_dtype)
-    out = like(hp, Float8Tensor(data, scale_local, hp.dtype, axis, mm_config))
+    data = saturated_cast(local_part(t), scale_local, spec.dtype)
+    out = like(t, Float8Tensor(data, scale_local, t.dtype, axis, spec.mm_config))
 
-    if cast_observers and site is not None:
+    if cast_observers:
         for observer in cast_observers:
-            observer(site, hp, out)
+            observer(spec.site, t, out)
     return out
 
 
 class ToFloat8(torch.autograd.Function):
     """Differentiable cast: forward casts to float8, backward passes the gradient through in high
     precision (the cast is an identity up to rounding). Used where a float8 tensor must cross a
-    module boundary, e.g. a sequence-parallel input cast before its all-gather."""
+    module boundary, e.g. a sequence-parallel input cast before its all-gather.
+
+    Example::
+
+        >>> x = torch.randn(32, 16, requires_grad=True)
+        >>> ToFloat8.apply(x, CastSpec(), None).to_local()  # doctest: +SKIP
+    """
 
     @staticmethod
-    def forward(ctx, hp: torch.Tensor, float8_dtype: torch.dtype, kwargs: dict):
-        return cast_to_float8(hp, float8_dtype, **kwargs)
+    def forward(ctx, hp: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor]):
+        return cast_to_float8(hp, spec, scale)
 
     @staticmethod
     def backward(ctx, grad):

@@ -9,6 +9,12 @@ A :class:`Float8LinearConfig` is a table. Rows are the three gemms of a linear l
     grad_input    grad_output                     weight  (cast_config_weight_for_grad_input)
     grad_weight   grad_output (transposed)        input   (cast_config_*_for_grad_weight)
 
+The config is what users write (torchao's field names). What the code reads is its resolution:
+``config.cast_spec(gemm, operand)``, one frozen :class:`CastSpec` per cell, which holds everything
+a cast needs (float8 dtype, granularity, contraction axis, power-of-2 rounding, gemm options,
+scaling type). ``Gemm`` and ``Operand`` name the rows and columns; this module is the one place
+their tables live.
+
 All configs are frozen and keyword-only; contradictions are rejected in ``__post_init__`` with a
 message that says what to change.
 """
@@ -18,25 +24,101 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
 __all__ = [
-    "ScalingType",
-    "ScalingGranularity",
-    "CastConfig",
-    "DelayedScalingConfig",
-    "Float8GemmConfig",
-    "Float8LinearConfig",
-    "Float8LinearRecipeName",
-    "E4M3",
-    "E5M2",
+    "ScalingType", "ScalingGranularity", "Gemm", "Operand", "CastConfig", "CastSpec", "CastSpecs",
+    "CastSite", "DelayedScalingConfig", "Float8GemmConfig", "Float8LinearConfig",
+    "Float8LinearRecipeName", "ScaledMMConfig", "E4M3", "E5M2",
 ]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _FLOAT8_DTYPES = (E4M3, E5M2)
+
+
+class _Name(str, enum.Enum):
+    """An enum whose members compare equal to, print as and serialize as their string value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __hash__ = str.__hash__  # hash like the string it equals
+
+
+class Operand(_Name):
+    """A tensor that a linear layer casts to float8."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        """e4m3 for values (input, weight), e5m2 for gradients (more range, less precision)."""
+        return E5M2 if self is Operand.GRAD_OUTPUT else E4M3
+
+    @property
+    def gemms(self) -> Tuple["Gemm", "Gemm"]:
+        """The two gemms this operand enters."""
+        return tuple(g for g in Gemm if self in g.operands)
+
+
+class Gemm(_Name):
+    """One of the three gemms of a linear layer ([Note: gemms] in f8dist/linear.py)."""
+
+    OUTPUT = "output"
+    GRAD_INPUT = "grad_input"
+    GRAD_WEIGHT = "grad_weight"
+
+    @property
+    def operands(self) -> Tuple[Operand, Operand]:
+        """(left, right) operand."""
+        return _GEMM_OPERANDS[self]
+
+
+_GEMM_OPERANDS = {
+    Gemm.OUTPUT: (Operand.INPUT, Operand.WEIGHT),
+    Gemm.GRAD_INPUT: (Operand.GRAD_OUTPUT, Operand.WEIGHT),
+    Gemm.GRAD_WEIGHT: (Operand.GRAD_OUTPUT, Operand.INPUT),
+}
+
+# The contraction dim of each operand in each gemm, in the operand's own [rows, cols] layout
+# (input [M, K], weight [N, K], grad_output [M, N]): an axiswise cast takes its amax over it.
+_CONTRACTION_AXIS = {
+    (Gemm.OUTPUT, Operand.INPUT): -1,  # K
+    (Gemm.OUTPUT, Operand.WEIGHT): -1,  # K
+    (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT): -1,  # N
+    (Gemm.GRAD_INPUT, Operand.WEIGHT): 0,  # N
+    (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT): 0,  # M
+    (Gemm.GRAD_WEIGHT, Operand.INPUT): 0,  # M
+}
+
+# The config field that overrides an operand's main CastConfig in one gemm
+_OVERRIDE_FIELD = {
+    (Gemm.GRAD_INPUT, Operand.WEIGHT): "cast_config_weight_for_grad_input",
+    (Gemm.GRAD_WEIGHT, Operand.INPUT): "cast_config_input_for_grad_weight",
+    (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT): "cast_config_grad_output_for_grad_weight",
+}
+
+def _cell(gemm: Union[str, Gemm], operand: Union[str, Operand]) -> Tuple[Gemm, Operand]:
+    """``(gemm, operand)`` as enums; a clear error for a cell the table does not have."""
+    try:
+        g, op = Gemm(gemm), Operand(operand)
+    except ValueError:
+        g = op = None
+    if g is None or op not in g.operands:
+        raise ValueError(
+            f"no operand {str(operand)!r} in gemm {str(gemm)!r}; gemms and operands are "
+            f"{ {g.value: [o.value for o in g.operands] for g in Gemm} }"
+        )
+    return g, op
+
+
+def _field_name(gemm: Gemm, operand: Operand) -> str:
+    return _OVERRIDE_FIELD.get((gemm, operand), f"cast_config_{operand.value}")
 
 
 class ScalingType(enum.Enum):
@@ -133,7 +215,106 @@ class Float8GemmConfig:
     use_fast_accum: bool = False
 
 
-_DEFAULT_DTYPE = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+@dataclass(frozen=True)
+class ScaledMMConfig:
+    """How a float8 gemm runs (from the config of the linear whose gemm it is). Hashable: it
+    is compile-time metadata of every Float8Tensor."""
+
+    emulate: bool = False
+    use_fast_accum: bool = False
+    pad_inner_dim: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastSpec:
+    """Everything one cast to float8 needs: the resolved cell ``(gemm, operand)`` of a
+    :class:`Float8LinearConfig` for the linear ``fqn``. Made by ``Float8LinearConfig.cast_spec``;
+    ``f8dist.cast.cast_to_float8(t, spec)`` is the cast.
+
+    ``axis`` is the gemm's contraction dim in the operand's own layout; an axiswise cast takes one
+    scale per slice along it (its amax reduces over it). ``scaling_type`` DISABLED: the operand
+    stays in high precision (the gemm does too).
+
+    Example::
+
+        >>> spec = Float8LinearConfig.from_recipe_name("rowwise").cast_spec("grad_weight", "input")
+        >>> spec.dtype, spec.granularity.value, spec.axis
+        (torch.float8_e4m3fn, 'axiswise', 0)
+        >>> cast_to_float8(torch.randn(32, 16), CastSpec(dtype=E4M3))  # doctest: +SKIP
+    """
+
+    dtype: torch.dtype = E4M3
+    granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    axis: int = -1
+    scaling_type: ScalingType = ScalingType.DYNAMIC
+    round_scales_to_power_of_2: bool = False
+    mm_config: ScaledMMConfig = ScaledMMConfig()
+    gemm: Gemm = Gemm.OUTPUT
+    operand: Operand = Operand.INPUT
+    fqn: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "gemm", Gemm(self.gemm))
+        object.__setattr__(self, "operand", Operand(self.operand))
+        if self.dtype not in _FLOAT8_DTYPES:
+            raise ValueError(f"CastSpec.dtype must be a float8 dtype {_FLOAT8_DTYPES}, got {self.dtype}")
+        if not isinstance(self.axis, int):
+            raise TypeError(f"CastSpec.axis must be an int (a dim of the operand), got {self.axis!r}")
+        # the rest is validated where it comes from (CastConfig)
+        CastConfig(scaling_type=self.scaling_type, scaling_granularity=self.granularity)
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaling_type is not ScalingType.DISABLED
+
+    @property
+    def axiswise(self) -> bool:
+        return self.granularity is ScalingGranularity.AXISWISE
+
+    def axiswise_dim(self, ndim: int) -> Optional[int]:
+        """The dim (of an ``ndim``-D operand) an axiswise cast reduces over; None if tensorwise."""
+        return self.axis % ndim if self.axiswise else None
+
+    @property
+    def site(self) -> "CastSite":
+        return CastSite(self.fqn, self.gemm, self.operand)
+
+
+@dataclass(frozen=True)
+class CastSite:
+    """Where a cast happens: module FQN, gemm and operand (what telemetry is keyed by). The
+    enums hash and compare like their strings: ``CastSite("0", "output", "input")`` finds it."""
+
+    fqn: str
+    gemm: Gemm
+    operand: Operand
+
+    def __str__(self):
+        return f"{self.fqn or '<root>'}:{self.gemm}:{self.operand}"
+
+
+@dataclass(frozen=True)
+class CastSpecs:
+    """The six :class:`CastSpec` of one linear, by ``(gemm, operand)``: what Float8Linear
+    computes once from its config. Hashable (compile-time constant of the float8 matmul)."""
+
+    specs: Tuple[CastSpec, ...]
+    # backward's grad_weight gemm takes the forward's float8 input (see [Note: what the matmul
+    # keeps for backward] in f8dist/linear.py) instead of the high-precision one
+    save_float8_input: bool = False
+
+    def __getitem__(self, cell: Tuple[Gemm, Operand]) -> CastSpec:
+        gemm, operand = cell
+        return self.specs[_CELLS.index((gemm, operand))]
+
+    def gemm_in_float8(self, gemm: Gemm) -> bool:
+        return self[gemm, gemm.operands[0]].enabled
+
+    def __iter__(self):
+        return iter(self.specs)
+
+
+_CELLS = tuple(_CONTRACTION_AXIS)
 
 
 class Float8LinearRecipeName(enum.Enum):
@@ -191,25 +372,18 @@ class Float8LinearConfig:
     enable_pre_and_post_forward: bool = True
 
     def __post_init__(self):
-        for name in (
-            "cast_config_input",
-            "cast_config_input_for_grad_weight",
-            "cast_config_weight",
-            "cast_config_weight_for_grad_input",
-            "cast_config_grad_output",
-            "cast_config_grad_output_for_grad_weight",
-        ):
+        overrides = tuple(_OVERRIDE_FIELD.values())  # None: the operand's main config
+        for name in tuple(f"cast_config_{op.value}" for op in Operand) + overrides:
             value = getattr(self, name)
-            if value is None and name.endswith(("_for_grad_weight", "_for_grad_input")):
-                continue
-            if not isinstance(value, CastConfig):
+            if not isinstance(value, CastConfig) and not (value is None and name in overrides):
                 raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig, got {value!r}")
-        for name in ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight"):
+        for name in (f"gemm_config_{g.value}" for g in Gemm):
             if not isinstance(getattr(self, name), Float8GemmConfig):
                 raise TypeError(f"Float8LinearConfig.{name} must be a Float8GemmConfig")
 
         # A gemm runs in float8 only if both of its operands are cast; half-cast gemms do not exist.
-        for gemm, (left, right) in _GEMM_OPERANDS.items():
+        for gemm in Gemm:
+            left, right = gemm.operands
             a, b = self.cast_config(gemm, left), self.cast_config(gemm, right)
             if a.enabled != b.enabled:
                 on, off = (left, right) if a.enabled else (right, left)
@@ -221,7 +395,8 @@ class Float8LinearConfig:
                 )
 
         if self.axiswise_requantize_input_for_grad_weight:
-            fwd, gw = self.cast_config("output", "input"), self.cast_config("grad_weight", "input")
+            fwd = self.cast_config(Gemm.OUTPUT, Operand.INPUT)
+            gw = self.cast_config(Gemm.GRAD_WEIGHT, Operand.INPUT)
             if not (fwd.enabled and gw.enabled
                     and gw.scaling_granularity is ScalingGranularity.AXISWISE):
                 raise ValueError(
@@ -247,42 +422,68 @@ class Float8LinearConfig:
 
     # -- the resolved table -------------------------------------------------------------------
 
-    def cast_config(self, gemm: str, operand: str) -> CastConfig:
+    def cast_config(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> CastConfig:
         """The CastConfig of ``operand`` ("input", "weight", "grad_output") in ``gemm``
         ("output", "grad_input", "grad_weight")."""
-        if gemm not in _GEMM_OPERANDS or operand not in _GEMM_OPERANDS[gemm]:
-            raise ValueError(
-                f"no operand {operand!r} in gemm {gemm!r}; gemms and operands are "
-                f"{ {g: list(ops) for g, ops in _GEMM_OPERANDS.items()} }"
-            )
+        gemm, operand = _cell(gemm, operand)
         override = getattr(self, _field_name(gemm, operand))
         if override is not None:
             return override
-        return getattr(self, f"cast_config_{operand}")
+        return getattr(self, f"cast_config_{operand.value}")
 
-    def resolved_dtype(self, gemm: str, operand: str) -> torch.dtype:
+    def cast_spec(
+        self, gemm: Union[str, Gemm], operand: Union[str, Operand], fqn: str = ""
+    ) -> CastSpec:
+        """How ``operand`` is cast in ``gemm`` of the linear ``fqn``: the resolved cell."""
+        gemm, operand = _cell(gemm, operand)
+        cc = self.cast_config(gemm, operand)
+        return CastSpec(
+            dtype=cc.target_dtype or operand.default_dtype,
+            granularity=cc.scaling_granularity,
+            axis=_CONTRACTION_AXIS[(gemm, operand)],
+            scaling_type=cc.scaling_type,
+            round_scales_to_power_of_2=self.round_scales_to_power_of_2,
+            mm_config=ScaledMMConfig(
+                emulate=self.emulate,
+                use_fast_accum=self.gemm_config(gemm).use_fast_accum,
+                pad_inner_dim=self.pad_inner_dim,
+            ),
+            gemm=gemm,
+            operand=operand,
+            fqn=fqn,
+        )
+
+    def cast_specs(self, fqn: str = "") -> CastSpecs:
+        """All six cast specs of the linear ``fqn``."""
+        specs = CastSpecs(tuple(self.cast_spec(g, op, fqn) for g, op in _CELLS))
+        fwd, gw = specs[Gemm.OUTPUT, Operand.INPUT], specs[Gemm.GRAD_WEIGHT, Operand.INPUT]
+        # a tensorwise float8 input is the same bytes in both gemms (only the gemm options differ)
+        same_bytes = fwd.enabled and not fwd.axiswise and dataclasses.replace(
+            gw, gemm=fwd.gemm, axis=fwd.axis, mm_config=fwd.mm_config
+        ) == fwd
+        return dataclasses.replace(
+            specs,
+            save_float8_input=same_bytes or self.axiswise_requantize_input_for_grad_weight,
+        )
+
+    def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:
         """The float8 dtype ``operand`` is cast to in ``gemm``."""
-        dtype = self.cast_config(gemm, operand).target_dtype
-        return dtype if dtype is not None else _DEFAULT_DTYPE[operand]
+        return self.cast_spec(gemm, operand).dtype
 
-    def gemm_config(self, gemm: str) -> Float8GemmConfig:
-        return getattr(self, f"gemm_config_{gemm}")
+    def gemm_config(self, gemm: Union[str, Gemm]) -> Float8GemmConfig:
+        return getattr(self, f"gemm_config_{Gemm(gemm).value}")
 
-    def gemm_in_float8(self, gemm: str) -> bool:
-        left, _ = _GEMM_OPERANDS[gemm]
-        return self.cast_config(gemm, left).enabled
+    def gemm_in_float8(self, gemm: Union[str, Gemm]) -> bool:
+        gemm = Gemm(gemm)
+        return self.cast_config(gemm, gemm.operands[0]).enabled
 
     def uses(self, scaling_type: ScalingType) -> bool:
-        return any(
-            self.cast_config(g, op).scaling_type is scaling_type
-            for g, ops in _GEMM_OPERANDS.items()
-            for op in ops
-        )
+        return any(self.cast_config(g, op).scaling_type is scaling_type for g, op in _CELLS)
 
     def short_str(self) -> str:
         return ", ".join(
-            f"{g}:{'x'.join(self.cast_config(g, op).short_str() for op in ops)}"
-            for g, ops in _GEMM_OPERANDS.items()
+            f"{g.value}:{'x'.join(self.cast_config(g, op).short_str() for op in g.operands)}"
+            for g in Gemm
         )
 
     def replace(self, **changes) -> "Float8LinearConfig":
@@ -343,24 +544,3 @@ class Float8LinearConfig:
             )
 
         raise AssertionError(recipe_name)
-
-
-# gemm -> (left operand, right operand); see [Note: gemms] in f8dist/linear.py
-_GEMM_OPERANDS = {
-    "output": ("input", "weight"),
-    "grad_input": ("grad_output", "weight"),
-    "grad_weight": ("grad_output", "input"),
-}
-
-_OVERRIDE_FIELD = {
-    ("grad_input", "weight"): "cast_config_weight_for_grad_input",
-    ("grad_weight", "input"): "cast_config_input_for_grad_weight",
-    ("grad_weight", "grad_output"): "cast_config_grad_output_for_grad_weight",
-}
-
-
-def _field_name(gemm: str, operand: str) -> str:
-    return _OVERRIDE_FIELD.get((gemm, operand), f"cast_config_{operand}")
-
-
-GEMMS = tuple(_GEMM_OPERANDS)

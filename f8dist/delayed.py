@@ -16,13 +16,12 @@ One iteration::
                all-reduce(MAX) every fp8_amax_* of the model at once (one collective), roll each
                history, put the amax in front, fp8_scale_* = amax_to_scale(max(history))
 
-The amax recorded in forward and backward is ``tensor_amax`` (f8dist/scaling.py, the reduction a
-dynamic cast uses; 0 for an empty shard, as ``f8dist.scaling.tensor_amax`` gives it) of the *local*
-tensor: no collective runs in forward or backward. Under FSDP2
-(weight shards), TP (weight shards) and SP (sequence shards) the local amax is a partial one;
-the MAX all-reduce of the sync makes it the amax of the logical tensor, and under data
-parallelism the amax of the global batch. So after each sync every rank holds the histories and
-scales of one device that ran the global batch (``[Note: amax]`` in DESIGN.md).
+The amax recorded in forward and backward is ``tensor_amax`` of the *local* tensor (0 for an
+empty shard): no collective runs in forward or backward. Under FSDP2 and TP (weight shards) and
+SP (sequence shards) it is a partial amax; the sync's MAX all-reduce makes it the amax of the
+logical tensor, and under data parallelism that of the global batch. So after each sync every rank
+holds the histories and scales of one device that ran the global batch ([Note: amax] in
+f8dist/placement.py).
 
 [Note: first step]
 Before the first sync the buffers hold no history (scale 1.0). With ``enable_amax_init`` (the
@@ -34,18 +33,13 @@ are sharded, not split by data, so the logical amax is one device's: the float8 
 init their casts from it too (one scalar all-reduce per cast, first step only; [Note: delayed
 casts in the float8 styles] in f8dist/tp/style.py).
 
-Under FSDP2 float8 all-gather the weight is cast before the forward, in ``fsdp_pre_all_gather``:
-there the first step initializes the weight history from the amax of the WHOLE weight (one
-all-reduce over the shards, first step only, [Note: sharded weight amax] in
-f8dist/fsdp/amax.py); the forward then sees a float8 weight and initializes only input and
-grad_output as above.
+Under FSDP2 float8 all-gather the weight is cast before the forward, in ``fsdp_pre_all_gather``,
+which on the first step initializes the weight history from the amax of the WHOLE weight (one
+all-reduce over the shards); the forward then sees a float8 weight.
 
-``enable_amax_init=False`` casts the first step with scale 1.0. That is unsafe for small
-tensors: gradients are small (a mean over many tokens), and at scale 1.0 e5m2 flushes everything
-below 2**-16 to zero. Measured with ``scripts/train.py --float8 delayed --float8-all-gather
---float8-stats-every 1`` (2 ranks, default model): at scale 1.0 the first step's grad_output of
-wq, wk, w1 and w3 underflowed 92-100% (SQNR 0-3 dB), i.e. those layers got no gradient on step
-one. Keep it for autocast + compile + FSDP, where module-level Python state must not change.
+``enable_amax_init=False`` casts the first step with scale 1.0: unsafe for small tensors (at scale
+1.0 e5m2 flushes gradients below 2**-16 to zero; docs/numerics.md). Keep it for autocast + compile
++ FSDP, where module-level Python state must not change.
 
 ``enable_pre_and_post_forward`` (default on) makes a training forward (grad enabled) raise if the
 previous one was not followed by a sync, so scales never silently go stale; turn it off where
@@ -69,30 +63,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.cast import local_part, reduced_amax
-from f8dist.config import Float8LinearConfig, ScalingType
+from f8dist.cast import logical_amax
+from f8dist.config import Float8LinearConfig, Operand, ScalingType
+from f8dist.placement import all_reduce, local_part
 from f8dist.scaling import amax_to_scale, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
-    "DELAYED_BUFFER_PREFIXES",
-    "delayed_operands",
-    "register_delayed_buffers",
-    "delayed_scales",
-    "record_amax",
-    "record_and_scale",
-    "init_history",
-    "delayed_pre_forward",
-    "delayed_post_forward",
-    "sync_float8_amax_and_scale_history",
-    "strip_delayed_scaling_state",
+    "DELAYED_BUFFER_PREFIXES", "delayed_operands", "register_delayed_buffers", "delayed_scales",
+    "record_amax", "record_and_scale", "init_history", "delayed_pre_forward",
+    "delayed_post_forward", "sync_float8_amax_and_scale_history", "strip_delayed_scaling_state",
 ]
-
-_OPERAND_GEMMS = {
-    "input": ("output", "grad_weight"),
-    "weight": ("output", "grad_input"),
-    "grad_output": ("grad_input", "grad_weight"),
-}
 
 DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 
@@ -107,14 +88,14 @@ def delayed_operands(config: Float8LinearConfig) -> Dict[str, torch.dtype]:
     One history and one scale serve every delayed cast of an operand, so its delayed casts must
     share a dtype.
     """
-    out: Dict[str, torch.dtype] = {}
-    for op, gemms in _OPERAND_GEMMS.items():
-        cells = [g for g in gemms if config.cast_config(g, op).scaling_type is ScalingType.DELAYED]
+    out: Dict[Operand, torch.dtype] = {}
+    for op in Operand:
+        cells = [g for g in op.gemms if config.cast_config(g, op).scaling_type is ScalingType.DELAYED]
         dtypes = {config.resolved_dtype(g, op) for g in cells}
         if len(dtypes) > 1:
             raise ValueError(
                 f"{op} is cast with delayed scaling to {sorted(map(str, dtypes))} in gemms "
-                f"{cells}; one amax history gives one scale, so give these delayed casts the same "
+                f"{[g.value for g in cells]}; one amax history gives one scale, so give these delayed casts the same "
                 "target_dtype (or make one of them dynamic)"
             )
         if dtypes:
@@ -148,7 +129,7 @@ def delayed_scales(module: nn.Module) -> Optional[dict]:
     config = module.config
     scales = {}
     for op in module._delayed_operands:
-        for g in _OPERAND_GEMMS[op]:
+        for g in op.gemms:
             if config.cast_config(g, op).scaling_type is ScalingType.DELAYED:
                 scales[(g, op)] = _buffer(module, f"fp8_scale_{op}")
     return scales or None
@@ -177,7 +158,7 @@ def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
     """[Note: first step]: history and scale from the amax of the logical tensor."""
     if isinstance(local_part(hp), Float8Tensor):
         return
-    init_history(module, operand, local_part(reduced_amax(hp.detach())))  # [], Replicate for a DTensor
+    init_history(module, operand, local_part(logical_amax(hp.detach())))  # [], Replicate for a DTensor
 
 
 def init_history(module: nn.Module, operand: str, amax: torch.Tensor) -> None:
@@ -203,7 +184,7 @@ def record_and_scale(
     """
     starting = [m for m in modules if (not m.is_amax_initialized if init is None else init)]
     if starting:
-        amax = local_part(reduced_amax(hp.detach()))  # [], the logical tensor's
+        amax = local_part(logical_amax(hp.detach()))  # [], the logical tensor's
         for m in starting:
             init_history(m, operand, amax)
     local = tensor_amax(local_part(hp).detach())  # [], this rank's shard
@@ -281,16 +262,6 @@ def _delayed_layers(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if getattr(m, "_delayed_operands", None)]
 
 
-def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    """MAX over all ranks of the default group; the model's one collective per sync."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return t
-    return funcol.all_reduce(t, "max", dist.group.WORLD).wait()
-
-
 @torch.no_grad()
 def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     """Roll every delayed amax history of ``model`` and recompute its scales.
@@ -313,7 +284,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
         return
     entries = [(m, op) for m in layers for op in m._delayed_operands]
     amaxes = torch.stack([_buffer(m, f"fp8_amax_{op}") for m, op in entries])  # [E]
-    amaxes = _all_reduce_max(amaxes)  # [E]
+    amaxes = all_reduce(amaxes, "max")  # [E], over all ranks: the model's one collective
 
     # histories of one length and scales of one dtype are updated as one stacked tensor each
     groups: Dict[tuple, List[int]] = {}

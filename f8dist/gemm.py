@@ -1,17 +1,28 @@
 """The float8 gemm: ``torch._scaled_mm`` with the layout, padding and dtype rules it needs.
 
-``scaled_mm(a, b)`` computes ``a_hp @ b_hp`` for Float8Tensors ``a`` [M, K] and ``b`` [K, N], where
-``x_hp = x._data / x._scale``. It is what ``aten.mm`` on two Float8Tensors runs (tensor.py).
+``scaled_mm(a_data, a_scale, b_data, b_scale, ...)`` computes ``a_hp @ b_hp`` for float8 data
+``a`` [M, K] and ``b`` [K, N] with their scales, where ``x_hp = x_data / x_scale``. It is what
+``aten.mm`` on two Float8Tensors runs (the op table in f8dist/tensor.py); it knows nothing of
+Float8Tensor.
 
 [Note: scaled_mm constraints]
-CUDA's kernels want ``a`` row-major and ``b`` column-major, K and N multiples of 16, and (for
-per-row scales on some releases) a bfloat16 output. We honour the layout rules on every device, so
-a program that runs on the CPU runs on a GPU too:
+CUDA's kernels want ``a`` row-major and ``b`` column-major, K and N multiples of 16, float32
+scales of shape [] or [M, 1] / [1, N], and (for per-row scales) a bfloat16 output. We honour
+these rules on every device, so a program that runs on the CPU runs on a GPU too:
 
 * K or N not a multiple of 16: raise (``check_gemm_shape``), or with ``pad_inner_dim`` zero-pad
   them and slice the result, which is exact.
 * axiswise scales with a float32 output: run the gemm with unit scales in float32 and apply the
   scales to the float32 result. Exact, since a scale only multiplies the whole dot product.
+
+[Note: the CPU kernel]
+On the CPU, ``torch._scaled_mm`` is oneDNN's float8 matmul, which on CPUs without float8
+hardware (e.g. those with AMX-bf16) is its reference implementation: measured 600x slower than
+the bf16 matmul of the same shape, enough to turn a one-minute test run into an hour. No CPU
+gemm gains from float8 anyway, so on the CPU the gemm is ``f8dist::cpu_scaled_mm``: a custom op
+that checks CUDA's constraints above (so CI on the CPU proves them) and computes the exact
+float8 products in a float32 matmul, scaled afterwards. Being one opaque op, it leaves compiled
+graphs with the structure a GPU graph has (one extern gemm kernel reading float8 bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from f8dist.tensor import Float8Tensor
+from f8dist.config import ScaledMMConfig
 
 __all__ = ["scaled_mm", "check_gemm_shape", "GEMM_ALIGNMENT"]
 
@@ -40,22 +51,63 @@ def check_gemm_shape(k: int, n: int, *, what: str, pad_inner_dim: bool) -> None:
         )
 
 
-def rowwise_fp32_output_supported(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` on ``device`` emits float32 with per-row scales (CUDA's
-    rowwise kernels emit bfloat16 only; see [Note: scaled_mm constraints])."""
-    return device.type != "cuda"
+@torch.library.custom_op("f8dist::cpu_scaled_mm", mutates_args=())
+def cpu_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)`` on the CPU, under CUDA's
+    constraints ([Note: the CPU kernel]); ``scale_*`` are the dequantizing (inverse) scales."""
+    _check_cuda_constraints(a, b, scale_a, scale_b, out_dtype)
+    out = torch.mm(a.to(torch.float32), b.to(torch.float32))  # [M, N], float8 products are exact
+    return (out * scale_a * scale_b).to(out_dtype)
+
+
+@cpu_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _check_cuda_constraints(a, b, scale_a, scale_b, out_dtype) -> None:
+    (m, k), n = a.shape, b.shape[1]
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    problems = [msg for bad, msg in (
+        (a.stride(1) != 1, "a must be row-major"),
+        (b.stride(0) != 1, "b must be column-major"),
+        (k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT, f"K={k} and N={n} must be multiples of 16"),
+        (scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32, "scales must be float32"),
+        (rowwise and (tuple(scale_a.shape), tuple(scale_b.shape)) != ((m, 1), (1, n)),
+         f"per-row scales must be [M, 1] and [1, N], got {tuple(scale_a.shape)}, {tuple(scale_b.shape)}"),
+        (rowwise and out_dtype != torch.bfloat16, "per-row scales need a bfloat16 output"),
+    ) if bad]
+    if problems:
+        raise RuntimeError(f"torch._scaled_mm on CUDA would reject this gemm: {'; '.join(problems)}")
+
+
+def _kernel(a, b, scale_a, scale_b, *, out_dtype, use_fast_accum):
+    if a.device.type == "cpu":  # [Note: the CPU kernel]
+        return cpu_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    return torch._scaled_mm(
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
 
 
 def _round_up(x: int) -> int:
     return (x + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
 
 
-def scaled_mm(a: Float8Tensor, b: Float8Tensor) -> torch.Tensor:
-    """The float8 product of ``a`` [M, K] and ``b`` [K, N] in ``a``'s original dtype."""
-    cfg = a._mm_config
-    out_dtype = a._orig_dtype
-    a_data, b_data = a._data, b._data  # [M, K], [K, N]
-    a_scale, b_scale = a._scale, b._scale  # [] or [M, 1]; [] or [1, N]
+def scaled_mm(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    mm_config: ScaledMMConfig,
+) -> torch.Tensor:
+    """The product of float8 ``a_data`` [M, K] and ``b_data`` [K, N] scaled by ``a_scale`` ([] or
+    [M, 1]) and ``b_scale`` ([] or [1, N]), in ``out_dtype``."""
+    cfg = mm_config
     m, k = a_data.shape
     n = b_data.shape[1]
 
@@ -83,22 +135,14 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor) -> torch.Tensor:
     if axiswise and b_inv.dim() == 0:
         b_inv = b_inv.expand(1, b_data.shape[1])
 
-    if axiswise and out_dtype == torch.float32 and not rowwise_fp32_output_supported(a_data.device):
+    if axiswise and out_dtype == torch.float32:  # [Note: scaled_mm constraints]
         one = torch.ones((), dtype=torch.float32, device=a_data.device)
-        out = torch._scaled_mm(
-            a_data, b_data, scale_a=one, scale_b=one, out_dtype=torch.float32,
-            use_fast_accum=cfg.use_fast_accum,
-        )  # [M, N']
+        out = _kernel(a_data, b_data, one, one, out_dtype=torch.float32,
+                      use_fast_accum=cfg.use_fast_accum)  # [M, N']
         out = out * a_inv * b_inv
     else:
-        out = torch._scaled_mm(
-            a_data,
-            b_data,
-            scale_a=a_inv.contiguous(),
-            scale_b=b_inv.contiguous(),
-            out_dtype=out_dtype,
-            use_fast_accum=cfg.use_fast_accum,
-        )  # [M, N']
+        out = _kernel(a_data, b_data, a_inv.contiguous(), b_inv.contiguous(), out_dtype=out_dtype,
+                      use_fast_accum=cfg.use_fast_accum)  # [M, N']
     if pad_n:
         out = out[:, :n]
     return out

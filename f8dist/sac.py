@@ -30,11 +30,15 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import f8dist.gemm  # noqa: F401  (defines torch.ops.f8dist.cpu_scaled_mm)
+
 __all__ = ["Float8SACConfig", "float8_sac_context_fn", "float8_sac_policy"]
 
 aten = torch.ops.aten
 
-MATMUL_OPS = (aten.mm.default, aten._scaled_mm.default)
+# a float8 gemm is aten.mm of Float8Tensors, aten._scaled_mm once flattened, or f8dist's CPU
+# kernel (f8dist/gemm.py [Note: the CPU kernel])
+MATMUL_OPS = (aten.mm.default, aten._scaled_mm.default, torch.ops.f8dist.cpu_scaled_mm.default)
 
 ATTENTION_OPS = (
     aten._scaled_dot_product_flash_attention.default,

@@ -8,33 +8,41 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation).
 
-Only the ops in ``_OPS`` are defined (views, transposes, ``mm`` and what autograd, DTensor and
-FSDP2 need); anything else raises, so a float8 tensor never silently turns into garbage.
-``aten.mm`` on two Float8Tensors is the float8 gemm (``torch._scaled_mm``); because it is an aten
-op, a DTensor wrapping Float8Tensors runs its sharding propagation and calls it on the shards.
+Only the ops in the op table below are defined; anything else raises, so a float8 tensor never
+silently turns into garbage. The table is complete when this module is imported (it is the one
+place Float8Tensor ops are defined):
+
+* views and transposes (what autograd, DTensor and FSDP2 do to a tensor), ``as_strided`` (FSDP2's
+  view of an all-gathered weight);
+* ``mm``: the float8 gemm (``f8dist.gemm.scaled_mm``); because it is an aten op, a DTensor
+  wrapping Float8Tensors runs its sharding propagation and calls it on the shards;
+* the functional collectives, ``split`` and ``cat`` that DTensor's redistribution runs:
+  float8 crosses the wire as uint8 ([Note: float8 on the wire]).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch
 
+from f8dist.config import ScaledMMConfig
+from f8dist.gemm import scaled_mm
 from f8dist.scaling import dequantize
 
-__all__ = ["Float8Tensor", "ScaledMMConfig", "implements", "rewrap"]
+__all__ = ["Float8Tensor", "rewrap", "wrapper_like"]
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 
 
-@dataclass(frozen=True)
-class ScaledMMConfig:
-    """How a gemm that takes this operand runs. Hashable: it is compile-time metadata."""
-
-    emulate: bool = False
-    use_fast_accum: bool = False
-    pad_inner_dim: bool = False
+def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new wrapper subclass instance of ``cls`` with ``inner``'s shape, strides, device and
+    ``requires_grad``, looking like a tensor of ``dtype``."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+        dtype=dtype, layout=inner.layout, device=inner.device, requires_grad=inner.requires_grad,
+    )
 
 
 class Float8Tensor(torch.Tensor):
@@ -45,29 +53,11 @@ class Float8Tensor(torch.Tensor):
     _mm_config: ScaledMMConfig
 
     @staticmethod
-    def __new__(
-        cls,
-        data: torch.Tensor,
-        scale: torch.Tensor,
-        orig_dtype: torch.dtype,
-        axiswise_dim: Optional[int] = None,
-        mm_config: ScaledMMConfig = ScaledMMConfig(),
-    ):
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.size(),
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=orig_dtype,
-            layout=data.layout,
-            requires_grad=data.requires_grad,
-            device=data.device,
-        )
-        self._data = data
-        self._scale = scale
-        self._orig_dtype = orig_dtype
-        self._axiswise_dim = axiswise_dim
-        self._mm_config = mm_config
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
+                axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig()):
+        self = wrapper_like(cls, data, orig_dtype)
+        self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
+        self._axiswise_dim, self._mm_config = axiswise_dim, mm_config
         return self
 
     def __repr__(self):
@@ -134,7 +124,7 @@ class _Dequantize(torch.autograd.Function):
 _OPS: Dict[object, Callable] = {}
 
 
-def implements(ops):
+def _implements(ops):
     """Register a Float8Tensor implementation for one or more aten ops."""
 
     def decorator(fn):
@@ -157,14 +147,14 @@ def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same")
     )
 
 
-@implements([aten.detach.default, aten.alias.default, aten.clone.default])
+@_implements([aten.detach.default, aten.alias.default, aten.clone.default])
 def _same_scale_unary(func, args, kwargs):
     t = args[0]
     scale = t._scale if func is not aten.clone.default else t._scale.clone()
     return rewrap(t, func(t._data, *args[1:], **kwargs), scale)
 
 
-@implements([aten.t.default, aten.transpose.int])
+@_implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
@@ -177,7 +167,7 @@ def _transpose(func, args, kwargs):
     return rewrap(t, data, t._scale.t(), axis)
 
 
-@implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+@_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
     data = func(t._data, new_shape, *args[2:], **kwargs)
@@ -195,12 +185,12 @@ def _view(func, args, kwargs):
     return rewrap(t, data, scale, data.dim() - 1)
 
 
-@implements([aten.is_same_size.default])
+@_implements([aten.is_same_size.default])
 def _is_same_size(func, args, kwargs):
     return args[0].shape == args[1].shape
 
 
-@implements([aten.mm.default])
+@_implements([aten.mm.default])
 def _mm(func, args, kwargs):
     a, b = args
     if not (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)):
@@ -208,7 +198,98 @@ def _mm(func, args, kwargs):
             "a float8 gemm needs both operands in float8; got "
             f"{type(a).__name__} @ {type(b).__name__}"
         )
-    from f8dist.gemm import scaled_mm  # the gemm itself lives next to its kernels
+    return scaled_mm(
+        a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config
+    )
 
-    return scaled_mm(a, b)
 
+# FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided
+@_implements([aten.as_strided.default])
+def _as_strided(func, args, kwargs):
+    t = args[0]
+    if t.is_axiswise:
+        raise NotImplementedError("as_strided of an axiswise Float8Tensor is not defined")
+    return rewrap(t, func(t._data, *args[1:], **kwargs))
+
+
+# ---------------------------------------------------------------------------------------------
+# [Note: float8 on the wire]
+# ``DTensor.redistribute`` moves a local tensor with ``torch.ops._c10d_functional`` collectives
+# and reassembles gathered shards with ``split``/``cat``. For a Float8Tensor the float8 bytes
+# travel as a ``uint8`` view (gloo has no float8 type; NCCL carries the same bytes), and:
+#
+# * tensorwise: the scale is one number computed from the reduced amax ([Note: amax] in
+#   f8dist/placement.py), the same on every rank, so it stays metadata and is not sent;
+# * axiswise: each shard carries its own per-row scales ([..., 1] at the scaled-over dim); they
+#   are gathered with the data (4 bytes per row, against 1 per element), so a per-token cast
+#   needs no amax collective at all.
+#
+# The collective is waited on before a Float8Tensor is returned, so ``wait_tensor`` and DTensor's
+# async wrapper are identities here.
+# ---------------------------------------------------------------------------------------------
+
+
+def _gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    out = c10d.all_gather_into_tensor(t, group_size, group_name)
+    return c10d.wait_tensor(out)
+
+
+@_implements([c10d.all_gather_into_tensor.default])
+def _all_gather(func, args, kwargs):
+    t, group_size, group_name = args
+    if t.is_axiswise and t._axiswise_dim % t._data.dim() == 0:
+        raise NotImplementedError(
+            "cannot all-gather an axiswise Float8Tensor along its scaled-over dim 0: each shard "
+            "holds a partial row of the scales; cast along another dim or gather in high precision"
+        )
+    data = t._data.contiguous().view(torch.uint8)  # [n, ...] one byte per element
+    gathered = _gather(data, group_size, group_name).view(t._data.dtype)  # [n * group_size, ...]
+    scale = t._scale
+    if t.is_axiswise:
+        scale = _gather(scale.contiguous(), group_size, group_name)  # [n * group_size, ..., 1, ...]
+    return rewrap(t, gathered, scale)
+
+
+# DTensor wraps a collective's result for async waiting (torch >= 2.13 routes this through an op,
+# which its Python module defines: import it so the table is complete whatever was imported first)
+if torch.distributed.is_available():
+    import torch.distributed._functional_collectives  # noqa: F401
+_WRAPS = [c10d.wait_tensor.default]
+if hasattr(c10d, "_wrap_tensor_autograd"):
+    _WRAPS.append(c10d._wrap_tensor_autograd.default)
+
+
+@_implements(_WRAPS)
+def _already_waited(func, args, kwargs):
+    return args[0]  # gathered synchronously in _all_gather
+
+
+@_implements([aten.split.Tensor, aten.chunk.default])
+def _split(func, args, kwargs):
+    t, size_or_chunks = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    datas = func(t._data, size_or_chunks, dim)
+    if not t.is_axiswise:
+        return [rewrap(t, d) for d in datas]
+    if dim % t._data.dim() == t._axiswise_dim % t._data.dim():
+        raise NotImplementedError("cannot split an axiswise Float8Tensor along its scaled-over dim")
+    scales = func(t._scale, size_or_chunks, dim)
+    return [rewrap(t, d, s) for d, s in zip(datas, scales)]
+
+
+@_implements([aten.cat.default])
+def _cat(func, args, kwargs):
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    first = tensors[0]
+    if not all(isinstance(t, Float8Tensor) for t in tensors):
+        raise TypeError("cat of Float8Tensors needs every piece in float8")
+    data = func([t._data.view(torch.uint8) for t in tensors], dim).view(first._data.dtype)
+    if not first.is_axiswise:
+        if any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors):
+            raise ValueError("cat of tensorwise Float8Tensors needs one shared scale")
+        return rewrap(first, data)
+    if dim % data.dim() == first._axiswise_dim % data.dim():
+        raise NotImplementedError("cannot cat axiswise Float8Tensors along their scaled-over dim")
+    scale = func([t._scale for t in tensors], dim)
+    return rewrap(first, data, scale)

@@ -1,6 +1,6 @@
 """Count the collectives of one training step (forward, backward, optimizer step and, where used,
 the FSDP scale precompute) per kind, on rank 0, with f8dist's collective counter
-(``f8dist.comm.count_collectives``), for bf16 and float8 under FSDP2, TP+SP and 2-D FSDP x TP.
+(``f8dist.testing.count_collectives``), for bf16 and float8 under FSDP2, TP+SP and 2-D FSDP x TP.
 
 Run with torchrun (gloo on CPU, nccl on GPU); 4 ranks give a 2 x 2 mesh for 2-D:
 
@@ -15,7 +15,7 @@ Scenarios (every float8 variant uses the tensorwise recipe):
 FSDP variants shard fp32 master weights and all-gather in bf16 (MixedPrecisionPolicy(param_dtype=
 bfloat16)); "fp8-ag" all-gathers float8 weights instead, "+precompute" computes their scales in
 one all-reduce after the optimizer step. ``bytes`` is the per-rank output bytes of the kind
-(f8dist/comm.py [Note: what is counted]); ``bytes_vs_bf16`` divides it by the bf16 variant's.
+(f8dist/testing/collectives.py [Note: what is counted]); ``bytes_vs_bf16`` divides it by the bf16 variant's.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import report  # noqa: E402
 from f8dist import Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from f8dist.comm import count_collectives, exit_cleanly  # noqa: E402
+from f8dist.testing import count_collectives  # noqa: E402
+from teardown import exit_cleanly  # noqa: E402
 from f8dist.models.llama import ModelArgs, Transformer  # noqa: E402
-from f8dist.tp.plan import parallelize_llama  # noqa: E402
+from f8dist.models import parallelize_llama  # noqa: E402
 
 COLUMNS = [
     "scenario", "variant", "kind", "fwd_calls", "fwd_bytes", "step_calls", "step_bytes",
@@ -185,5 +186,5 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
-    with exit_cleanly():  # [Note: gloo teardown] in f8dist/comm.py
+    with exit_cleanly():  # [Note: gloo teardown] in scripts/teardown.py
         main()

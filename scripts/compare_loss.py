@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from f8dist.comm import exit_cleanly  # noqa: E402
+from teardown import exit_cleanly  # noqa: E402
 import train  # noqa: E402  (scripts/train.py)
 
 DEFAULT_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
@@ -109,5 +109,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
 
 
 if __name__ == "__main__":
-    with exit_cleanly():  # [Note: gloo teardown] in f8dist/comm.py
+    with exit_cleanly():  # [Note: gloo teardown] in scripts/teardown.py
         main()

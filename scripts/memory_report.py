@@ -6,9 +6,9 @@ under ``float8_sac_context_fn``, for a SwiGLU FFN and a LLaMA-style transformer 
 
 kept: bytes allocated in the forward still alive at its end, output excluded (input included:
 it stands for the previous layer's output); scales: the part of kept made by amax reductions;
-peak: most bytes alive at once over fwd+bwd (CPU: live storages, see f8dist/memory.py; CUDA:
+peak: most bytes alive at once over fwd+bwd (CPU: live storages, see f8dist/testing/memory.py; CUDA:
 also torch.cuda.max_memory_allocated). --compiled adds what torch.compile's partitioner saves for
-backward (f8dist.memory.compiled_saved_bytes; input included, parameters excluded). The last section compares the two axiswise choices for the
+backward (f8dist.testing.compiled_saved_bytes; input included, parameters excluded). The last section compares the two axiswise choices for the
 grad_weight input (keep high precision vs requantize the float8 forward copy).
 """
 
@@ -20,7 +20,7 @@ import copy
 import torch
 
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
-from f8dist.memory import compiled_saved_bytes, measure_fwd_bwd
+from f8dist.testing import compiled_saved_bytes, measure_fwd_bwd
 from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
 
 RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"]

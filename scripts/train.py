@@ -47,11 +47,10 @@ from torch.distributed.tensor import DTensor
 
 import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
-from f8dist.models import ModelArgs, Transformer
+from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches
-from f8dist.comm import exit_cleanly
 from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
-from f8dist.tp import parallelize_llama
+from teardown import exit_cleanly  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 

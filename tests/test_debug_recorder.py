@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import f8dist
 from f8dist import cast as cast_module
+from f8dist.config import CastSpec
 from f8dist.debug import CastStats, cast_stats_tensors, record
 
 E4M3 = torch.float8_e4m3fn
@@ -61,9 +62,9 @@ def test_recorded_stats_equal_direct_cast_of_the_same_tensors():
                                         float8_dtype=fp8._data.dtype)
         assert stats[site] == direct, site
     # the first layer's input cast against an independent cast of x
-    own = f8dist.cast.cast_to_float8(
-        x, E4M3, granularity=f8dist.ScalingGranularity.AXISWISE, axiswise_dim=-1,
-        round_scales_to_power_of_2=True)
+    own = f8dist.cast.cast_to_float8(x, CastSpec(
+        dtype=E4M3, granularity=f8dist.ScalingGranularity.AXISWISE, axis=-1,
+        round_scales_to_power_of_2=True))
     assert stats[first].error_sq == pytest.approx((x - own.to_original_precision()).pow(2).sum().item())
 
 

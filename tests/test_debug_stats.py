@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from f8dist.cast import cast_to_float8
-from f8dist.config import ScalingGranularity
+from f8dist.config import CastSpec, ScalingGranularity
 from f8dist.debug.stats import CastStats, cast_stats_tensors, saturated_mask, saturation_threshold
 from f8dist.scaling import saturated_cast
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def stats_of(hp, dtype, **kwargs):
-    fp8 = cast_to_float8(hp, dtype, **kwargs)
+def stats_of(hp, dtype, scale=None, **kwargs):
+    fp8 = cast_to_float8(hp, CastSpec(dtype=dtype, **kwargs), scale)
     return CastStats.from_tensors(*cast_stats_tensors(hp, fp8._data, fp8._scale), float8_dtype=dtype)
 
 
@@ -70,7 +70,7 @@ def test_sqnr_amax_scale_match_direct_computation():
     g = torch.Generator().manual_seed(1)
     hp = torch.randn(64, 32, generator=g)
     for dtype, floor in ((E4M3, 25.0), (E5M2, 20.0)):
-        fp8 = cast_to_float8(hp, dtype)
+        fp8 = cast_to_float8(hp, CastSpec(dtype=dtype))
         s = stats_of(hp, dtype)
         dq = fp8.to_original_precision()
         direct = 10 * torch.log10(hp.pow(2).sum() / (hp - dq).pow(2).sum()).item()
@@ -83,8 +83,8 @@ def test_sqnr_amax_scale_match_direct_computation():
 
 def test_axiswise_scale_range():
     hp = torch.randn(8, 16) * torch.arange(1, 9).unsqueeze(1)  # [8, 16] rows of growing range
-    fp8 = cast_to_float8(hp, E4M3, granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
-    s = stats_of(hp, E4M3, granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+    fp8 = cast_to_float8(hp, CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1))
+    s = stats_of(hp, E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1)
     assert s.scale_min == fp8._scale.min().item() and s.scale_max == fp8._scale.max().item()
     assert s.scale_min < s.scale_max
 

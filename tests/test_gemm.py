@@ -2,10 +2,9 @@ import pytest
 import torch
 
 from f8dist.cast import cast_to_float8
-from f8dist.config import ScalingGranularity
-from f8dist.gemm import check_gemm_shape, scaled_mm
+from f8dist.config import CastSpec, ScaledMMConfig, ScalingGranularity
+from f8dist.gemm import check_gemm_shape
 from f8dist.numerics import sqnr
-from f8dist.tensor import ScaledMMConfig
 
 E4M3 = torch.float8_e4m3fn
 AXISWISE = ScalingGranularity.AXISWISE
@@ -15,9 +14,14 @@ def _operands(m, k, n, dtype, axiswise, mm_config):
     torch.manual_seed(0)
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     g = AXISWISE if axiswise else ScalingGranularity.TENSORWISE
-    fa = cast_to_float8(a, E4M3, granularity=g, axiswise_dim=1, mm_config=mm_config)
-    fb = cast_to_float8(b, E4M3, granularity=g, axiswise_dim=0, mm_config=mm_config)
+    fa = cast_to_float8(a, CastSpec(dtype=E4M3, granularity=g, axis=1, mm_config=mm_config))
+    fb = cast_to_float8(b, CastSpec(dtype=E4M3, granularity=g, axis=0, mm_config=mm_config))
     return a, b, fa, fb
+
+
+def scaled_mm(fa, fb):
+    """The float8 gemm as Float8Tensors run it (aten.mm -> f8dist.gemm.scaled_mm)."""
+    return torch.mm(fa, fb)
 
 
 @pytest.mark.parametrize("axiswise", [False, True])
@@ -54,16 +58,41 @@ def test_check_gemm_shape_names_the_culprit():
         check_gemm_shape(32, 8, what="layers.0.w1", pad_inner_dim=False)
 
 
-def test_fp32_rowwise_fallback_applies_scales_to_a_fp32_result(monkeypatch):
-    # CUDA's rowwise kernel emits bf16 only; the fallback (unit-scale fp32 gemm, scales applied
-    # after) must give the float32 result, not a bf16-rounded one. Forced here on the CPU.
-    import f8dist.gemm as gemm
-
+def test_fp32_rowwise_applies_scales_to_a_fp32_result():
+    # CUDA's rowwise kernel emits bf16 only; an fp32 rowwise gemm (unit-scale fp32 gemm, scales
+    # applied after) must give the float32 result, not a bf16-rounded one
     a, b, fa, fb = _operands(32, 64, 48, torch.float32, True, ScaledMMConfig())
-    native = scaled_mm(fa, fb)
-    monkeypatch.setattr(gemm, "rowwise_fp32_output_supported", lambda device: False)
-    fallback = scaled_mm(fa, fb)
-    assert fallback.dtype == torch.float32
+    out = scaled_mm(fa, fb)
+    assert out.dtype == torch.float32
     emu = scaled_mm(fa.with_mm_config(ScaledMMConfig(emulate=True)), fb)
-    assert sqnr(emu, fallback) > 100 and sqnr(native, fallback) > 100
-    assert sqnr(emu, fallback.bfloat16()) < 70  # what a bf16 output would have cost
+    assert sqnr(emu, out) > 100
+    assert sqnr(emu, out.bfloat16()) < 70  # what a bf16 output would have cost
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("a_col_major", ["a must be row-major"]),
+        ("b_row_major", ["b must be column-major"]),
+        ("rowwise_fp32", ["bfloat16 output"]),
+        ("rowwise_bad_shape", ["[M, 1] and [1, N]"]),
+    ],
+)
+def test_cpu_kernel_enforces_cuda_constraints(case, words):
+    # [Note: the CPU kernel]: what CUDA's torch._scaled_mm rejects, the CPU kernel rejects too
+    from f8dist.gemm import cpu_scaled_mm
+
+    a = torch.randn(32, 64).to(E4M3)
+    b = torch.randn(48, 64).to(E4M3).t()  # [64, 48] column-major
+    one, rows, cols = torch.ones(()), torch.ones(32, 1), torch.ones(1, 48)
+    args = {
+        "a_col_major": (a.t().contiguous().t(), b, one, one, torch.bfloat16),
+        "b_row_major": (a, b.contiguous(), one, one, torch.bfloat16),
+        "rowwise_fp32": (a, b, rows, cols, torch.float32),
+        "rowwise_bad_shape": (a, b, rows.t(), cols, torch.bfloat16),
+    }[case]
+    with pytest.raises(RuntimeError, match="would reject") as info:
+        cpu_scaled_mm(*args)
+    for word in words:
+        assert word in str(info.value)
+    assert cpu_scaled_mm(a, b, rows, cols, torch.bfloat16).shape == (32, 48)  # the valid call

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from f8dist.memory import measure_fwd_bwd, saved_tensor_bytes
+from f8dist.testing import measure_fwd_bwd, saved_tensor_bytes
 from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
 from f8dist.sac import float8_sac_context_fn
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.memory import measure_fwd_bwd
+from f8dist.testing import measure_fwd_bwd
 from f8dist.models.llama import FeedForward, ModelArgs
 from f8dist.sac import Float8SACConfig, float8_sac_context_fn, float8_sac_policy
 
@@ -117,7 +117,7 @@ def test_config_rejects_pointwise_ops_and_bad_values():
 def test_compiled_sac_keeps_no_more_than_bf16():
     """Under torch.compile the policy sees the same ops (``mm`` of Float8Tensors, amax) and
     AOTAutograd's partitioner applies it: float8 saves no more than bf16 for backward."""
-    from f8dist.memory import compiled_saved_bytes
+    from f8dist.testing import compiled_saved_bytes
 
     saved = {}
     for recipe in ("bf16", "tensorwise", "rowwise"):

@@ -3,18 +3,18 @@ import torch
 
 from f8dist.numerics import sqnr
 from f8dist.cast import cast_to_float8
-from f8dist.config import ScalingGranularity
+from f8dist.config import CastSpec, ScalingGranularity
 from f8dist.tensor import Float8Tensor
 
 E4M3 = torch.float8_e4m3fn
 
 
 def _tensorwise(x):
-    return cast_to_float8(x, E4M3)
+    return cast_to_float8(x, CastSpec(dtype=E4M3))
 
 
 def _rowwise(x):
-    return cast_to_float8(x, E4M3, granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+    return cast_to_float8(x, CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1))
 
 
 def test_looks_like_its_original_tensor():
@@ -59,7 +59,7 @@ def test_differentiable_cast_and_dequantize_pass_gradients_through():
     from f8dist.cast import ToFloat8
 
     x = torch.randn(4, 16, requires_grad=True)
-    t = ToFloat8.apply(x, E4M3, {})
+    t = ToFloat8.apply(x, CastSpec(dtype=E4M3), None)
     assert isinstance(t, Float8Tensor)
     (t.to_original_precision() * 3).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))

@@ -10,8 +10,8 @@ it runs without this module, eager or traced.
 Under FSDP2 or tensor parallel a cast may see DTensors: ``hp`` and a DTensor of Float8Tensors
 sharing its placements. Each rank computes the statistics of its shard (``cast_stats_tensors``,
 sums and maxima) and they are reduced over exactly the mesh dims that shard the tensor, the same
-rule as the amax (``[Note: amax]`` in DESIGN.md): Partial(sum) / Partial(max) for a Shard
-placement, nothing for a Replicate one. So every rank holds the statistics of the logical tensor
+rule as the amax (``[Note: amax]`` in f8dist/placement.py): a sum or max over the mesh axes
+whose placement shards the tensor, nothing over a Replicate one. So every rank holds the statistics of the logical tensor
 and a one-device run of the same model reports the same figures. Data parallelism does not shard
 activations: each rank records the casts of its own micro-batch, and rank 0 prints its own.
 """
@@ -25,9 +25,10 @@ import torch
 import torch.nn as nn
 
 from f8dist import cast as _cast_module
-from f8dist.cast import CastSite, is_dtensor
+from f8dist.config import CastSite, Gemm, Operand
 from f8dist.debug.stats import CastStats, cast_stats_tensors
 from f8dist.linear import Float8Linear
+from f8dist.placement import has_partial, is_dtensor, local_part, reduce_over_shards
 from f8dist.tensor import Float8Tensor
 
 __all__ = ["StatsRecorder", "record", "is_rank0"]
@@ -54,7 +55,7 @@ def _is_fake(*tensors) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     for t in tensors:
-        local = t.to_local() if is_dtensor(t) else t
+        local = local_part(t)
         inner = local._data if isinstance(local, Float8Tensor) else local
         if isinstance(inner, FakeTensor) or isinstance(local, FakeTensor):
             return True
@@ -66,19 +67,14 @@ def _reduce_over_shards(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sums and maxima of the logical tensor from those of the local shard (see
     [Note: statistics of the logical tensor])."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    if any(p.is_partial() for p in hp.placements):
+    if has_partial(hp.placements):
         raise ValueError(
             f"f8dist.debug: a cast of a DTensor with Partial placements {hp.placements} has no "
             "well-defined statistics; reduce it (redistribute to Replicate or Shard) before the cast"
         )
-    reduced = []
-    for t, op in ((sums, "sum"), (maxes, "max")):
-        placements = [Partial(op) if p.is_shard() else Replicate() for p in hp.placements]
-        dt = DTensor.from_local(t, hp.device_mesh, placements, run_check=False)
-        reduced.append(dt.full_tensor())
-    return reduced[0], reduced[1]
+    mesh, placements = hp.device_mesh, hp.placements
+    return (reduce_over_shards(sums, mesh, placements, "sum"),
+            reduce_over_shards(maxes, mesh, placements, "max"))
 
 
 class StatsRecorder:
@@ -200,13 +196,11 @@ class StatsRecorder:
     def _site_key(self, site: CastSite):
         """Model order, then gemm and operand order; names outside them (casts with other
         sites) after the known ones, alphabetically."""
-        from f8dist.config import GEMMS
-
         def rank(name, known):
             return (known.index(name), "") if name in known else (len(known), name)
 
-        return (self._order.get(site.fqn, len(self._order)), rank(site.gemm, GEMMS),
-                rank(site.operand, ("input", "weight", "grad_output")))
+        return (self._order.get(site.fqn, len(self._order)), rank(site.gemm, tuple(Gemm)),
+                rank(site.operand, tuple(Operand)))
 
     # -- reports (see f8dist/debug/report.py) ------------------------------------------------
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from f8dist.cast import is_dtensor, local_part
-from f8dist.config import ScalingType
-from f8dist.fsdp.amax import reduce_amax_over_shards
+from f8dist.config import Gemm, Operand, ScalingType
 from f8dist.fsdp.weight import Float8AllGatherWeight
+from f8dist.placement import is_dtensor, local_part, reduce_over_shards
 from f8dist.scaling import amax_to_scale, tensor_amax
 
 __all__ = ["precompute_float8_dynamic_scale_for_fsdp"]
@@ -33,20 +32,17 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
         >>> precompute_float8_dynamic_scale_for_fsdp(model)    # one all-reduce
         >>> model(x)                                           # no amax all-reduce
     """
-    from f8dist.linear import Float8Linear
-
     # weights sharded over the same mesh axes share their all-reduce(s), whatever their
     # placements say otherwise (2-D: colwise (_StridedShard(0), Shard(0)) and rowwise
     # (Shard(0), Shard(1)) weights both reduce over dp and tp)
     groups = {}  # (mesh, sharded axes) -> (placements, [(module, local weight)])
     for module in model.modules():
-        if not isinstance(module, Float8Linear):
-            continue
-        weight = module.weight
+        weight = getattr(module, "weight", None)
         local = local_part(weight)
         if not isinstance(local, Float8AllGatherWeight):
             continue
-        if module.config.cast_config_weight.scaling_type is not ScalingType.DYNAMIC:
+        spec = module.specs[Gemm.OUTPUT, Operand.WEIGHT]
+        if spec.scaling_type is not ScalingType.DYNAMIC:
             continue
         if not is_dtensor(weight):
             raise ValueError(
@@ -55,15 +51,13 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
             )
         local = weight._local_tensor  # the object FSDP2 calls the all-gather hooks on
         key = (weight.device_mesh, tuple(not p.is_replicate() for p in weight.placements))
-        groups.setdefault(key, (weight.placements, []))[1].append((module, local))
+        groups.setdefault(key, (weight.placements, []))[1].append((spec, local))
 
     for (mesh, _), (placements, members) in groups.items():
         amaxes = torch.stack([tensor_amax(w._tensor) for _, w in members])  # [n]
-        amaxes = reduce_amax_over_shards(amaxes, mesh, placements)  # [n]
-        for (module, w), amax in zip(members, amaxes):
-            config = module.config
+        amaxes = reduce_over_shards(amaxes, mesh, placements, "max")  # [n]
+        for (spec, w), amax in zip(members, amaxes):
             scale = amax_to_scale(
-                amax, config.resolved_dtype("output", "weight"),
-                round_to_power_of_2=config.round_scales_to_power_of_2,
+                amax, spec.dtype, round_to_power_of_2=spec.round_scales_to_power_of_2
             )
             w._precomputed = (scale, w._tensor._version)

@@ -6,7 +6,8 @@ With ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` a Float8Linear's
 checkpoints store) and implements FSDP2's all-gather extension hooks:
 
 * ``fsdp_pre_all_gather`` casts this rank's shard to float8 with the scale of the WHOLE weight
-  (``[Note: sharded weight amax]``; a precomputed or delayed scale when there is one), pads it to
+  (its amax reduced over the mesh axes sharding it, ``[Note: amax]`` in f8dist/placement.py: dp
+  under FSDP2, dp and tp under 2-D; a precomputed or delayed scale when there is one), pads it to
   FSDP2's padded shard size (uneven shards, empty ones included) and hands FSDP2 its bytes as
   ``uint8``, so gloo and NCCL carry it. The scale rides along as metadata: it is the same on every
   rank.
@@ -32,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from f8dist.cast import CastSite, cast_to_float8, is_dtensor, like, local_part
-from f8dist.config import Float8LinearConfig, ScalingType
-from f8dist.fsdp.amax import reduce_amax_over_shards
+from f8dist import delayed
+from f8dist.cast import cast_to_float8
+from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
+from f8dist.placement import is_dtensor, like, local_part, reduce_over_shards
 from f8dist.scaling import amax_to_scale, tensor_amax
-from f8dist.tensor import Float8Tensor, implements, rewrap
+from f8dist.tensor import Float8Tensor, wrapper_like
 
 __all__ = ["Float8AllGatherWeight"]
 
@@ -45,23 +47,11 @@ aten = torch.ops.aten
 # ops whose results stay wrapped: how FSDP2 shards, pads and re-views a parameter, and how
 # ``module.to(...)`` / ``to_empty`` rebuild one
 _KEEP_WRAPPED = {
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.chunk.default,
-    aten.slice.Tensor,
-    aten.narrow.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.as_strided.default,
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.new_zeros.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-    aten.empty_like.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor,
+    aten.narrow.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.as_strided.default, aten.detach.default, aten.alias.default, aten.clone.default,
+    aten._to_copy.default, aten.new_zeros.default, aten.new_empty.default,
+    aten.new_empty_strided.default, aten.empty_like.default,
 }
 
 
@@ -89,16 +79,7 @@ class Float8AllGatherWeight(torch.Tensor):
     def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig):
         if isinstance(tensor, Float8AllGatherWeight):
             tensor = tensor._tensor
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            tensor.size(),
-            strides=tensor.stride(),
-            storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype,
-            layout=tensor.layout,
-            device=tensor.device,
-            requires_grad=tensor.requires_grad,
-        )
+        self = wrapper_like(cls, tensor, tensor.dtype)
         self._tensor = tensor
         self._config = config
         self._precomputed = None
@@ -147,18 +128,14 @@ class Float8AllGatherWeight(torch.Tensor):
                 f"{tuple(shard.shape)} of a weight of shape {tuple(outer_size)}. Use the default "
                 "shard_placement_fn or enable_fsdp_float8_all_gather=False."
             )
-        config = getattr(module, "config", self._config)
-        fp8_dtype = config.resolved_dtype("output", "weight")
-        scale = self._scale_for_all_gather(mesh, module, config, fp8_dtype)
-        fqn = getattr(module, "fqn", "")
-        fp8 = cast_to_float8(
-            shard, fp8_dtype, scale=scale, site=CastSite(fqn, "output", "weight")
-        )
+        spec = _weight_spec(module, self._config)
+        scale = self._scale_for_all_gather(mesh, module, spec)
+        fp8 = cast_to_float8(shard, spec, scale)
         padded_rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to chunk 0's size
         data = fp8._data.view(torch.uint8)  # [rows, K]
         data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0])) if data.dim() == 2 else \
             F.pad(data, (0, padded_rows - data.shape[0]))  # [padded_rows, K]
-        return (data,), (scale, fp8_dtype)
+        return (data,), (scale, spec.dtype)
 
     def fsdp_post_all_gather(
         self,
@@ -181,27 +158,33 @@ class Float8AllGatherWeight(torch.Tensor):
             return
         return Float8Tensor(data, scale, param_dtype), (data,)
 
-    def _scale_for_all_gather(self, mesh, module, config, fp8_dtype) -> torch.Tensor:
+    def _scale_for_all_gather(self, mesh, module, spec) -> torch.Tensor:
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
-        if config.cast_config_weight.scaling_type is ScalingType.DELAYED:
+        if spec.scaling_type is ScalingType.DELAYED:
             # the module's amax history (f8dist.delayed) is already synced: no collective; the
             # shard's amax goes into the history at the next sync (one all-reduce for the model).
             # On the first step the history is empty: fill it from the whole weight's amax
             # ([Note: first step] in f8dist/delayed.py), the one all-reduce a dynamic scale takes
-            from f8dist.delayed import init_history, record_amax
-
             if not module.is_amax_initialized:
-                init_history(module, "weight", self._whole_weight_amax(mesh, module))
-            record_amax(module, "weight", self._tensor)
-            return module.delayed_scales()[("output", "weight")]
+                delayed.init_history(module, Operand.WEIGHT, self._whole_weight_amax(mesh, module))
+            delayed.record_amax(module, Operand.WEIGHT, self._tensor)
+            return module.delayed_scales()[(Gemm.OUTPUT, Operand.WEIGHT)]
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         amax = self._whole_weight_amax(mesh, module)
-        return amax_to_scale(amax, fp8_dtype, round_to_power_of_2=config.round_scales_to_power_of_2)
+        return amax_to_scale(amax, spec.dtype, round_to_power_of_2=spec.round_scales_to_power_of_2)
 
     def _whole_weight_amax(self, mesh, module) -> torch.Tensor:
         """amax of the logical weight: one all-reduce over the axes sharding it."""
-        return reduce_amax_over_shards(tensor_amax(self._tensor), *_sharding_of(self, module, mesh))
+        return reduce_over_shards(tensor_amax(self._tensor), *_sharding_of(self, module, mesh), "max")
+
+
+def _weight_spec(module, config: Float8LinearConfig):
+    """The output gemm's weight cast of the linear owning the weight (FSDP2's 1-argument hook
+    passes no module: then the wrapper's config, unnamed)."""
+    if module is not None and hasattr(module, "specs"):
+        return module.specs[Gemm.OUTPUT, Operand.WEIGHT]
+    return config.cast_spec(Gemm.OUTPUT, Operand.WEIGHT)
 
 
 def _sharding_of(local: torch.Tensor, module, mesh):
@@ -216,15 +199,6 @@ def _sharding_of(local: torch.Tensor, module, mesh):
     from torch.distributed.tensor import Shard
 
     return mesh, [Shard(0)] * mesh.ndim
-
-
-# FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided
-@implements([aten.as_strided.default])
-def _float8_as_strided(func, args, kwargs):
-    t = args[0]
-    if t.is_axiswise:
-        raise NotImplementedError("as_strided of an axiswise Float8Tensor is not defined")
-    return rewrap(t, func(t._data, *args[1:], **kwargs))
 
 
 def wrap_weight_for_float8_all_gather(module: torch.nn.Module) -> None:

@@ -1,7 +1,7 @@
 """A small LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention via
 ``scaled_dot_product_attention``), with torchtitan's module names.
 
-The names matter: tensor-parallel plans (``f8dist/tp/plan.py``) and memory tools address modules
+The names matter: tensor-parallel plans (``f8dist/models/llama_tp.py``) and memory tools address modules
 by fully qualified name, e.g. ``layers.0.attention.wq`` or ``layers.1.feed_forward.w2``::
 
     Transformer

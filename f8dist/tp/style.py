@@ -1,25 +1,28 @@
 """Float8 tensor- and sequence-parallel styles: PyTorch's styles, communicating in float8.
 
-``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput`` take the
-keyword arguments of ``torch.distributed.tensor.parallel``'s ``ColwiseParallel``,
-``RowwiseParallel`` and ``PrepareModuleInput`` and shard the same way. What changes:
+``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput`` subclass
+``torch.distributed.tensor.parallel``'s ``ColwiseParallel``, ``RowwiseParallel`` and
+``PrepareModuleInput``: they take the same keyword arguments, shard the same way, and override
+only the hooks those styles are built from (``_apply``, ``_prepare_input_fn`` /
+``_prepare_input_arg``, ``_prepare_output_fn``). What changes:
 
 [Note: cast before communicating]
 An activation that must be redistributed before a float8 gemm (the sequence-parallel all-gather
-``Shard(1) -> Replicate``) is cast to float8 *first*, with the cast config of the gemm that
-consumes it, so the all-gather moves 1 byte per element ([Note: float8 on the wire] in wire.py)
-and the linear reuses the gathered bytes instead of casting again. The cast is
-``f8dist.cast.cast_to_float8`` on the sharded DTensor, so its amax is the amax of the logical
-tensor ([Note: amax]): a tensorwise amax is all-reduced over tp, a per-token (axiswise) amax needs
-no collective because each token's row lives on one rank.
+``Shard(1) -> Replicate``) is cast to float8 *first*, as the consuming linear's
+``(output, input)`` cast spec says, so the all-gather moves 1 byte per element ([Note: float8 on
+the wire] in f8dist/tensor.py) and the linear reuses the gathered bytes instead of casting again.
+The cast is ``cast_to_float8`` on the sharded DTensor, so its amax is the amax of the logical
+tensor ([Note: amax] in f8dist/placement.py): a tensorwise amax is all-reduced over tp, a per-token
+(axiswise) amax needs no collective because each token's row lives on one rank.
 
 Symmetrically, the gradient of a rowwise-parallel output that was reduce-scattered to sequence
 shards comes back sequence-sharded and is all-gathered in backward: it is cast to float8 (the
-grad_output cast of the grad_input gemm) before that all-gather.
+``(grad_input, grad_output)`` cast) before that all-gather.
 
 Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per column) re-scale the
-communicated float8 tensor (``linear._cast``), a second rounding that a one-device
-run does not have; layers whose input needs no redistribution are not cast here at all.
+communicated float8 tensor (``cast_to_float8`` of a float8 tensor that does not fit), a second
+rounding that a one-device run does not have; layers whose input needs no redistribution are not
+cast here at all.
 
 [Note: float8 gradients under compile]
 The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
@@ -30,143 +33,91 @@ the rowwise style therefore all-gathers the gradient in high precision; forward 
 still cast before their all-gather. Eager mode sends float8 both ways.
 
 [Note: delayed casts in the float8 styles]
-With ``ScalingType.DELAYED`` (recipe "delayed") the casts above take their scale from the amax
-history of the linear that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py),
-exactly as the linear would itself (``f8dist.delayed.record_and_scale``):
+With ``ScalingType.DELAYED`` the casts above take their scale from the amax history of the linear
+that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py), as the linear would:
+the style records the amax of the rank's *shard* (forward: the input; backward, rowwise style:
+the sequence-sharded gradient) into the linear and casts with its scale; no amax collective runs.
+The linear reuses the float8 bytes and records nothing more, and the sync's one MAX all-reduce
+makes the shard amaxes the logical tensor's, so every rank holds one device's histories. On the
+first step ([Note: first step]) the history is filled from the logical tensor's amax, reduced
+over tp (one scalar all-reduce per cast, first step only).
 
-* forward: the style records the amax of the rank's *shard* of the input into the linear's
-  ``fp8_amax_input`` and casts the shard with its ``fp8_scale_input``; no amax collective runs.
-  The linear receives the gathered float8 bytes, reuses them and records nothing more.
-* backward: ``Float8RowwiseParallel`` records the amax of the sequence-sharded gradient into
-  ``fp8_amax_grad_output`` and casts it with ``fp8_scale_grad_output`` before the all-gather.
-* ``sync_float8_amax_and_scale_history``'s one MAX all-reduce turns the shard amaxes into the amax
-  of the logical tensor, so every rank holds the histories and scales of one device.
-* first step (``enable_amax_init``, the default; [Note: first step]): the history and scale are
-  filled from the amax of the logical tensor, reduced over tp, so the first step also equals one
-  device's. That costs one scalar all-reduce per such cast, on the first step only;
-  ``enable_amax_init=False`` avoids it (the first step casts with scale 1.0, as one device with
-  that config does).
-* shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``): the input is cast
-  once, with the named linear's scale, and its amax is recorded into *every* delayed Float8Linear
-  below the module. The linears that consume that input (wq/wk/wv, w1/w3) thus record the same
-  amaxes every step, from the same first step, so their histories and scales are identical to the
-  named one's and to what each has on one device: which linear's scale casts makes no
-  difference (given one config for all of them, which reusing the bytes assumes anyway). A linear
-  below the module that is fed another tensor (wo, w2) records its own input in its forward,
-  which runs later and overwrites the shared amax (and on the first step re-initializes its
-  history). Caveat: a delayed linear below the module that does not run in a step keeps the
-  shared amax for that step, where one device would keep its previous one.
+A shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``) is cast once with
+the named linear's scale and its amax is recorded into *every* delayed Float8Linear below the
+module: the linears consuming it (wq/wk/wv, w1/w3) thus hold the same histories, as on one device;
+one fed another tensor (wo, w2) overwrites the shared amax in its own forward, which runs later.
+Caveat: a delayed linear below the module that does not run in a step keeps the shared amax.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from functools import partial
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_module
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-from torch.distributed.tensor.placement_types import Placement
 
-import f8dist.tp.wire  # noqa: F401  (registers the Float8Tensor collectives)
-from f8dist.cast import ToFloat8, cast_to_float8
 from f8dist import delayed
-from f8dist.config import E4M3, CastConfig, Float8LinearConfig, ScalingType
+from f8dist.cast import ToFloat8, cast_to_float8
+from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.gemm import check_gemm_shape
-from f8dist.linear import Float8Linear, cast_kwargs
+from f8dist.linear import Float8Linear
+from f8dist.placement import has_partial
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
 
+OUTPUT_INPUT = (Gemm.OUTPUT, Operand.INPUT)
+GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
+
 
 # ---------------------------------------------------------------------------------------------
-# the shared cast helper
+# casts made outside the linear
 # ---------------------------------------------------------------------------------------------
 
 
-class _Float8InputCast:
-    """Casts a linear's input to float8 as the linear's ("output", "input") cast config says.
+def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor, init=None):
+    """The scale of a cast of ``x`` made for ``linears`` outside their forward: None (dynamic),
+    or, when they keep an amax history of the operand, the delayed scale after recording ``x``'s
+    amax into them ([Note: delayed casts in the float8 styles]). The operand is recorded even when
+    only another gemm's cast of it is delayed: the linears get float8 bytes and cannot record it."""
+    if not linears or spec.operand not in linears[0]._delayed_operands:
+        return None
+    scale = delayed.record_and_scale(list(linears), spec.operand, x, init)
+    return scale if spec.scaling_type is ScalingType.DELAYED else None
 
-    A callable ``(x, mod) -> x_fp8`` (differentiable: gradients pass through in high precision).
-    With a delayed input (see [Note: delayed casts in the float8 styles]) the input's amax is
-    recorded into ``linears`` (default: ``[mod]``, the linear the style is applied to) and the
-    cast uses the delayed scale of the first of them.
-    """
 
-    def __init__(self, config: Float8LinearConfig, fqn: str, linears=None):
-        cc = config.cast_config("output", "input")
-        self.enabled = cc.enabled
-        self.dtype = config.resolved_dtype("output", "input")
-        self.kwargs = cast_kwargs(config, "output", "input", fqn)
-        self.delayed_scale = cc.scaling_type is ScalingType.DELAYED
-        # the input is recorded even when only another gemm's input cast is delayed: the linear
-        # gets float8 bytes and cannot record it itself
-        self.records = "input" in delayed.delayed_operands(config)
-        self.linears, self.fqn = linears, fqn
-
-    def __call__(self, x: torch.Tensor, mod: Optional[nn.Module] = None) -> torch.Tensor:
-        if not self.enabled:
-            return x
-        kwargs = self.kwargs
-        if self.records:
-            linears = self.linears if self.linears is not None else [mod]
-            if linears[0] is None:
-                raise RuntimeError(
-                    f"{self.fqn or '<root>'}: a delayed input cast needs the Float8Linear whose "
-                    "amax history it records into and scales from"
-                )
-            scale = delayed.record_and_scale(linears, "input", x)
-            if self.delayed_scale:
-                kwargs = dict(kwargs, scale=scale)
-        return ToFloat8.apply(x, self.dtype, kwargs)
+def _cast_input(x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear]) -> torch.Tensor:
+    """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision)."""
+    if not spec.enabled:
+        return x
+    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x))
 
 
 class _CastGradToFloat8(torch.autograd.Function):
-    """Identity in forward; in backward casts the gradient to float8 as the ("grad_input",
-    "grad_output") cast config says, so that what backward communicates next moves in float8.
-
-    ``module``: the Float8Linear whose output this is; needed when its grad_output is delayed
-    (its amax is recorded there and its delayed scale used, [Note: delayed casts in the float8
-    styles])."""
+    """Identity in forward; in backward casts the gradient of ``mod``'s output as its
+    ``(grad_input, grad_output)`` spec says, so that what backward communicates next moves in
+    float8 (a delayed cast records into ``mod`` and uses its scale)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, config: Float8LinearConfig, fqn: str, module=None):
-        ctx.config, ctx.fqn, ctx.module = config, fqn, module
+    def forward(ctx, x: torch.Tensor, mod: Float8Linear):
+        ctx.mod = mod
         # whether the forward that made x was the linear's first step (read now: it is reset
         # by the time backward runs)
-        ctx.init = bool(getattr(module, "_delayed_init_forward", False))
+        ctx.init = bool(getattr(mod, "_delayed_init_forward", False))
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        config = ctx.config
-        scale = None
-        if "grad_output" in delayed.delayed_operands(config):
-            if ctx.module is None:
-                raise RuntimeError(
-                    f"{ctx.fqn or '<root>'}: a delayed grad_output cast needs the Float8Linear "
-                    "whose amax history it records into and scales from"
-                )
-            scale = delayed.record_and_scale([ctx.module], "grad_output", grad, ctx.init)
-            if config.cast_config("grad_input", "grad_output").scaling_type is not ScalingType.DELAYED:
-                scale = None
-        fp8 = cast_to_float8(
-            grad,
-            config.resolved_dtype("grad_input", "grad_output"),
-            scale=scale,
-            **cast_kwargs(config, "grad_input", "grad_output", ctx.fqn),
-        )
-        return fp8, None, None, None
+        spec = ctx.mod.specs[GRAD_INPUT_GRAD_OUTPUT]
+        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.init)), None
 
 
-def _moves(x: DTensor, placements) -> bool:
-    """Whether redistributing ``x`` to ``placements`` communicates (Shard(-1) is Shard(ndim-1))."""
-
-    def norm(p):
-        return Shard(p.dim % x.ndim) if isinstance(p, Shard) else p
-
-    return tuple(map(norm, x.placements)) != tuple(map(norm, placements))
+# ---------------------------------------------------------------------------------------------
+# checks made when a style is applied
+# ---------------------------------------------------------------------------------------------
 
 
 def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
@@ -182,17 +133,13 @@ def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
     raise TypeError(f"{style} got a {type(module).__name__}, not a Float8Linear: {hint}")
 
 
-def _delayed_input(m: nn.Module) -> bool:
-    return isinstance(m, Float8Linear) and "input" in m._delayed_operands
-
-
 def _check_castable_layouts(style: str, layouts) -> None:
-    for p in layouts:
-        if p is not None and p.is_partial():
-            raise ValueError(
-                f"{style}: input layout {p} cannot be cast to float8: the amax of partial sums is "
-                "not the amax of their sum. Reduce the input first (pass Replicate() or Shard(d))."
-            )
+    if has_partial(layouts):
+        raise ValueError(
+            f"{style}: input layouts ({', '.join(map(str, layouts))}) cannot be cast to float8: the amax of "
+            "partial sums is not the amax of their sum. Reduce the input first (pass Replicate() "
+            "or Shard(d))."
+        )
 
 
 def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, style: str) -> None:
@@ -211,9 +158,13 @@ def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, styl
             k, n, pad_inner_dim=False,
             what=(
                 f"{style} on {module.fqn or '<root>'} ({in_f} -> {out_f}) over {tp} ranks: "
-                f"local shard of {'in' if sharded == 'in' else 'out'}_features = {size}"
+                f"local shard of {sharded}_features = {size}"
             ),
         )
+
+
+def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layouts) -> DTensor:
+    return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, layouts, run_check=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,60 +172,39 @@ def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, styl
 # ---------------------------------------------------------------------------------------------
 
 
-class _Float8LinearParallel:
-    """What :class:`Float8ColwiseParallel` and :class:`Float8RowwiseParallel` share: checked
-    layouts, the cast of an input before it is redistributed ([Note: cast before
-    communicating]), and ``_apply`` on a Float8Linear. Listed before PyTorch's style in the bases;
-    subclasses set ``_sharded_features`` ("out": colwise, "in": rowwise)."""
+class _Float8LinearStyle:
+    """What :class:`Float8ColwiseParallel` and :class:`Float8RowwiseParallel` add to PyTorch's
+    style (the next base class): checks at ``_apply`` and the input cast of [Note: cast before
+    communicating]. Subclasses name the features they shard (``_sharded_features``)."""
 
-    _sharded_features: str
+    _sharded_features: str  # "out" (colwise) or "in" (rowwise)
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Optional[Placement] = None,
-        output_layouts: Optional[Placement] = None,
-        use_local_output: bool = True,
-    ):
-        super().__init__(
-            input_layouts=input_layouts, output_layouts=output_layouts,
-            use_local_output=use_local_output,
-        )
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         _check_castable_layouts(type(self).__name__, self.input_layouts)
-        if self._sharded_features == "in":
-            self.desired_input_layouts = (Shard(-1),)  # a rowwise linear takes in_features shards
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, cast, mod, inputs, device_mesh):
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-        if _moves(x, desired_input_layouts):
-            x = cast(x, mod)  # float8 before it is communicated
-            x = x.redistribute(placements=desired_input_layouts, async_op=True)
-        return x
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
         module = _float8_linear(module, name)
         _check_local_gemm(module, device_mesh, self._sharded_features, name)
-        cast = _Float8InputCast(module.config, module.fqn)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts, cast),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        return super()._apply(module, device_mesh)
+
+    def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        if input_layouts != desired_input_layouts:  # it will be communicated: float8 first
+            x = _as_dtensor(inputs[0], device_mesh, input_layouts)
+            inputs = (_cast_input(x, mod.specs[OUTPUT_INPUT], [mod]), *inputs[1:])
+        return super()._prepare_input_fn(
+            input_layouts, desired_input_layouts, mod, inputs, device_mesh
         )
 
 
-class Float8ColwiseParallel(_Float8LinearParallel, ColwiseParallel):
+class Float8ColwiseParallel(_Float8LinearStyle, ColwiseParallel):
     """``ColwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
 
     The weight is sharded on ``out_features`` (``Shard(0)``) and its float8 scale comes from the
     amax of the whole weight (all-reduced over tp). An input that arrives in another layout than
     ``Replicate()`` (sequence parallel: ``input_layouts=Shard(1)``) is cast to float8 with the
-    layer's input cast config *before* the all-gather, so the all-gather moves 1 byte per element
+    layer's input cast spec *before* the all-gather, so the all-gather moves 1 byte per element
     (see [Note: cast before communicating]).
 
     Keyword Args:
@@ -297,7 +227,7 @@ class Float8ColwiseParallel(_Float8LinearParallel, ColwiseParallel):
     _sharded_features = "out"
 
 
-class Float8RowwiseParallel(_Float8LinearParallel, RowwiseParallel):
+class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
     """``RowwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
 
     The weight is sharded on ``in_features`` (``Shard(1)``); the output is a partial sum that is
@@ -324,17 +254,15 @@ class Float8RowwiseParallel(_Float8LinearParallel, RowwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        sharded = any(isinstance(p, Shard) for p in output_layouts)
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
         if (
-            sharded
+            any(isinstance(p, Shard) for p in output_layouts)
             and mod.bias is None
-            and mod.config.gemm_in_float8("grad_input")
+            and mod.specs.gemm_in_float8(Gemm.GRAD_INPUT)
             and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
         ):
             # backward all-gathers the sharded gradient: cast it to float8 first
-            outputs = _CastGradToFloat8.apply(outputs, mod.config, mod.fqn, mod)
+            outputs = _CastGradToFloat8.apply(outputs, mod)
         return outputs.to_local() if use_local_output else outputs
 
 
@@ -342,7 +270,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
     """``PrepareModuleInput`` that casts the inputs it redistributes to float8 first.
 
     Put it on a module whose float8 linears share one input (attention's wq/wk/wv, a SwiGLU FFN's
-    w1/w3): the input is cast once, with the input cast config of the linear named by
+    w1/w3): the input is cast once, with the input cast spec of the linear named by
     ``fwd_config_submodule_fqn``, all-gathered once in float8, and every linear reuses the bytes.
     Those linears then take ``Float8ColwiseParallel()`` (their input already is ``Replicate()``).
 
@@ -352,8 +280,8 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         float8_dtype (torch.dtype, optional): the float8 dtype of a tensorwise dynamic cast, used
             only without ``fwd_config_submodule_fqn``; default ``torch.float8_e4m3fn``.
         fwd_config_submodule_fqn (str, optional): FQN (relative to this module) of the
-            Float8Linear whose ("output", "input") cast config the cast follows. Give it whenever
-            the linears use a non-default recipe, so their bytes are reused rather than re-cast.
+            Float8Linear whose ``(output, input)`` cast the cast follows. Give it whenever the
+            linears use a non-default recipe, so their bytes are reused rather than re-cast.
 
     Example::
 
@@ -369,24 +297,13 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         ... })
     """
 
-    def __init__(
-        self,
-        *,
-        input_layouts=None,
-        desired_input_layouts=None,
-        input_kwarg_layouts=None,
-        desired_input_kwarg_layouts=None,
-        use_local_output: bool = False,
-        float8_dtype: Optional[torch.dtype] = None,
-        fwd_config_submodule_fqn: Optional[str] = None,
-    ):
-        super().__init__(
-            input_layouts=input_layouts,
-            desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_output,
-        )
+    # set on the copy of the style that _apply binds to one module
+    _spec: Optional[CastSpec] = None
+    _linears: Sequence[Float8Linear] = ()
+
+    def __init__(self, *, float8_dtype: Optional[torch.dtype] = None,
+                 fwd_config_submodule_fqn: Optional[str] = None, **kwargs):
+        super().__init__(**kwargs)  # PrepareModuleInput's keywords
         if float8_dtype is not None and fwd_config_submodule_fqn is not None:
             raise ValueError(
                 "PrepareFloat8ModuleInput: pass float8_dtype or fwd_config_submodule_fqn, not "
@@ -397,20 +314,40 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         _check_castable_layouts(type(self).__name__, self.input_layouts or ())
         _check_castable_layouts(type(self).__name__, self.input_kwarg_layouts.values())
 
-    def _cast_for(self, module: nn.Module) -> _Float8InputCast:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # a style object may serve several modules (wildcard plans): bind a copy to this one
+        bound = copy.copy(self)
+        bound._spec, bound._linears = self._cast_for(module)
+        return PrepareModuleInput._apply(bound, module, device_mesh)
+
+    def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
+        if input_layout is not None and desired_layout is not None and input_layout != desired_layout:
+            if not isinstance(input, torch.Tensor):
+                raise TypeError(f"{type(self).__name__}: expected a tensor input, got {type(input)}")
+            x = _as_dtensor(input, mesh, (input_layout,))
+            input = _cast_input(x, self._spec, self._linears)  # float8 before it is communicated
+        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+
+    def _cast_for(self, module: nn.Module):
+        """(spec, linears) of the shared input's cast: the named linear's input spec, recording
+        into every delayed linear below ``module`` ([Note: delayed casts in the float8 styles])."""
         name = type(self).__name__
+        delayed_linears = {
+            n: m for n, m in module.named_modules()
+            if isinstance(m, Float8Linear) and Operand.INPUT in m._delayed_operands
+        }
         if self.fwd_config_submodule_fqn is None:
-            delayed_linears = [n for n, m in module.named_modules() if _delayed_input(m)]
             if delayed_linears:
                 raise ValueError(
-                    f"{name}: {delayed_linears} cast their input with delayed scaling, but "
+                    f"{name}: {list(delayed_linears)} cast their input with delayed scaling, but "
                     "without fwd_config_submodule_fqn the shared input would be cast with a "
                     "dynamic scale and no amax history would record it; pass "
                     "fwd_config_submodule_fqn=<the linear whose input cast config to follow>"
                 )
-            dtype = self.float8_dtype or E4M3
-            config = Float8LinearConfig(cast_config_input=CastConfig(target_dtype=dtype))
-            return _Float8InputCast(config, getattr(module, "fqn", ""))
+            config = Float8LinearConfig(
+                cast_config_input=CastConfig(target_dtype=self.float8_dtype or E4M3)
+            )
+            return config.cast_spec(*OUTPUT_INPUT, getattr(module, "fqn", "")), []
         try:
             sub = module.get_submodule(self.fwd_config_submodule_fqn)
         except AttributeError:
@@ -420,80 +357,19 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
                 f"submodule of {type(module).__name__}; its submodules are {children}"
             ) from None
         sub = _float8_linear(sub, f"{name}(fwd_config_submodule_fqn=...)")
-        # [Note: delayed casts in the float8 styles]: scale from sub, amax into every delayed
-        # linear below the module (its consumers; the others overwrite it in their forward)
-        others = [n for n, m in module.named_modules() if _delayed_input(m) and m is not sub]
-        if others and not _delayed_input(sub):
+        others = [m for m in delayed_linears.values() if m is not sub]
+        if others and Operand.INPUT not in sub._delayed_operands:
             raise ValueError(
-                f"{name}: {others} cast their input with delayed scaling but "
-                f"fwd_config_submodule_fqn={self.fwd_config_submodule_fqn!r} does not, so the "
-                "shared input would reach them cast with a dynamic scale and unrecorded; name a "
-                "linear with a delayed input cast (give the linears sharing the input one config)"
+                f"{name}: {[n for n, m in delayed_linears.items() if m is not sub]} cast their "
+                f"input with delayed scaling but fwd_config_submodule_fqn="
+                f"{self.fwd_config_submodule_fqn!r} does not, so the shared input would reach "
+                "them cast with a dynamic scale and unrecorded; name a linear with a delayed "
+                "input cast (give the linears sharing the input one config)"
             )
-        linears = [sub] + [module.get_submodule(n) for n in others]
-        return _Float8InputCast(sub.config, sub.fqn, linears)
-
-    def _prepare_input_arg(self, input: Any, mesh, input_layout, desired_layout, cast=None):
-        if input_layout is None:
-            return input
-        x = input
-        if not isinstance(x, DTensor):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{type(self).__name__}: expected a tensor input, got {type(x)}")
-            x = DTensor.from_local(x, mesh, (input_layout,), run_check=False)
-        if desired_layout is not None and _moves(x, (desired_layout,)):
-            if cast is not None:
-                x = cast(x)  # float8 before it is communicated
-            x = x.redistribute(placements=(desired_layout,))
-        return x.to_local() if self.use_local_output else x
-
-    def _prepare_input_fn(self, inputs, device_mesh, cast=None):
-        if self.input_layouts is None:
-            return inputs
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        if len(inputs) != len(self.input_layouts):
-            raise ValueError(
-                f"{type(self).__name__}: the module got {len(inputs)} inputs but input_layouts "
-                f"has {len(self.input_layouts)} entries (use None for inputs to leave alone)"
-            )
-        return tuple(
-            self._prepare_input_arg(x, device_mesh, layout, desired, cast)
-            for x, layout, desired in zip(inputs, self.input_layouts, self.desired_input_layouts)
-        )
-
-    def _prepare_input_kwarg_fn(self, inputs, kwarg_inputs, device_mesh, cast=None):
-        args = self._prepare_input_fn(inputs, device_mesh, cast)
-        kwargs = {
-            key: self._prepare_input_arg(
-                value, device_mesh, self.input_kwarg_layouts.get(key),
-                self.desired_input_kwarg_layouts.get(key), cast,
-            )
-            for key, value in kwarg_inputs.items()
-        }
-        return args, kwargs
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        cast = self._cast_for(module)
-        if self.with_kwargs:
-            module.register_forward_pre_hook(
-                lambda _, inputs, kwargs: self._prepare_input_kwarg_fn(
-                    inputs, kwargs, device_mesh, cast
-                ),
-                with_kwargs=True,
-            )
-        else:
-            module.register_forward_pre_hook(
-                lambda _, inputs: self._prepare_input_fn(inputs, device_mesh, cast)
-            )
-        return module
+        return sub.specs[OUTPUT_INPUT], [sub] + others
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
-            f"desired_input_layouts={self.desired_input_layouts}, "
-            f"input_kwarg_layouts={self.input_kwarg_layouts}, "
-            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, "
-            f"use_local_output={self.use_local_output}, float8_dtype={self.float8_dtype}, "
+            f"{super().__repr__()[:-1]}, float8_dtype={self.float8_dtype}, "
             f"fwd_config_submodule_fqn={self.fwd_config_submodule_fqn!r})"
         )

@@ -1,4 +1,4 @@
-"""torchrun program: f8dist.comm.count_collectives sees c10d, FSDP2-style and DTensor collectives
+"""torchrun program: f8dist.testing.count_collectives sees c10d, FSDP2-style and DTensor collectives
 with exact byte counts (2 ranks)."""
 
 import torch
@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from f8dist.comm import count_collectives
+from f8dist.testing import count_collectives
 from tests.distributed.common import init, main, write_result
 
 

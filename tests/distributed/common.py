@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from f8dist.comm import exit_cleanly
+from scripts.teardown import exit_cleanly
 from f8dist.numerics import sqnr  # noqa: F401  (re-exported for the programs)
 
 ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
@@ -65,7 +65,7 @@ def write_result(args, obj: dict) -> None:
 def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:
     """Run ``fn(args)``; a raising rank writes its traceback where the harness finds it."""
     args = parse_args(extra=extra_args)
-    with exit_cleanly():  # [Note: gloo teardown] in f8dist/comm.py
+    with exit_cleanly():  # [Note: gloo teardown] in scripts/teardown.py
         try:
             fn(args)
         except BaseException:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import f8dist
 from f8dist.cast import CastSite, cast_to_float8
-from f8dist.config import ScalingGranularity
+from f8dist.config import CastSpec, ScalingGranularity
 from f8dist.debug import record
 from tests.distributed.common import init, main, write_result
 
@@ -54,22 +54,27 @@ def direct_casts(mesh, device, checked):
     x = torch.randn(16, 32, generator=g) * torch.logspace(-6, 1, 32)  # [16, 32] wide range
     x[3, 5] = 0.0
     x = x.to(device)
+    # four casts of x, told apart by the (gemm, operand) of their sites
+    axiswise = ScalingGranularity.AXISWISE
     casts = [
-        ("tensorwise", E4M3, {}),
-        ("axiswise", E4M3, dict(granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)),
-        ("axiswise_e5m2", E5M2, dict(granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)),
-        ("given_scale", E4M3, dict(scale=torch.tensor(100.0, device=device))),  # saturates and underflows
+        (CastSpec(dtype=E4M3, gemm="output", operand="input", fqn="0"), None),  # tensorwise
+        (CastSpec(dtype=E4M3, granularity=axiswise, gemm="output", operand="weight", fqn="0"), None),
+        (CastSpec(dtype=E5M2, granularity=axiswise, gemm="grad_input", operand="grad_output",
+                  fqn="0"), None),
+        # a given scale that saturates and underflows
+        (CastSpec(dtype=E4M3, gemm="grad_weight", operand="input", fqn="0"),
+         torch.tensor(100.0, device=device)),
     ]
     for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
         xd = distribute_tensor(x, mesh, placements)
         with record(model) as ref_rec:
-            for name, dtype, kw in casts:
-                cast_to_float8(x, dtype, site=CastSite("0", name, "input"), **kw)
+            for spec, scale in casts:
+                cast_to_float8(x, spec, scale)
         with record(model) as rec:
-            for name, dtype, kw in casts:
-                cast_to_float8(xd, dtype, site=CastSite("0", name, "input"), **kw)
+            for spec, scale in casts:
+                cast_to_float8(xd, spec, scale)
         ref = ref_rec.stats()
-        given = ref[CastSite("0", "given_scale", "input")]
+        given = ref[CastSite("0", "grad_weight", "input")]
         assert given.saturated > 0 and given.underflow > 0, given  # the test can see both
         assert_same(rec.stats(), ref, f"cast_to_float8 {placements}")
         checked.append(f"direct {placements}")

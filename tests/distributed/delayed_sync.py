@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
-from f8dist.comm import count_collectives
+from f8dist.testing import count_collectives
 from tests.distributed.common import assert_equal, init, main, sqnr, write_result
 
 STEPS = 5

@@ -34,7 +34,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
-from f8dist.comm import count_collectives
+from f8dist.testing import count_collectives
 from f8dist.models.llama import FeedForward
 from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from tests.distributed.common import init, main, sqnr, write_result

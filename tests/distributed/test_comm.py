@@ -1,4 +1,4 @@
-"""f8dist.comm.count_collectives on 2 ranks: calls and bytes of known collectives."""
+"""f8dist.testing.count_collectives on 2 ranks: calls and bytes of known collectives."""
 
 from tests.distributed.harness import run_torchrun
 

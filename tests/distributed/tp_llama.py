@@ -6,7 +6,7 @@ Run by tests/distributed/test_tp.py::
     torchrun --nproc_per_node=4 tests/distributed/tp_llama.py --recipes tensorwise,rowwise --dp 2
 
 Every rank builds the same float8 model and a reference copy. The parallel model is sharded with
-the ready plan (f8dist/tp/plan.py) over tp (and FSDP2 over dp); each dp rank feeds its own batch.
+the ready plan (f8dist/models/llama_tp.py) over tp (and FSDP2 over dp); each dp rank feeds its own batch.
 The reference runs each dp rank's batch on one device. Compared (SQNR, fp32): the logits, the
 gradient of the embedding output (the first activation gradient), and every weight gradient
 (the reference's summed over the dp batches). Collectives are counted: the bytes of the forward
@@ -29,12 +29,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8dist.cast import cast_to_float8
-from f8dist.comm import count_collectives
+from f8dist.testing import count_collectives
 from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.models.llama import ModelArgs, Transformer
-from f8dist.tp.plan import parallelize_llama
+from f8dist.models import parallelize_llama
 from f8dist.tensor import Float8Tensor
-from f8dist.tp.style import _CastGradToFloat8, _Float8InputCast
+from f8dist.config import Gemm, Operand
+from f8dist.tp.style import _CastGradToFloat8, _cast_input
 from tests.distributed.common import init, main, sqnr, write_result
 
 BATCH, SEQ = 2, 16
@@ -53,11 +54,11 @@ def add_wire_casts(model: Transformer) -> None:
     parallel one, for recipes whose other-axis gemms re-scale communicated float8 tensors."""
 
     def cast_input(linear):
-        cast = _Float8InputCast(linear.config, linear.fqn)
-        return lambda mod, args: (cast(args[0]), *args[1:])
+        spec = linear.specs[Gemm.OUTPUT, Operand.INPUT]
+        return lambda mod, args: (_cast_input(args[0], spec, [linear]), *args[1:])
 
     def cast_grad(mod, args, out):
-        return _CastGradToFloat8.apply(out, mod.config, mod.fqn)
+        return _CastGradToFloat8.apply(out, mod)
 
     for block in model.layers.values():
         block.attention.register_forward_pre_hook(cast_input(block.attention.wq))
@@ -215,10 +216,7 @@ def check_weight_scales(model, reference, gathered: dict, precompute: bool) -> b
             continue
         ref = ref_modules[name]
         weight = ref.weight._tensor if isinstance(ref.weight, Float8AllGatherWeight) else ref.weight
-        expected = cast_to_float8(
-            weight.detach(), module.config.resolved_dtype("output", "weight"),
-            round_scales_to_power_of_2=module.config.round_scales_to_power_of_2,
-        )._scale
+        expected = cast_to_float8(weight.detach(), module.specs[Gemm.OUTPUT, Operand.WEIGHT])._scale
         found = {"all-gathered": gathered[module.fqn]}
         if precompute:
             found["precomputed"] = module.weight._local_tensor._precomputed[0]

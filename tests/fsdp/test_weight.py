@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from f8dist import Float8Linear, Float8LinearConfig, Float8Tensor
 from f8dist.cast import cast_to_float8
+from f8dist.config import CastSpec
 from f8dist.fsdp import Float8AllGatherWeight
 from f8dist.scaling import amax_to_scale
 
@@ -62,7 +63,7 @@ def test_pre_all_gather_casts_with_the_given_scale_and_pads(rows):
     shard = Float8AllGatherWeight(full[:rows], CONFIG)
     (data,), (meta_scale, dtype) = _pre_all_gather(shard, 3, 7, scale)  # 7 rows -> padded to 3
     assert data.dtype == torch.uint8 and data.shape == (3, 16)
-    expected = cast_to_float8(full[:rows], E4M3, scale=scale)._data.view(torch.uint8)
+    expected = cast_to_float8(full[:rows], CastSpec(dtype=E4M3), scale)._data.view(torch.uint8)
     assert torch.equal(data[:rows], expected)
     assert torch.equal(data[rows:], torch.zeros(3 - rows, 16, dtype=torch.uint8))
     assert meta_scale is scale and dtype == E4M3
@@ -75,7 +76,7 @@ def test_post_all_gather_gives_the_one_device_float8_weight_and_updates_in_place
     inputs = [_pre_all_gather(s, 2, 4, scale) for s in shards]
     gathered = torch.cat([i[0][0] for i in inputs])  # what the all-gather produces [4, 16]
     fp8, inner = shards[0].fsdp_post_all_gather((gathered,), inputs[0][1], torch.bfloat16)
-    one_device = cast_to_float8(full, E4M3)
+    one_device = cast_to_float8(full, CastSpec(dtype=E4M3))
     assert isinstance(fp8, Float8Tensor) and fp8.dtype == torch.bfloat16
     assert torch.equal(fp8._data.view(torch.uint8), one_device._data.view(torch.uint8))
     assert torch.equal(fp8._scale, one_device._scale)

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> from f8dist.comm import count_collectives
+    >>> from f8dist.testing import count_collectives
     >>> with count_collectives() as counts:           # doctest: +SKIP
     ...     loss = model(x).sum()
     >>> counts["all_gather"].calls, counts["all_gather"].output_bytes   # doctest: +SKIP
@@ -38,26 +38,16 @@ byte per element, uint8 on the wire) where a bf16 one has ``2 * n``.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Dict, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveStats", "CollectiveCounts", "count_collectives", "KINDS"]
 
-KINDS = (
-    "all_gather",
-    "reduce_scatter",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "gather",
-    "scatter",
-    "reduce",
-)
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "gather",
+         "scatter", "reduce")
 
 
 @dataclass
@@ -194,40 +184,3 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     counts = CollectiveCounts()
     with _CountingMode(counts):
         yield counts
-
-
-def shutdown_process_group(*, ok: bool = True) -> None:
-    """End a torchrun program's process group cleanly.
-
-    [Note: gloo teardown]
-    gloo's worker threads can still hold work objects with Python references when the interpreter
-    finalizes; destroying them then aborts the process ("terminate called without an active
-    exception", SIGABRT) after all the work was done, intermittently, and torchrun reports the
-    rank as failed. So: ranks leave together (a barrier, when ``ok``: after an error a peer may
-    never arrive), the group is destroyed while the interpreter is fully alive, and a successful
-    process exits at once, skipping finalization, once its output is flushed.
-    """
-    import sys
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if ok:
-        dist.barrier()
-    dist.destroy_process_group()
-    if ok:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-@contextlib.contextmanager
-def exit_cleanly() -> Iterator[None]:
-    """``with exit_cleanly(): main()`` in a torchrun program's ``__main__``: on success ends with
-    :func:`shutdown_process_group` (which exits the process), on an exception destroys the group
-    without waiting for peers and re-raises. See [Note: gloo teardown]."""
-    try:
-        yield
-    except BaseException:
-        shutdown_process_group(ok=False)
-        raise
-    shutdown_process_group(ok=True)

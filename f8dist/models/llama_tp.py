@@ -1,4 +1,4 @@
-"""A ready tensor + sequence parallel plan for the LLaMA-style model (f8dist/models/llama.py).
+"""A ready tensor + sequence parallel plan for the LLaMA-style model of ``llama.py``.
 
 The plan is torchtitan's: embeddings row-sharded with a sequence-sharded output, every norm
 sequence parallel, attention's wq/wk/wv and the FFN's w1/w3 column-sharded behind one shared
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from f8dist.linear import Float8Linear
-from f8dist.tp.style import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 __all__ = ["llama_tp_plan", "parallelize_llama"]
 

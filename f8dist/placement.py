@@ -1,0 +1,131 @@
+"""The one distributed rule of f8dist: a statistic of a tensor is the statistic of the logical tensor.
+
+[Note: amax]
+A scale is computed from an amax, and an amax is a reduction over the *logical* (global) tensor,
+never over one rank's piece of it. Under FSDP2, tensor parallel (TP), sequence parallel (SP) and
+2-D FSDP x TP a rank holds a shard, and DTensor's placements say which mesh axes shard it. So the
+amax is the plain torch reduction of what the rank holds, all-reduced (max) over exactly the mesh
+axes whose placement shards the tensor, and over no other axis:
+
+    replicated tensor (a TP-replicated activation)       no collective
+    FSDP2 weight (Shard(0) over dp)                       all-reduce over dp
+    TP weight or sequence-sharded activation               all-reduce over tp
+    2-D FSDP x TP weight                                  one all-reduce over dp and tp
+
+Then every rank casts its shard with the scale one device would compute from the whole tensor, and
+results match one device. The rule has two forms here, one per kind of caller:
+
+* :func:`reduce_partial`: the reduction ran as a DTensor op (``tensor_amax`` of an activation
+  DTensor), so DTensor already placed it ``Partial(max)`` on the sharding axes; turning those
+  placements ``Replicate`` is the all-reduce. It also reduces a ``Partial(sum)`` gradient.
+* :func:`reduce_over_shards`: the reduction ran on the local tensor (an FSDP2 shard, which may be
+  empty: ``tensor_amax`` gives 0, where DTensor's ``max`` would raise), and the sharded parameter's
+  ``(mesh, placements)`` name the axes to reduce over.
+
+Data parallelism does not shard activations: each rank scales its own micro-batch, as every float8
+recipe does; delayed scaling's history sync (``f8dist/delayed.py``) is where amaxes cross data
+parallel ranks (:func:`all_reduce`).
+
+Nothing else in f8dist inspects placements to decide a reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "is_dtensor",
+    "local_part",
+    "like",
+    "has_partial",
+    "reduce_partial",
+    "reduce_over_shards",
+    "all_reduce",
+]
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (checked by name, so that the core imports no torch.distributed)."""
+    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+
+
+def local_part(x: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor: ``x.to_local()`` for a DTensor, ``x`` itself otherwise."""
+    return x.to_local() if is_dtensor(x) else x
+
+
+def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as this rank's part of a DTensor laid out like ``template`` (same mesh,
+    placements, global shape and stride); ``local`` itself when ``template`` is no DTensor."""
+    if not is_dtensor(template):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, template.device_mesh, template.placements, run_check=False,
+        shape=template.shape, stride=template.stride(),
+    )
+
+
+def has_partial(placements: Sequence) -> bool:
+    """Whether any placement is a pending reduction (``Partial``)."""
+    return any(p is not None and p.is_partial() for p in placements)
+
+
+def reduce_partial(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its ``Partial`` placements reduced (made ``Replicate``; ``Shard`` and
+    ``Replicate`` placements stay): an all-reduce over exactly the axes that hold partial values.
+    Plain tensors and DTensors without ``Partial`` placements come back unchanged."""
+    if not is_dtensor(x) or not has_partial(x.placements):
+        return x
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_partial() else p for p in x.placements]
+    return x.redistribute(x.device_mesh, placements)
+
+
+def reduce_over_shards(local: torch.Tensor, mesh, placements: Sequence, op: str) -> torch.Tensor:
+    """Reduce (``op``: "max" or "sum") a value computed on this rank's shard over the mesh axes
+    whose placement shards the tensor (``placements`` of a sharded parameter or DTensor: ``Shard``
+    and ``_StridedShard`` shard, ``Replicate`` does not). Returns a plain tensor, the same on every
+    rank of the mesh.
+
+    ``local`` may stack the values of several tensors sharded alike: they travel together. A
+    tensor sharded over every axis of the mesh (2-D FSDP x TP weights) takes ONE collective over
+    the whole mesh, not one per axis.
+    """
+    sharded = [not p.is_replicate() for p in placements]
+    if not any(sharded):
+        return local
+    if all(sharded):
+        return all_reduce(local, op, _whole_mesh_group(mesh))
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    pending = [Partial(op) if s else Replicate() for s in sharded]
+    reduced = DTensor.from_local(local, mesh, pending, run_check=False)
+    return reduced.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+
+
+def all_reduce(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
+    """Functional all-reduce (``op``: "max" or "sum") of ``t`` over ``group`` (a process group or a
+    1-D device mesh; None: every rank); ``t`` itself when no process group is initialized."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return t
+    return funcol.wait_tensor(funcol.all_reduce(t, op, group if group is not None else dist.group.WORLD))
+
+
+def _whole_mesh_group(mesh) -> Optional[object]:
+    """A group spanning every rank of ``mesh``: the mesh itself when 1-D, else all ranks when it
+    spans the world, else its flattened 1-D mesh."""
+    import torch.distributed as dist
+
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.size() == dist.get_world_size():
+        return None
+    return mesh._flatten()

@@ -1,0 +1,51 @@
+"""How a torchrun program ends: ``with exit_cleanly(): main()``.
+
+Used by the scripts here and by the test programs (tests/distributed/common.py); not part of the
+library, which never ends a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+import torch.distributed as dist
+
+__all__ = ["exit_cleanly", "shutdown_process_group"]
+
+
+def shutdown_process_group(*, ok: bool = True) -> None:
+    """End a torchrun program's process group cleanly.
+
+    [Note: gloo teardown]
+    gloo's worker threads can still hold work objects with Python references when the interpreter
+    finalizes; destroying them then aborts the process ("terminate called without an active
+    exception", SIGABRT) after all the work was done, intermittently, and torchrun reports the
+    rank as failed. So: ranks leave together (a barrier, when ``ok``: after an error a peer may
+    never arrive), the group is destroyed while the interpreter is fully alive, and a successful
+    process exits at once, skipping finalization, once its output is flushed.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
+    if ok:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def exit_cleanly() -> Iterator[None]:
+    """``with exit_cleanly(): main()`` in a torchrun program's ``__main__``: on success ends with
+    :func:`shutdown_process_group` (which exits the process), on an exception destroys the group
+    without waiting for peers and re-raises. See [Note: gloo teardown]."""
+    try:
+        yield
+    except BaseException:
+        shutdown_process_group(ok=False)
+        raise
+    shutdown_process_group(ok=True)
