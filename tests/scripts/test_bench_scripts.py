@@ -125,3 +125,16 @@ def test_bench_comm_smoke(tmp_path):
         assert ratio <= 0.51
     else:
         assert all(r["note"].startswith("pending") for r in fp8_ag)
+
+
+def test_sqnr_table_prints_every_recipe_above_the_floors(capsys, monkeypatch):
+    import sqnr_table
+
+    monkeypatch.setattr(sys, "argv", ["sqnr_table.py", "--batch", "1", "--seq", "32",
+                                      "--in-features", "64", "--out-features", "32"])
+    sqnr_table.main()
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| recipe")]
+    assert {r[0].strip() for r in rows} == set(sqnr_table.RECIPES)
+    for recipe, dtype, *sqnrs in rows:
+        assert all(float(v) > 20 for v in sqnrs), (recipe, dtype, sqnrs)
