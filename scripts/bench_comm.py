@@ -14,8 +14,12 @@ Scenarios (every float8 variant uses the tensorwise recipe):
   2d llama     FSDP2 over dp x TP+SP over tp
 FSDP variants shard fp32 master weights and all-gather in bf16 (MixedPrecisionPolicy(param_dtype=
 bfloat16)); "fp8-ag" all-gathers float8 weights instead, "+precompute" computes their scales in
-one all-reduce after the optimizer step. ``bytes`` is the per-rank output bytes of the kind
-(f8dist/testing/collectives.py [Note: what is counted]); ``bytes_vs_bf16`` divides it by the bf16 variant's.
+one all-reduce after the optimizer step, "+fp8-rs" reduce-scatters gradients in float8
+(``enable_float8_reduce_scatter``: one uint8 all-to-all per FSDP unit). ``bytes`` is the per-rank
+output bytes of the kind (f8dist/testing/collectives.py [Note: what is counted]); ``bytes_vs_bf16`` divides it
+by the bf16 variant's; for the float8 reduce-scatter's all-to-all it divides its input bytes by
+those of the FSDP reduce-scatters it replaced in the bf16 variant (each rank's whole gradient
+buffer, reduced in fp32; under 2-D, TP's reduce-scatters stay and are not counted).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ COLUMNS = [
 ]
 SCENARIOS = ["fsdp mlp", "fsdp llama", "tp llama", "2d llama"]
 HAS_FSDP_FLOAT8 = importlib.util.find_spec("f8dist.fsdp") is not None
+FP8_RS = "float8+fp8-ag+precompute+fp8-rs"
+RS_NOTE = "input bytes / those of the fp32 FSDP reduce-scatters it replaced"
 PENDING = "pending: f8dist.fsdp (FSDP2 float8 all-gather) is not in this checkout"
 
 
@@ -64,7 +70,8 @@ def _variants(parallel: str):
     """(variant name, float8?, float8 all-gather?, precompute?) of one parallelism."""
     out = [("bf16", False, False, False), ("float8", True, False, False)]
     if parallel in ("fsdp", "2d"):
-        out += [("float8+fp8-ag", True, True, False), ("float8+fp8-ag+precompute", True, True, True)]
+        out += [("float8+fp8-ag", True, True, False), ("float8+fp8-ag+precompute", True, True, True),
+                (FP8_RS, True, True, True)]
     return out
 
 
@@ -113,6 +120,10 @@ def measure(scenario: str, variant, args, mesh) -> tuple:
     """Forward and whole-step counts of one training step (after one uncounted warm-up step)."""
     name, float8, fp8_ag, precompute = variant
     model, tokens = _build(scenario, args, float8, fp8_ag, mesh)
+    if name == FP8_RS:
+        from f8dist.fsdp import enable_float8_reduce_scatter
+
+        enable_float8_reduce_scatter(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
@@ -155,7 +166,7 @@ def run(args) -> list:
     rows = []
     for scenario in args.scenarios:
         parallel = scenario.split()[0]
-        baseline = {}
+        baseline, baseline_input = {}, {}
         for variant in _variants(parallel):
             name, _, fp8_ag, _ = variant
             if fp8_ag and not HAS_FSDP_FLOAT8:
@@ -165,13 +176,18 @@ def run(args) -> list:
             for kind, stats in whole.as_dict().items():
                 if name == "bf16":
                     baseline[kind] = stats["output_bytes"]
+                    baseline_input[kind] = stats["input_bytes"]
                 base = baseline.get(kind)
+                ratio = stats["output_bytes"] / base if base else None
+                rs_wire = name == FP8_RS and kind == "all_to_all"
+                if rs_wire:  # vs the reduce-scatters it replaced (TP's stay, under 2-D)
+                    replaced = baseline_input["reduce_scatter"] - whole["reduce_scatter"].input_bytes
+                    ratio = stats["input_bytes"] / replaced
                 rows.append({
                     "scenario": scenario, "variant": name, "kind": kind,
                     "fwd_calls": fwd[kind].calls, "fwd_bytes": fwd[kind].output_bytes,
                     "step_calls": stats["calls"], "step_bytes": stats["output_bytes"],
-                    "bytes_vs_bf16": stats["output_bytes"] / base if base else None,
-                    "note": "",
+                    "bytes_vs_bf16": ratio, "note": RS_NOTE if rs_wire else "",
                 })
     if dist.get_rank() == 0:
         title = (f"Collectives per training step on rank 0 of {world} "

@@ -49,7 +49,7 @@ import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches
-from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
+from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from teardown import exit_cleanly  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
@@ -66,6 +66,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+    p.add_argument("--float8-reduce-scatter", action="store_true",
+                   help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; FSDP2 on the rest")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
@@ -176,6 +178,8 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
     for block in model.layers.values():
         fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True)
+    if args.float8_reduce_scatter:
+        enable_float8_reduce_scatter(model)
     model.to(device)
     return model
 

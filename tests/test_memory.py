@@ -1,4 +1,4 @@
-"""Bytes float8 keeps for backward, against bf16, measured with f8dist.memory (CPU)."""
+"""Bytes float8 keeps for backward, against bf16, measured with f8dist.testing (CPU)."""
 
 import copy
 

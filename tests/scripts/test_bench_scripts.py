@@ -123,6 +123,10 @@ def test_bench_comm_smoke(tmp_path):
     if bench_comm.HAS_FSDP_FLOAT8:
         ratio = float(by[("fsdp mlp", "float8+fp8-ag", "all_gather")]["bytes_vs_bf16"])
         assert ratio <= 0.51
+        # float8 reduce-scatter: a uint8 all-to-all of ~1/4 of the fp32 gradient bytes replaces it
+        assert ("fsdp mlp", bench_comm.FP8_RS, "reduce_scatter") not in by
+        rs = by[("fsdp mlp", bench_comm.FP8_RS, "all_to_all")]
+        assert rs["note"] == bench_comm.RS_NOTE and float(rs["bytes_vs_bf16"]) <= 0.26
     else:
         assert all(r["note"].startswith("pending") for r in fp8_ag)
 
