@@ -152,7 +152,9 @@ def fqn_filter(filter_fqns: Sequence[str]) -> ModuleFilter:
         (True, False)
     """
     if isinstance(filter_fqns, str):
-        raise TypeError(f"filter_fqns must be a sequence of strings, got the string {filter_fqns!r}")
+        raise TypeError(
+            f"filter_fqns must be a sequence of strings, got the string {filter_fqns!r}"
+        )
     fqns = tuple(filter_fqns)
 
     def accept(mod: nn.Module, fqn: str) -> bool:

@@ -50,7 +50,7 @@ def _torchao_filters(filter_fqns=()):
 
 
 def rows(tokens: int) -> list:
-    """One dict per shape: f8dist's predicted speedup and decision per recipe, torchao's decision."""
+    """One dict per shape: f8dist's predicted speedup and decision per recipe, and torchao's."""
     ours = {r: auto_filter_for_recipe(r, tokens=tokens) for r in RECIPES}
     theirs = _torchao_filters()
     out = []
@@ -62,7 +62,8 @@ def rows(tokens: int) -> list:
             row[r] = f"{predicted_speedup(r, k, n, tokens=tokens):.2f} {decision}"
         for r in TORCHAO_RECIPES:
             f = theirs.get(r)
-            row[f"torchao_{r}"] = "-" if f is None else ("float8" if f(meta_linear, name) else "keep")
+            decision = "float8" if f is not None and f(meta_linear, name) else "keep"
+            row[f"torchao_{r}"] = "-" if f is None else decision
         out.append(row)
     return out
 
