@@ -46,7 +46,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # Modules, not functions: this module is also a torchtitan config registry, and torchtitan lists
 # every public callable of it as a config function when --config names none.
 import f8dist
-from f8dist import config as f8_config
 from f8dist import convert, delayed, filters, fsdp
 
 __all__ = [
@@ -72,8 +71,8 @@ AUTO_FILTER = "auto_filter_small_kn"
 
 
 def _float8_config(recipe_name: str, enable_fsdp_float8_all_gather: bool,
-                   pad_inner_dim: bool) -> f8_config.Float8LinearConfig:
-    return f8_config.Float8LinearConfig.from_recipe_name(recipe_name).replace(
+                   pad_inner_dim: bool) -> f8dist.Float8LinearConfig:
+    return f8dist.Float8LinearConfig.from_recipe_name(recipe_name).replace(
         enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, pad_inner_dim=pad_inner_dim
     )
 
@@ -99,8 +98,7 @@ class Float8Linear(f8dist.Float8Linear, Module):
         recipe_name: RecipeName = "tensorwise"
         enable_fsdp_float8_all_gather: bool = False
         pad_inner_dim: bool = False
-        # read by post_optimizer_build_fn: precompute this weight's float8 all-gather scale
-        # after each optimizer step
+        # precompute this weight's float8 all-gather scale after each optimizer step
         precompute_float8_dynamic_scale_for_fsdp: bool = False
         fqn: str = ""
 
@@ -111,6 +109,8 @@ class Float8Linear(f8dist.Float8Linear, Module):
                                   config.pad_inner_dim),
             fqn=config.fqn,
         )
+        # read by post_optimizer_build_fn
+        self.recipe_name = config.recipe_name
         self.precompute_float8_dynamic_scale_for_fsdp = (
             config.precompute_float8_dynamic_scale_for_fsdp
         )
@@ -171,15 +171,15 @@ class Float8LinearConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         # validates the combination (e.g. float8 all-gather needs a tensorwise weight cast)
-        float8 = _float8_config(config.recipe_name, config.enable_fsdp_float8_all_gather,
-                                config.pad_inner_dim)
+        _float8_config(config.recipe_name, config.enable_fsdp_float8_all_gather,
+                       config.pad_inner_dim)
         if config.precompute_float8_dynamic_scale_for_fsdp:
             if not config.enable_fsdp_float8_all_gather:
                 raise ValueError(
                     "precompute_float8_dynamic_scale_for_fsdp computes the scales of float8 "
                     "all-gathers; set enable_fsdp_float8_all_gather=True too, or turn it off"
                 )
-            if float8.cast_config_weight.scaling_type is not f8_config.ScalingType.DYNAMIC:
+            if config.recipe_name == "delayed":  # the one recipe whose weight scale is not dynamic
                 raise ValueError(
                     f"precompute_float8_dynamic_scale_for_fsdp is for dynamic weight scales; the "
                     f"{config.recipe_name!r} recipe takes its weight scale from the amax history "
@@ -225,12 +225,13 @@ class Float8LinearConverter(QuantizationConverter):
         return model_config
 
 
-def _float8_linears(model: nn.Module) -> List[f8dist.Float8Linear]:
-    return [m for m in model.modules() if isinstance(m, f8dist.Float8Linear)]
+def _float8_linears(model: nn.Module) -> List[Float8Linear]:
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
 
 
 def post_optimizer_build_fn(optimizers, model_parts: List[nn.Module], parallel_dims) -> None:
-    """Register f8dist's optimizer hooks on torchtitan's ``OptimizersContainer``:
+    """Register f8dist's optimizer hooks on torchtitan's ``OptimizersContainer``, for the
+    :class:`Float8Linear` layers of ``model_parts``:
 
     * before each step, if a model part has delayed-scaling layers:
       ``f8dist.sync_float8_amax_and_scale_history`` (one all-reduce for the part);
@@ -242,13 +243,11 @@ def post_optimizer_build_fn(optimizers, model_parts: List[nn.Module], parallel_d
     there. (torch's optimizer hooks must return None: these do.)
     """
     delayed_parts = [
-        m for m in model_parts
-        if any(lin.config.uses(f8_config.ScalingType.DELAYED) for lin in _float8_linears(m))
+        m for m in model_parts if any(lin.recipe_name == "delayed" for lin in _float8_linears(m))
     ]
     precompute_parts = [
         m for m in model_parts
-        if any(getattr(lin, "precompute_float8_dynamic_scale_for_fsdp", False)
-               for lin in _float8_linears(m))
+        if any(lin.precompute_float8_dynamic_scale_for_fsdp for lin in _float8_linears(m))
     ]
     if delayed_parts:
         def sync_delayed_scales(optimizer, args, kwargs) -> None:
