@@ -12,6 +12,7 @@ from f8dist.config import (
 from f8dist.convert import convert_to_float8_training
 from f8dist import debug  # noqa: E402  (f8dist.debug.record)
 from f8dist.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
+from f8dist.filters import auto_filter_for_recipe, fqn_filter
 from f8dist.linear import Float8Linear
 from f8dist.sac import Float8SACConfig, float8_sac_context_fn
 from f8dist.tensor import Float8Tensor
@@ -27,9 +28,11 @@ __all__ = [
     "Float8Tensor",
     "ScalingGranularity",
     "ScalingType",
+    "auto_filter_for_recipe",
     "convert_to_float8_training",
     "debug",
     "float8_sac_context_fn",
+    "fqn_filter",
     "strip_delayed_scaling_state",
     "sync_float8_amax_and_scale_history",
 ]

@@ -1,0 +1,325 @@
+"""f8dist in torchtitan 0.3.0: a model converter, its Float8Linear, optimizer hooks and configs.
+
+[Note: torchtitan integration]
+torchtitan builds a model from a tree of configs: a model's ``model_registry(flavor,
+converters=[...])`` lets each converter rewrite the tree before the model is built, and the
+Trainer then builds it on the meta device, applies its parallelisms (``parallelize_fn``: TP,
+compile, FSDP2), moves it with ``to_empty`` and initializes it with ``init_weights``. So:
+
+* :class:`Float8LinearConverter` replaces each ``Linear.Config`` its filter accepts with a
+  :class:`Float8Linear.Config` that keeps every field (dims, ``param_init``, sharding) and adds the
+  float8 options and the layer's FQN;
+* :class:`Float8Linear` is f8dist's Float8Linear and a torchtitan ``Module``: it builds on meta,
+  ``init_weights`` initializes its weight with the original ``param_init`` and re-creates its
+  delayed-scaling buffers (``to_empty`` leaves them uninitialized); with float8 all-gather its
+  weight is a ``Float8AllGatherWeight`` from construction on, so torchtitan's FSDP apply function
+  shards it like any weight and all-gathers it in float8;
+* :func:`post_optimizer_build_fn` registers what f8dist needs around the optimizer step: the
+  delayed-scaling sync before it, the FSDP scale precompute after it; :func:`with_float8_hooks`
+  chains it after the ``post_optimizer_build_fn`` a ``ModelSpec`` already has;
+* the ``llama3_debugmodel_float8_*`` functions are torchtitan config functions:
+  ``python -m torchtitan.train --module f8dist.integrations.torchtitan --config NAME``.
+
+torchtitan 0.3.0 has no hook for float8 tensor-parallel styles or float8 sequence-parallel
+all-gathers under its ShardingConfig path: see docs/torchtitan.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, List, Literal, Optional
+
+import torch.nn as nn
+
+try:
+    from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.protocols.module import Module
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "f8dist.integrations.torchtitan needs torchtitan 0.3.0: install f8dist with its extra, "
+        "`pip install torch==2.13.0 && pip install -e \".[torchtitan]\"`"
+    ) from e
+
+# Modules, not functions: this module is also a torchtitan config registry, and torchtitan lists
+# every public callable of it as a config function when --config names none.
+import f8dist
+from f8dist import convert, delayed, filters, fsdp
+
+__all__ = [
+    "AUTO_FILTER",
+    "Float8Linear",
+    "Float8LinearConverter",
+    "post_optimizer_build_fn",
+    "with_float8_hooks",
+    "llama3_debugmodel_float8_tensorwise",
+    "llama3_debugmodel_float8_rowwise",
+    "llama3_debugmodel_float8_rowwise_with_gw_hp",
+    "llama3_debugmodel_float8_delayed",
+    "llama3_debugmodel_float8_tensorwise_fsdp_all_gather",
+]
+
+logger = logging.getLogger(__name__)
+
+RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+
+# the filter_fqns entry torchtitan users know from torchao ("auto_filter_small_kn"), served by
+# f8dist.auto_filter_for_recipe
+AUTO_FILTER = "auto_filter_small_kn"
+
+
+def _float8_config(recipe_name: str, enable_fsdp_float8_all_gather: bool,
+                   pad_inner_dim: bool) -> f8dist.Float8LinearConfig:
+    return f8dist.Float8LinearConfig.from_recipe_name(recipe_name).replace(
+        enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, pad_inner_dim=pad_inner_dim
+    )
+
+
+class Float8Linear(f8dist.Float8Linear, Module):
+    """f8dist's :class:`~f8dist.Float8Linear` as a torchtitan ``Module``, built from a
+    :class:`Float8Linear.Config` (what :class:`Float8LinearConverter` puts in the model config).
+
+    It inherits ``Module`` rather than torchtitan's ``Linear`` (whose ``__init__`` takes a config
+    where ``nn.Linear``'s takes dims); its Config inherits ``Linear.Config``, so config traversals
+    for linears still find it.
+
+    Example::
+
+        >>> lin = Float8Linear.Config(in_features=64, out_features=32, recipe_name="rowwise",
+        ...                           fqn="layers.0.w1").build()
+        >>> lin.config.cast_config("output", "input").scaling_granularity.value
+        'axiswise'
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        recipe_name: RecipeName = "tensorwise"
+        enable_fsdp_float8_all_gather: bool = False
+        pad_inner_dim: bool = False
+        # precompute this weight's float8 all-gather scale after each optimizer step
+        precompute_float8_dynamic_scale_for_fsdp: bool = False
+        fqn: str = ""
+
+    def __init__(self, config: Config):
+        f8dist.Float8Linear.__init__(
+            self, config.in_features, config.out_features, bias=config.bias,
+            config=_float8_config(config.recipe_name, config.enable_fsdp_float8_all_gather,
+                                  config.pad_inner_dim),
+            fqn=config.fqn,
+        )
+        # read by post_optimizer_build_fn
+        self.recipe_name = config.recipe_name
+        self.precompute_float8_dynamic_scale_for_fsdp = (
+            config.precompute_float8_dynamic_scale_for_fsdp
+        )
+        if config.enable_fsdp_float8_all_gather:
+            fsdp.wrap_weight_for_float8_all_gather(self)
+
+    def _init_self_buffers(self, *, buffer_device=None) -> None:
+        # Buffers built on meta hold nothing after to_empty(): make the delayed-scaling ones anew,
+        # as Float8Linear.from_float does for a linear that was on meta.
+        if self._delayed_operands:
+            delayed.register_delayed_buffers(self)
+            if buffer_device is not None:
+                for name, buf in self._buffers.items():
+                    self._buffers[name] = buf.to(buffer_device)
+
+
+# converter options every converted layer's Config carries
+_LAYER_OPTIONS = ("recipe_name", "enable_fsdp_float8_all_gather", "pad_inner_dim",
+                  "precompute_float8_dynamic_scale_for_fsdp")
+
+
+class Float8LinearConverter(QuantizationConverter):
+    """Convert the ``Linear.Config``\\ s of a torchtitan model config to :class:`Float8Linear`.
+
+    Pass its Config to a model's ``model_registry(..., converters=[...])``; wrap the resulting
+    ``ModelSpec`` with :func:`with_float8_hooks` so delayed scaling and the FSDP precompute run.
+
+    * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"
+      (``f8dist.Float8LinearConfig.from_recipe_name``).
+    * ``filter_fqns``: linears whose FQN contains one of these stay high precision;
+      "auto_filter_small_kn" adds f8dist's auto filter (``docs/auto_filter.md``) for
+      ``auto_filter_tokens`` tokens per gemm (local batch size x sequence length).
+    * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (tensorwise and
+      delayed recipes); ``precompute_float8_dynamic_scale_for_fsdp``: their scales in one
+      all-reduce after each optimizer step (dynamic tensorwise only).
+    * ``pad_inner_dim``: pad dims that are not multiples of 16 instead of keeping those
+      linears in high precision.
+
+    Only plain ``Linear.Config``\\ s are converted; subclasses (e.g. ``ScaledBiasRowwiseLinear``)
+    have their own forward and stay as they are.
+
+    Example::
+
+        >>> from torchtitan.models.llama3 import model_registry
+        >>> float8 = Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"])
+        >>> spec = with_float8_hooks(model_registry("debugmodel", converters=[float8]))
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        recipe_name: RecipeName = "tensorwise"
+        filter_fqns: List[str] = dataclasses.field(default_factory=list)
+        auto_filter_tokens: int = 8192
+        enable_fsdp_float8_all_gather: bool = False
+        precompute_float8_dynamic_scale_for_fsdp: bool = False
+        pad_inner_dim: bool = False
+
+    def __init__(self, config: Config):
+        self.config = config
+        # validates the combination (e.g. float8 all-gather needs a tensorwise weight cast)
+        _float8_config(config.recipe_name, config.enable_fsdp_float8_all_gather,
+                       config.pad_inner_dim)
+        if config.precompute_float8_dynamic_scale_for_fsdp:
+            if not config.enable_fsdp_float8_all_gather:
+                raise ValueError(
+                    "precompute_float8_dynamic_scale_for_fsdp computes the scales of float8 "
+                    "all-gathers; set enable_fsdp_float8_all_gather=True too, or turn it off"
+                )
+            if config.recipe_name == "delayed":  # the one recipe whose weight scale is not dynamic
+                raise ValueError(
+                    f"precompute_float8_dynamic_scale_for_fsdp is for dynamic weight scales; the "
+                    f"{config.recipe_name!r} recipe takes its weight scale from the amax history "
+                    "(synced before each optimizer step). Turn it off for this recipe"
+                )
+        fqns = [f for f in config.filter_fqns if f != AUTO_FILTER]
+        if AUTO_FILTER in config.filter_fqns:
+            self.filter_fn = filters.auto_filter_for_recipe(
+                config.recipe_name, filter_fqns=fqns, tokens=config.auto_filter_tokens
+            )
+        else:
+            self.filter_fn = filters.fqn_filter(fqns)
+
+    def convert(self, model_config: Module.Config) -> Module.Config:
+        cfg = self.config
+        converted, kept = [], []
+        for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
+            if type(linear) is not Linear.Config or not self.filter_fn(linear, fqn):
+                continue
+            if not (cfg.pad_inner_dim or convert.is_float8_compatible(linear)):
+                kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features})")
+                continue
+            new = Float8Linear.Config(
+                **{f.name: getattr(linear, f.name) for f in dataclasses.fields(linear)},
+                **{name: getattr(cfg, name) for name in _LAYER_OPTIONS},
+                fqn=fqn,
+            )
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            converted.append(fqn)
+        logger.info("f8dist: %d linear(s) converted to float8 (%s recipe)", len(converted),
+                    cfg.recipe_name)
+        if kept:
+            logger.warning(
+                "f8dist: kept %d linear(s) in high precision because their dims are not "
+                "multiples of 16: %s. Set pad_inner_dim=True to pad them instead.",
+                len(kept), ", ".join(kept),
+            )
+        return model_config
+
+
+def _float8_linears(model: nn.Module) -> List[Float8Linear]:
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def post_optimizer_build_fn(optimizers, model_parts: List[nn.Module], parallel_dims) -> None:
+    """Register f8dist's optimizer hooks on torchtitan's ``OptimizersContainer``, for the
+    :class:`Float8Linear` layers of ``model_parts``:
+
+    * before each step, if a model part has delayed-scaling layers:
+      ``f8dist.sync_float8_amax_and_scale_history`` (one all-reduce for the part);
+    * after each step, if a part has float8 all-gather weights that asked for it
+      (``precompute_float8_dynamic_scale_for_fsdp``):
+      ``f8dist.fsdp.precompute_float8_dynamic_scale_for_fsdp`` (one all-reduce for the part).
+
+    Has the signature of ``ModelSpec.post_optimizer_build_fn``; :func:`with_float8_hooks` puts it
+    there. (torch's optimizer hooks must return None: these do.)
+    """
+    delayed_parts = [
+        m for m in model_parts if any(lin.recipe_name == "delayed" for lin in _float8_linears(m))
+    ]
+    precompute_parts = [
+        m for m in model_parts
+        if any(lin.precompute_float8_dynamic_scale_for_fsdp for lin in _float8_linears(m))
+    ]
+    if delayed_parts:
+        def sync_delayed_scales(optimizer, args, kwargs) -> None:
+            for part in delayed_parts:
+                f8dist.sync_float8_amax_and_scale_history(part)
+
+        optimizers.register_step_pre_hook(sync_delayed_scales)
+    if precompute_parts:
+        def precompute_fsdp_scales(optimizer, args, kwargs) -> None:
+            for part in precompute_parts:
+                fsdp.precompute_float8_dynamic_scale_for_fsdp(part)
+
+        optimizers.register_step_post_hook(precompute_fsdp_scales)
+
+
+def with_float8_hooks(model_spec: ModelSpec) -> ModelSpec:
+    """A copy of ``model_spec`` whose ``post_optimizer_build_fn`` runs the one it had (e.g. a MoE
+    load-balancing hook), then :func:`post_optimizer_build_fn`."""
+    previous: Optional[Callable] = model_spec.post_optimizer_build_fn
+
+    def chained(optimizers, model_parts, parallel_dims) -> None:
+        if previous is not None:
+            previous(optimizers, model_parts, parallel_dims)
+        post_optimizer_build_fn(optimizers, model_parts, parallel_dims)
+
+    return dataclasses.replace(model_spec, post_optimizer_build_fn=chained)
+
+
+# -- torchtitan config functions: --module f8dist.integrations.torchtitan --config NAME ------------
+
+
+def _llama3_debugmodel_float8(**float8):
+    """torchtitan's llama3 debug model config, its linears in float8 (the output projection,
+    ``lm_head``, stays high precision: float8 logits cost accuracy for little speed)."""
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    converter = Float8LinearConverter.Config(
+        model_compile_enabled=config.compile.enable and "model" in config.compile.components,
+        filter_fqns=["lm_head"],
+        **float8,
+    )
+    config.model_spec = with_float8_hooks(model_registry("debugmodel", converters=[converter]))
+    return config
+
+
+def llama3_debugmodel_float8_tensorwise():
+    """llama3 debug model, float8 with dynamic tensorwise scaling."""
+    return _llama3_debugmodel_float8(recipe_name="tensorwise")
+
+
+def llama3_debugmodel_float8_rowwise():
+    """llama3 debug model, float8 with dynamic rowwise scaling."""
+    return _llama3_debugmodel_float8(recipe_name="rowwise")
+
+
+def llama3_debugmodel_float8_rowwise_with_gw_hp():
+    """llama3 debug model, float8 rowwise with a high-precision grad_weight gemm."""
+    return _llama3_debugmodel_float8(recipe_name="rowwise_with_gw_hp")
+
+
+def llama3_debugmodel_float8_delayed():
+    """llama3 debug model, float8 with delayed tensorwise scaling (synced before each step)."""
+    return _llama3_debugmodel_float8(recipe_name="delayed")
+
+
+def llama3_debugmodel_float8_tensorwise_fsdp_all_gather():
+    """llama3 debug model, float8 tensorwise; FSDP2 all-gathers weights in float8 and their
+    scales are precomputed in one all-reduce after each optimizer step."""
+    return _llama3_debugmodel_float8(
+        recipe_name="tensorwise",
+        enable_fsdp_float8_all_gather=True,
+        precompute_float8_dynamic_scale_for_fsdp=True,
+    )
