@@ -8,8 +8,7 @@ It follows the Trainer's build sequence (which needs CUDA): model_registry with 
 on meta, parallelize (apply_fsdp_to_decoder, with the Trainer's bf16 MixedPrecisionPolicy),
 to_empty, init_weights, OptimizersContainer, the ModelSpec's post_optimizer_build_fn. FlexAttention
 has no CPU backward, so its configs are swapped for SDPA; gloo has no PREMUL_SUM, so FSDP2 reduces
-gradients with SUM (torchtitan's divide factor is 1, so nothing changes); see
-[Note: oneDNN float8 on CPU] in the test module for the mkldnn switch.
+gradients with SUM (torchtitan's divide factor is 1, so nothing changes).
 """
 
 from __future__ import annotations
@@ -95,7 +94,6 @@ def gathered_bytes(model, world: int) -> dict:
 
 def run(args):
     rank, world, device = init()
-    torch.backends.mkldnn.enabled = False  # [Note: oneDNN float8 on CPU]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     out = {"world": world}
     for variant in VARIANTS:

@@ -4,13 +4,6 @@ its FSDP apply function.
 
 Skipped when torchtitan is not installed, unless F8DIST_REQUIRE_TORCHTITAN=1 (set by .ci/run, which
 installs the extra): then a missing torchtitan fails the run instead of skipping it.
-
-[Note: oneDNN float8 on CPU]
-On CPUs whose oneDNN has no float8 matmul kernel (e.g. Intel with AMX-BF16 but no AMX-FP8),
-``torch._scaled_mm`` with tensorwise scales runs oneDNN's reference implementation (``ref:any``):
-a 64 x 256 x 768 gemm took 1.6 s there, against 3 ms for torch's own CPU fallback, which gives
-bit-identical results. These tests turn mkldnn off so the debug model trains in seconds on such
-hosts; f8dist's code path (``torch._scaled_mm`` included) is the same.
 """
 
 import dataclasses
@@ -50,12 +43,6 @@ from tests.distributed.harness import run_torchrun  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 N_LINEARS = 6 * 5  # debugmodel: 6 blocks of wqkv, wo, w1, w2, w3 (lm_head filtered)
-
-
-@pytest.fixture(autouse=True)
-def _no_onednn_float8():
-    with torch.backends.mkldnn.flags(enabled=False):  # [Note: oneDNN float8 on CPU]
-        yield
 
 
 def _converter(recipe="tensorwise", **kwargs):
