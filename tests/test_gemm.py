@@ -52,6 +52,51 @@ def test_rowwise_padding_of_n_pads_scales_too():
     assert sqnr(emu, scaled_mm(fa, fb)) > 100
 
 
+def test_pad_k_pads_only_the_contraction_dim():
+    # [Note: any token count]: the grad_weight gemm pads its K (tokens) without pad_inner_dim
+    pad_k = ScaledMMConfig(pad_k=True)
+    for axiswise in (False, True):
+        a, b, fa, fb = _operands(8, 15, 32, torch.float32, axiswise, pad_k)
+        out = scaled_mm(fa, fb)
+        emu = scaled_mm(fa.with_mm_config(ScaledMMConfig(emulate=True)), fb)
+        assert out.shape == (8, 32) and sqnr(emu, out) > 100
+    _, _, fa, fb = _operands(8, 15, 24, torch.float32, False, pad_k)
+    with pytest.raises(ValueError, match=r"got N=24\..*pad_inner_dim=True"):  # N is the layer's
+        scaled_mm(fa, fb)
+
+
+def test_padding_k_is_the_layout_copy():
+    # The grad_weight gemm's operands are transposed views (grad_output_t, input) that the kernel
+    # copies into row-/column-major anyway; with unaligned tokens the pad is that copy: the same
+    # number of float8 copies as an aligned gemm, no extra pass
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from f8dist.gemm import scaled_mm as raw_scaled_mm
+
+    class Copies(TorchDispatchMode):
+        calls: list
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.clone.default, torch.ops.aten.constant_pad_nd.default,
+                        torch.ops.aten.copy_.default):
+                self.calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    one = torch.ones(())
+    counts = {}
+    for m in (16, 15):
+        grad_output = torch.randn(m, 32).to(E4M3)  # [M, N]
+        x = torch.randn(m, 64).to(E4M3)  # [M, K]
+        mode = Copies()
+        mode.calls = []
+        with mode:
+            raw_scaled_mm(grad_output.t(), one, x, one, out_dtype=torch.float32,
+                          mm_config=ScaledMMConfig(pad_k=True))
+        counts[m] = mode.calls
+    assert counts[16] == ["clone.default"] * 2
+    assert counts[15] == ["constant_pad_nd.default"] * 2
+
+
 def test_check_gemm_shape_names_the_culprit():
     check_gemm_shape(32, 16, what="x", pad_inner_dim=False)
     with pytest.raises(ValueError, match="layers.0.w1.*N=8"):
