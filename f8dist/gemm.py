@@ -15,6 +15,7 @@ these rules on every device, so a program that runs on the CPU runs on a GPU too
   grad_weight gemm's K is the number of tokens ([Note: any token count] in f8dist/config.py).
   The padding is the copy that puts an operand in the layout the kernel wants (which the
   grad_weight gemm's operands, transposed views, need anyway), so an aligned gemm pays nothing.
+* an empty gemm (M, K or N = 0): zeros, without a kernel.
 * axiswise scales with a float32 output: run the gemm with unit scales in float32 and apply the
   scales to the float32 result. Exact, since a scale only multiplies the whole dot product.
 
@@ -77,7 +78,7 @@ def _(a, b, scale_a, scale_b, out_dtype):
 
 def _check_cuda_constraints(a, b, scale_a, scale_b, out_dtype) -> None:
     (m, k), n = a.shape, b.shape[1]
-    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    rowwise = not (scale_a.numel() == 1 and scale_b.numel() == 1)  # CUDA's test for tensorwise
     problems = [msg for bad, msg in (
         (a.stride(1) != 1, "a must be row-major"),
         (b.stride(0) != 1, "b must be column-major"),
@@ -117,6 +118,8 @@ def scaled_mm(
     cfg = mm_config
     m, k = a_data.shape
     n = b_data.shape[1]
+    if m == 0 or k == 0 or n == 0:  # an empty batch: nothing to multiply, or a sum of nothing
+        return a_data.new_zeros((m, n), dtype=out_dtype)
 
     if cfg.emulate:
         a_hp = a_data.to(torch.float32) / a_scale

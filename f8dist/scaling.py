@@ -59,13 +59,15 @@ def tensor_amax(x: torch.Tensor, dim: Dim = None) -> torch.Tensor:
     """max(|x|) in float32: a 0-dim tensor if ``dim`` is None, else reduced over ``dim`` with
     ``keepdim=True`` (one amax per row or column, shaped to broadcast against ``x``).
 
-    An empty tensor (e.g. a rank's empty shard of an unevenly sharded weight) has amax 0, the
-    identity of max over magnitudes, instead of raising.
+    An empty tensor (e.g. a rank's empty shard of an unevenly sharded weight, an empty batch) has
+    amax 0, the identity of max over magnitudes, instead of raising.
     """
     if dim is None:
         if x.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         amax = torch.max(torch.abs(x))  # []
+    elif x.shape[dim] == 0:  # torch.amax raises; the sum of no magnitudes is the same 0s
+        amax = torch.abs(x).sum(dim=dim, keepdim=True)  # x.shape with 1 at dim
     else:
         amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)  # x.shape with 1 at dim
     return amax.to(torch.float32)

@@ -97,6 +97,14 @@ def test_padding_k_is_the_layout_copy():
     assert counts[15] == ["constant_pad_nd.default"] * 2
 
 
+@pytest.mark.parametrize("axiswise", [False, True])
+@pytest.mark.parametrize("m, k, n", [(0, 32, 16), (16, 0, 32), (16, 32, 0)])
+def test_empty_gemm_gives_zeros(m, k, n, axiswise):
+    a, b, fa, fb = _operands(m, k, n, torch.bfloat16, axiswise, ScaledMMConfig())
+    out = scaled_mm(fa, fb)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.zeros(m, n, dtype=torch.bfloat16))
+
+
 def test_check_gemm_shape_names_the_culprit():
     check_gemm_shape(32, 16, what="x", pad_inner_dim=False)
     with pytest.raises(ValueError, match="layers.0.w1.*N=8"):
@@ -121,6 +129,8 @@ def test_fp32_rowwise_applies_scales_to_a_fp32_result():
         ("b_row_major", ["b must be column-major"]),
         ("rowwise_fp32", ["bfloat16 output"]),
         ("rowwise_bad_shape", ["[M, 1] and [1, N]"]),
+        # tensorwise means one scale each; an empty batch's [0, 1] scale is not one
+        ("empty_rows_with_scalar", ["[M, 1] and [1, N]"]),
     ],
 )
 def test_cpu_kernel_enforces_cuda_constraints(case, words):
@@ -135,6 +145,7 @@ def test_cpu_kernel_enforces_cuda_constraints(case, words):
         "b_row_major": (a, b.contiguous(), one, one, torch.bfloat16),
         "rowwise_fp32": (a, b, rows, cols, torch.float32),
         "rowwise_bad_shape": (a, b, rows.t(), cols, torch.bfloat16),
+        "empty_rows_with_scalar": (a[:0], b, rows[:0], one, torch.bfloat16),
     }[case]
     with pytest.raises(RuntimeError, match="would reject") as info:
         cpu_scaled_mm(*args)

@@ -135,6 +135,23 @@ def test_compiled_token_padding_adds_no_kernel():
     assert kernels[15] == kernels[16] > 0, kernels
 
 
+@pytest.mark.parametrize(
+    "recipe, compiled",
+    [(r, False) for r in RECIPES + ["delayed"]] + [("tensorwise", True), ("rowwise", True)],
+)
+def test_empty_batch(recipe, compiled):
+    _, f8 = _pair(recipe, torch.bfloat16)
+    mod = f8
+    if compiled:
+        torch._dynamo.reset()
+        mod = torch.compile(f8, fullgraph=True)
+    y, gi, gw, gb = _run(mod, torch.randn(2, 0, 64, dtype=torch.bfloat16),
+                         torch.randn(2, 0, 32, dtype=torch.bfloat16))
+    assert y.shape == (2, 0, 32) and gi.shape == (2, 0, 64) and y.dtype == torch.bfloat16
+    assert torch.equal(gw, torch.zeros_like(f8.weight))
+    assert torch.equal(gb, torch.zeros_like(f8.bias))
+
+
 @pytest.mark.parametrize("tokens", [32, 15])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_emulation_matches_scaled_mm(recipe, tokens):

@@ -96,3 +96,6 @@ def test_compiled_scales_equal_eager():
 def test_empty_tensor_has_amax_zero():
     # a rank's empty shard of an unevenly sharded weight
     assert tensor_amax(torch.empty(0, 16)).item() == 0.0
+    # an empty batch, scaled per column over its (zero) tokens, or per (no) row
+    assert torch.equal(tensor_amax(torch.empty(0, 16), 0), torch.zeros(1, 16))
+    assert tensor_amax(torch.empty(0, 16), -1).shape == (0, 1)
