@@ -152,6 +152,14 @@ def test_empty_batch(recipe, compiled):
     assert torch.equal(gb, torch.zeros_like(f8.bias))
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tiny_magnitudes_are_not_flushed_to_zero(recipe):
+    # [Note: tiny magnitudes] in f8dist/scaling.py: an input with amax 1e-20 scales like any other
+    ref, f8 = _pair(recipe, torch.float32)
+    x, grad = torch.randn(16, 64) * 1e-20, torch.randn(16, 32) * 1e-20
+    _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad))
+
+
 @pytest.mark.parametrize("tokens", [32, 15])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_emulation_matches_scaled_mm(recipe, tokens):
