@@ -503,13 +503,18 @@ class Float8LinearConfig:
     # -- recipes ------------------------------------------------------------------------------
 
     @staticmethod
-    def from_recipe_name(recipe_name) -> "Float8LinearConfig":
-        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"."""
-        if isinstance(recipe_name, str):
-            known = [r.value for r in Float8LinearRecipeName]
-            if recipe_name not in known:
-                raise ValueError(f"unknown float8 recipe {recipe_name!r}; known recipes: {known}")
+    def from_recipe_name(
+        recipe_name: Union[str, Float8LinearRecipeName]
+    ) -> "Float8LinearConfig":
+        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"
+        (or a :class:`Float8LinearRecipeName`)."""
+        try:
             recipe_name = Float8LinearRecipeName(recipe_name)
+        except ValueError:
+            raise ValueError(
+                f"Float8LinearConfig.from_recipe_name: unknown recipe_name {recipe_name!r}; "
+                f"known recipes: {[r.value for r in Float8LinearRecipeName]}"
+            ) from None
 
         if recipe_name is Float8LinearRecipeName.TENSORWISE:
             return Float8LinearConfig()
