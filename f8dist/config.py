@@ -96,6 +96,15 @@ _CONTRACTION_AXIS = {
     (Gemm.GRAD_WEIGHT, Operand.INPUT): 0,  # M
 }
 
+# [Note: any token count]
+# The grad_weight gemm contracts over M, the number of tokens: the batch decides it, not the layer,
+# and 3 x 5 tokens, or 8 per rank, must train. Zero-padding M to a multiple of 16 is exact (zero
+# products) and changes no scale: this gemm's axiswise casts reduce over M (one scale per column
+# of the layer) and zeros do not raise an amax. So its ScaledMMConfig has pad_k: the gemm pads M
+# in the copy that lays out its two transposed operands for the kernel, a copy it makes anyway
+# (compiled, the same kernels; with dynamic token counts the graph specializes on M % 16 == 0).
+# The layer's own dims K and N still need pad_inner_dim (a clear error says so).
+
 # The config field that overrides an operand's main CastConfig in one gemm
 _OVERRIDE_FIELD = {
     (Gemm.GRAD_INPUT, Operand.WEIGHT): "cast_config_weight_for_grad_input",
@@ -222,7 +231,8 @@ class ScaledMMConfig:
 
     emulate: bool = False
     use_fast_accum: bool = False
-    pad_inner_dim: bool = False
+    pad_inner_dim: bool = False  # zero-pad K and N to multiples of 16
+    pad_k: bool = False  # zero-pad K: the grad_weight gemm's ([Note: any token count])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,6 +457,7 @@ class Float8LinearConfig:
                 emulate=self.emulate,
                 use_fast_accum=self.gemm_config(gemm).use_fast_accum,
                 pad_inner_dim=self.pad_inner_dim,
+                pad_k=gemm is Gemm.GRAD_WEIGHT,
             ),
             gemm=gemm,
             operand=operand,
@@ -492,13 +503,18 @@ class Float8LinearConfig:
     # -- recipes ------------------------------------------------------------------------------
 
     @staticmethod
-    def from_recipe_name(recipe_name) -> "Float8LinearConfig":
-        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"."""
-        if isinstance(recipe_name, str):
-            known = [r.value for r in Float8LinearRecipeName]
-            if recipe_name not in known:
-                raise ValueError(f"unknown float8 recipe {recipe_name!r}; known recipes: {known}")
+    def from_recipe_name(
+        recipe_name: Union[str, Float8LinearRecipeName]
+    ) -> "Float8LinearConfig":
+        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"
+        (or a :class:`Float8LinearRecipeName`)."""
+        try:
             recipe_name = Float8LinearRecipeName(recipe_name)
+        except ValueError:
+            raise ValueError(
+                f"Float8LinearConfig.from_recipe_name: unknown recipe_name {recipe_name!r}; "
+                f"known recipes: {[r.value for r in Float8LinearRecipeName]}"
+            ) from None
 
         if recipe_name is Float8LinearRecipeName.TENSORWISE:
             return Float8LinearConfig()

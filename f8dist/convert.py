@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, List, Optional
 
@@ -39,6 +40,11 @@ def convert_to_float8_training(
     ``config.pad_inner_dim`` is set (they are then padded) or ``skip_incompatible=False``, which
     raises instead.
 
+    All or nothing: every layer is decided and built before the model changes, so an error
+    (a raising ``module_filter_fn``, an incompatible layer) leaves it as it was. A linear's child
+    modules move to its Float8Linear, converted as well. Converting a converted model again is a
+    no-op with the same config and an error with another (a Float8Linear's config is fixed).
+
     Example::
 
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -48,22 +54,36 @@ def convert_to_float8_training(
     """
     config = config if config is not None else Float8LinearConfig()
     skipped: List[str] = []
+    swaps = []  # (parent, name, old, new): children before their parents
 
-    def swap(mod: nn.Module, fqn: str) -> nn.Module:
-        if type(mod) is nn.Linear and (module_filter_fn is None or module_filter_fn(mod, fqn)):
-            if not is_float8_compatible(mod) and not config.pad_inner_dim and not config.emulate:
-                if skip_incompatible:
-                    skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features})")
-                    return mod
-                # Float8Linear's constructor raises the error that says what to change
-            return Float8Linear.from_float(mod, config, fqn=fqn)
+    def plan(mod: nn.Module, fqn: str) -> nn.Module:
+        """What replaces ``mod`` (itself if nothing); records its children's replacements."""
         for name, child in mod.named_children():
-            new = swap(child, f"{fqn}.{name}" if fqn else name)
+            new = plan(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:
-                setattr(mod, name, new)
-        return mod
+                swaps.append((mod, name, child, new))
+        if type(mod) is not nn.Linear and not isinstance(mod, Float8Linear):
+            return mod
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+            return mod
+        if isinstance(mod, Float8Linear):
+            _check_same_config(mod, config, fqn)
+            return mod
+        if not is_float8_compatible(mod) and not config.pad_inner_dim and not config.emulate:
+            if skip_incompatible:
+                skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features})")
+                return mod
+            # Float8Linear's constructor raises the error that says what to change
+        return Float8Linear.from_float(mod, config, fqn=fqn)
 
-    out = swap(module, "")
+    out = plan(module, "")
+    if out is not module:
+        swaps.append((None, "", module, out))
+    for parent, name, old, new in swaps:
+        for child_name, child in old.named_children():  # already replaced: children come first
+            new.register_module(child_name, child)
+        if parent is not None:
+            setattr(parent, name, new)
     if skipped:
         logger.warning(
             "f8dist: kept %d linear(s) in high precision because their dims are not multiples of "
@@ -71,3 +91,16 @@ def convert_to_float8_training(
             len(skipped), GEMM_ALIGNMENT, ", ".join(skipped),
         )
     return out
+
+
+def _check_same_config(mod: Float8Linear, config: Float8LinearConfig, fqn: str) -> None:
+    differ = [
+        f.name for f in dataclasses.fields(config)
+        if getattr(mod.config, f.name) != getattr(config, f.name)
+    ]
+    if differ:
+        raise ValueError(
+            f"{fqn or '<root>'}: already a Float8Linear, with a config that differs from the one "
+            f"given in {', '.join(differ)}. A Float8Linear's config is fixed: convert the "
+            f"unconverted model (e.g. a fresh copy) with the config you want."
+        )

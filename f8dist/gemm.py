@@ -11,7 +11,11 @@ scales of shape [] or [M, 1] / [1, N], and (for per-row scales) a bfloat16 outpu
 these rules on every device, so a program that runs on the CPU runs on a GPU too:
 
 * K or N not a multiple of 16: raise (``check_gemm_shape``), or with ``pad_inner_dim`` zero-pad
-  them and slice the result, which is exact.
+  them and slice the result, which is exact. ``pad_k`` zero-pads K alone, without asking: the
+  grad_weight gemm's K is the number of tokens ([Note: any token count] in f8dist/config.py).
+  The padding is the copy that puts an operand in the layout the kernel wants (which the
+  grad_weight gemm's operands, transposed views, need anyway), so an aligned gemm pays nothing.
+* an empty gemm (M, K or N = 0): zeros, without a kernel.
 * axiswise scales with a float32 output: run the gemm with unit scales in float32 and apply the
   scales to the float32 result. Exact, since a scale only multiplies the whole dot product.
 
@@ -37,17 +41,21 @@ __all__ = ["scaled_mm", "check_gemm_shape", "GEMM_ALIGNMENT"]
 GEMM_ALIGNMENT = 16
 
 
-def check_gemm_shape(k: int, n: int, *, what: str, pad_inner_dim: bool) -> None:
-    """Raise a clear error if a float8 gemm cannot take a [*, K] x [K, N] problem."""
+def check_gemm_shape(
+    k: int, n: int, *, what: str, pad_inner_dim: bool, pad_k: bool = False
+) -> None:
+    """Raise a clear error if a float8 gemm cannot take a [*, K] x [K, N] problem (``pad_k``:
+    K will be padded, only N counts)."""
     if pad_inner_dim:
         return
-    bad = [f"{name}={v}" for name, v in (("K", k), ("N", n)) if v % GEMM_ALIGNMENT != 0]
+    dims = (("N", n),) if pad_k else (("K", k), ("N", n))
+    bad = [f"{name}={v}" for name, v in dims if v % GEMM_ALIGNMENT != 0]
     if bad:
         raise ValueError(
             f"{what}: torch._scaled_mm needs the contraction dim K and the output dim N to be "
-            f"multiples of {GEMM_ALIGNMENT}, got {', '.join(bad)}. Make the layer (or its shard, "
-            f"or the number of tokens) a multiple of {GEMM_ALIGNMENT}, keep the layer in high "
-            f"precision with module_filter_fn, or set Float8LinearConfig(pad_inner_dim=True)."
+            f"multiples of {GEMM_ALIGNMENT}, got {', '.join(bad)}. Make the layer (or its shard) "
+            f"a multiple of {GEMM_ALIGNMENT}, keep the layer in high precision with "
+            f"module_filter_fn, or set Float8LinearConfig(pad_inner_dim=True)."
         )
 
 
@@ -70,7 +78,7 @@ def _(a, b, scale_a, scale_b, out_dtype):
 
 def _check_cuda_constraints(a, b, scale_a, scale_b, out_dtype) -> None:
     (m, k), n = a.shape, b.shape[1]
-    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    rowwise = not (scale_a.numel() == 1 and scale_b.numel() == 1)  # CUDA's test for tensorwise
     problems = [msg for bad, msg in (
         (a.stride(1) != 1, "a must be row-major"),
         (b.stride(0) != 1, "b must be column-major"),
@@ -110,17 +118,19 @@ def scaled_mm(
     cfg = mm_config
     m, k = a_data.shape
     n = b_data.shape[1]
+    if m == 0 or k == 0 or n == 0:  # an empty batch: nothing to multiply, or a sum of nothing
+        return a_data.new_zeros((m, n), dtype=out_dtype)
 
     if cfg.emulate:
         a_hp = a_data.to(torch.float32) / a_scale
         b_hp = b_data.to(torch.float32) / b_scale
         return torch.mm(a_hp, b_hp).to(out_dtype)
 
-    check_gemm_shape(k, n, what="float8 gemm", pad_inner_dim=cfg.pad_inner_dim)
+    check_gemm_shape(k, n, what="float8 gemm", pad_inner_dim=cfg.pad_inner_dim, pad_k=cfg.pad_k)
     pad_k, pad_n = _round_up(k) - k, _round_up(n) - n
-    if pad_k or pad_n:
-        a_data = F.pad(a_data, (0, pad_k))  # [M, K']
-        b_data = F.pad(b_data, (0, pad_n, 0, pad_k))  # [K', N']
+    if pad_k or pad_n:  # F.pad writes a contiguous tensor: pad each operand in its kernel layout
+        a_data = F.pad(a_data, (0, pad_k))  # [M, K'] row-major
+        b_data = F.pad(b_data.t(), (0, pad_k, 0, pad_n)).t()  # [K', N'] column-major
         if b_scale.dim() == 2 and pad_n:
             b_scale = F.pad(b_scale, (0, pad_n), value=1.0)  # [1, N']
 

@@ -98,6 +98,15 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_input, grad_weight.to(weight.dtype), None, None
 
 
+# [Note: autocast]
+# Under torch.autocast, a linear computes in the autocast dtype from parameters of any dtype, and
+# gradients come back in the parameters' dtype. Float8Linear casts its input to the autocast
+# dtype, as autocast does for nn.Linear's; each gemm outputs its left operand's dtype (the
+# input's in forward, grad_output's in backward), and the weight gradient is cast to the weight's
+# dtype. Autocast casts the operands of aten.mm too (the float8 weight; a float8 input, cast
+# before a TP all-gather, in Float8Linear.forward): a Float8Tensor cast to another
+# high-precision dtype keeps its bytes and scale and stands for that dtype (f8dist/tensor.py).
+
 # [Note: gradient placements under compile]
 # torch.compile traces an autograd.Function's backward when it traces the forward, with a
 # gradient that has the forward output's placements: a rowwise-parallel gemm's output is
@@ -176,7 +185,7 @@ class Float8Linear(nn.Linear):
         return delayed.delayed_scales(self) if self._delayed_operands else None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(input.device.type):
+        if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
             input = input.to(torch.get_autocast_dtype(input.device.type))
         if self._delayed_operands:
             delayed.delayed_pre_forward(self, input)

@@ -1,12 +1,21 @@
 """Scale math: pure functions of tensors, nothing else.
 
-Conventions (see DESIGN.md):
+Conventions (see docs/design.md):
 
 * ``scale`` multiplies into float8: ``x_fp8 = saturate(x * scale)``; dequantizing divides it back
   out, and ``torch._scaled_mm`` is handed the reciprocals.
-* ``scale = fp8_max / max(amax, EPS)``, computed in float32, optionally rounded *down* to a power
-  of 2 so that rescaling is exact.
+* ``scale = min(fp8_max / amax, MAX_SCALE)``, computed in float32, optionally rounded *down* to a
+  power of 2 so that rescaling is exact ([Note: tiny magnitudes]).
 * A cast saturates: values beyond the format's max are clamped to it (448 for e4m3, 57344 for e5m2).
+
+[Note: tiny magnitudes]
+The scale maps amax onto the format's max, up to MAX_SCALE = 2**126: the largest power of 2 whose
+reciprocal (what the gemm multiplies by) is a normal float32, so the cap survives power-of-2
+rounding and a kernel that flushes subnormals. Every amax from 448 * 2**-126 (5.3e-36; 6.7e-34
+for e5m2) up maps onto the max exactly; a smaller one, 0 included, gets the cap, which still puts
+any normal float32 amax (>= 2**-126) at a normal float8 value (>= 1, full precision). Only a
+subnormal float32 amax lands in float8's subnormals (e4m3 flushes values below 2**-136 to zero).
+A floor of 1e-12 on the amax (torchao's) would flush every e4m3 tensor with amax < 2e-18 to zero.
 
 [Note: non-finite values]
 An inf or NaN in the tensor makes its amax inf or NaN, its scale 0 or NaN, and the cast values NaN.
@@ -16,7 +25,7 @@ would in high precision, rather than training on silently clipped numbers.
 
 This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes
-to reduce over (``[Note: amax]`` in DESIGN.md).
+to reduce over (``[Note: amax]`` in f8dist/placement.py).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = [
-    "EPS",
+    "MAX_SCALE",
     "FP8_MAX",
     "fp8_max",
     "tensor_amax",
@@ -36,8 +45,8 @@ __all__ = [
     "dequantize",
 ]
 
-# Smallest amax that turns into a scale: an all-zero tensor gets the finite scale fp8_max / EPS.
-EPS = 1e-12
+# The largest scale: an all-zero tensor gets it ([Note: tiny magnitudes])
+MAX_SCALE = 2.0 ** 126
 
 FP8_MAX = {
     torch.float8_e4m3fn: 448.0,
@@ -59,13 +68,15 @@ def tensor_amax(x: torch.Tensor, dim: Dim = None) -> torch.Tensor:
     """max(|x|) in float32: a 0-dim tensor if ``dim`` is None, else reduced over ``dim`` with
     ``keepdim=True`` (one amax per row or column, shaped to broadcast against ``x``).
 
-    An empty tensor (e.g. a rank's empty shard of an unevenly sharded weight) has amax 0, the
-    identity of max over magnitudes, instead of raising.
+    An empty tensor (e.g. a rank's empty shard of an unevenly sharded weight, an empty batch) has
+    amax 0, the identity of max over magnitudes, instead of raising.
     """
     if dim is None:
         if x.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         amax = torch.max(torch.abs(x))  # []
+    elif x.shape[dim] == 0:  # torch.amax raises; the sum of no magnitudes is the same 0s
+        amax = torch.abs(x).sum(dim=dim, keepdim=True)  # x.shape with 1 at dim
     else:
         amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)  # x.shape with 1 at dim
     return amax.to(torch.float32)
@@ -88,10 +99,11 @@ def amax_to_scale(
 ) -> torch.Tensor:
     """The float32 scale that maps ``amax`` onto the float8 format's max.
 
-    ``amax == 0`` gives the finite scale ``fp8_max / EPS`` (never inf or NaN).
+    Capped at ``MAX_SCALE`` ([Note: tiny magnitudes]): ``amax == 0`` gives the finite scale
+    ``MAX_SCALE``, never inf.
     """
     amax = amax.to(torch.float32)
-    scale = fp8_max(float8_dtype) / torch.clamp(amax, min=EPS)
+    scale = torch.clamp(fp8_max(float8_dtype) / amax, max=MAX_SCALE)  # NaN stays NaN
     if round_to_power_of_2:
         scale = round_scale_down_to_power_of_2(scale)
     return scale

@@ -14,6 +14,7 @@ place Float8Tensor ops are defined):
 
 * views and transposes (what autograd, DTensor and FSDP2 do to a tensor), ``as_strided`` (FSDP2's
   view of an all-gathered weight);
+* ``_to_copy`` to another high-precision dtype (autocast's cast): the same bytes and scale;
 * ``mm``: the float8 gemm (``f8dist.gemm.scaled_mm``); because it is an aten op, a DTensor
   wrapping Float8Tensors runs its sharding propagation and calls it on the shards;
 * the functional collectives, ``split`` and ``cat`` that DTensor's redistribution runs:
@@ -201,6 +202,19 @@ def _mm(func, args, kwargs):
     return scaled_mm(
         a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config
     )
+
+
+# autocast casts float8 gemm operands to its dtype ([Note: autocast] in f8dist/linear.py): the
+# same bytes and scale, standing for a tensor of that dtype (which dequantizing and gemms output)
+@_implements([aten._to_copy.default])
+def _to_dtype(func, args, kwargs):
+    t, dtype = args[0], kwargs.get("dtype")
+    if set(kwargs) != {"dtype"} or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise NotImplementedError(
+            f"a Float8Tensor converts to another high-precision dtype only (autocast), got "
+            f"{kwargs}; call .to_original_precision() first"
+        )
+    return Float8Tensor(t._data, t._scale, dtype, t._axiswise_dim, t._mm_config)
 
 
 # FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided

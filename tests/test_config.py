@@ -47,9 +47,10 @@ def test_recipes_by_name(name):
         assert c.uses(ScalingType.DELAYED)
 
 
-def test_unknown_recipe_lists_known_ones():
-    with pytest.raises(ValueError, match="known recipes.*tensorwise.*rowwise"):
-        Float8LinearConfig.from_recipe_name("colwise")
+@pytest.mark.parametrize("name", ["colwise", None, 3])
+def test_unknown_recipe_names_the_argument_and_lists_known_ones(name):
+    with pytest.raises(ValueError, match=r"recipe_name .*known recipes.*tensorwise.*rowwise"):
+        Float8LinearConfig.from_recipe_name(name)
 
 
 def test_half_float8_gemm_is_rejected_with_the_field_to_change():

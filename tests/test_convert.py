@@ -59,6 +59,46 @@ def test_a_bare_linear_is_returned_converted():
     assert isinstance(lin, Float8Linear) and lin.fqn == ""
 
 
+def test_converting_again_is_a_no_op_with_the_same_config_and_an_error_with_another():
+    model = convert_to_float8_training(Net())
+    first = model.blocks[0][0]
+    convert_to_float8_training(model)
+    assert model.blocks[0][0] is first
+    with pytest.raises(ValueError, match=r"blocks\.0\.0: already a Float8Linear.*round_scales"):
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    assert model.blocks[0][0] is first and model.blocks[0][0].config == Float8LinearConfig()
+
+
+def test_a_linears_child_modules_are_kept_and_converted():
+    for root in (True, False):
+        lin = nn.Linear(32, 32)
+        lin.add_module("adapter", nn.Sequential(nn.Linear(32, 16)))
+        model = lin if root else nn.Sequential(lin)
+        out = convert_to_float8_training(model)
+        converted = out if root else out[0]
+        assert isinstance(converted, Float8Linear)
+        assert isinstance(converted.adapter[0], Float8Linear) and converted.adapter[0].fqn == (
+            "adapter.0" if root else "0.adapter.0")
+        assert converted.state_dict().keys() == lin.state_dict().keys()
+
+
+def test_a_raising_filter_leaves_the_model_unchanged():
+    model = Net()
+    before = [type(m) for m in model.modules()]
+
+    def flaky(mod, fqn):
+        if fqn == "output":
+            raise RuntimeError("filter failed")
+        return True
+
+    with pytest.raises(RuntimeError, match="filter failed"):
+        convert_to_float8_training(model, module_filter_fn=flaky)
+    assert [type(m) for m in model.modules()] == before  # all or nothing
+    with pytest.raises(ValueError, match="odd"):  # an incompatible layer late in the model, too
+        convert_to_float8_training(model, skip_incompatible=False)
+    assert [type(m) for m in model.modules()] == before
+
+
 def test_checkpoints_move_between_plain_and_float8_models():
     torch.manual_seed(0)
     plain = Net()

@@ -52,6 +52,59 @@ def test_rowwise_padding_of_n_pads_scales_too():
     assert sqnr(emu, scaled_mm(fa, fb)) > 100
 
 
+def test_pad_k_pads_only_the_contraction_dim():
+    # [Note: any token count]: the grad_weight gemm pads its K (tokens) without pad_inner_dim
+    pad_k = ScaledMMConfig(pad_k=True)
+    for axiswise in (False, True):
+        a, b, fa, fb = _operands(8, 15, 32, torch.float32, axiswise, pad_k)
+        out = scaled_mm(fa, fb)
+        emu = scaled_mm(fa.with_mm_config(ScaledMMConfig(emulate=True)), fb)
+        assert out.shape == (8, 32) and sqnr(emu, out) > 100
+    _, _, fa, fb = _operands(8, 15, 24, torch.float32, False, pad_k)
+    with pytest.raises(ValueError, match=r"got N=24\..*pad_inner_dim=True"):  # N is the layer's
+        scaled_mm(fa, fb)
+
+
+def test_padding_k_is_the_layout_copy():
+    # The grad_weight gemm's operands are transposed views (grad_output_t, input) that the kernel
+    # copies into row-/column-major anyway; with unaligned tokens the pad is that copy: the same
+    # number of float8 copies as an aligned gemm, no extra pass
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from f8dist.gemm import scaled_mm as raw_scaled_mm
+
+    class Copies(TorchDispatchMode):
+        calls: list
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.clone.default, torch.ops.aten.constant_pad_nd.default,
+                        torch.ops.aten.copy_.default):
+                self.calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    one = torch.ones(())
+    counts = {}
+    for m in (16, 15):
+        grad_output = torch.randn(m, 32).to(E4M3)  # [M, N]
+        x = torch.randn(m, 64).to(E4M3)  # [M, K]
+        mode = Copies()
+        mode.calls = []
+        with mode:
+            raw_scaled_mm(grad_output.t(), one, x, one, out_dtype=torch.float32,
+                          mm_config=ScaledMMConfig(pad_k=True))
+        counts[m] = mode.calls
+    assert counts[16] == ["clone.default"] * 2
+    assert counts[15] == ["constant_pad_nd.default"] * 2
+
+
+@pytest.mark.parametrize("axiswise", [False, True])
+@pytest.mark.parametrize("m, k, n", [(0, 32, 16), (16, 0, 32), (16, 32, 0)])
+def test_empty_gemm_gives_zeros(m, k, n, axiswise):
+    a, b, fa, fb = _operands(m, k, n, torch.bfloat16, axiswise, ScaledMMConfig())
+    out = scaled_mm(fa, fb)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.zeros(m, n, dtype=torch.bfloat16))
+
+
 def test_check_gemm_shape_names_the_culprit():
     check_gemm_shape(32, 16, what="x", pad_inner_dim=False)
     with pytest.raises(ValueError, match="layers.0.w1.*N=8"):
@@ -76,6 +129,8 @@ def test_fp32_rowwise_applies_scales_to_a_fp32_result():
         ("b_row_major", ["b must be column-major"]),
         ("rowwise_fp32", ["bfloat16 output"]),
         ("rowwise_bad_shape", ["[M, 1] and [1, N]"]),
+        # tensorwise means one scale each; an empty batch's [0, 1] scale is not one
+        ("empty_rows_with_scalar", ["[M, 1] and [1, N]"]),
     ],
 )
 def test_cpu_kernel_enforces_cuda_constraints(case, words):
@@ -90,6 +145,7 @@ def test_cpu_kernel_enforces_cuda_constraints(case, words):
         "b_row_major": (a, b.contiguous(), one, one, torch.bfloat16),
         "rowwise_fp32": (a, b, rows, cols, torch.float32),
         "rowwise_bad_shape": (a, b, rows.t(), cols, torch.bfloat16),
+        "empty_rows_with_scalar": (a[:0], b, rows[:0], one, torch.bfloat16),
     }[case]
     with pytest.raises(RuntimeError, match="would reject") as info:
         cpu_scaled_mm(*args)

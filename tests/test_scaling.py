@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from f8dist.scaling import (
-    EPS,
+    MAX_SCALE,
     amax_to_scale,
     dequantize,
     fp8_max,
@@ -30,7 +30,7 @@ def test_amax_tensorwise_and_axiswise():
 
 def test_zero_amax_gives_finite_scale_and_zero_cast():
     scale = amax_to_scale(torch.tensor(0.0), E4M3)
-    assert torch.isfinite(scale) and scale.item() == pytest.approx(448.0 / EPS, rel=1e-6)
+    assert torch.isfinite(scale) and scale.item() == MAX_SCALE
     data = saturated_cast(torch.zeros(4), scale, E4M3)
     assert torch.equal(data.float(), torch.zeros(4))
     for pow2 in (False, True):
@@ -96,3 +96,44 @@ def test_compiled_scales_equal_eager():
 def test_empty_tensor_has_amax_zero():
     # a rank's empty shard of an unevenly sharded weight
     assert tensor_amax(torch.empty(0, 16)).item() == 0.0
+    # an empty batch, scaled per column over its (zero) tokens, or per (no) row
+    assert torch.equal(tensor_amax(torch.empty(0, 16), 0), torch.zeros(1, 16))
+    assert tensor_amax(torch.empty(0, 16), -1).shape == (0, 1)
+
+
+TINY = [1e-20, 1e-30, 2.0 ** -126]  # 2**-126: the smallest normal float32
+
+
+def _roundtrip(x, dtype, pow2):
+    scale = amax_to_scale(tensor_amax(x), dtype, round_to_power_of_2=pow2)
+    return dequantize(saturated_cast(x, scale, dtype), scale, torch.float32)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_tiny_magnitudes_keep_their_precision(dtype, pow2):
+    # [Note: tiny magnitudes]: any normal float32 amax gets a usable, finite scale: the cast of a
+    # tiny tensor is as accurate as that of a unit one
+    from f8dist.numerics import sqnr
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    floor = sqnr(x, _roundtrip(x, dtype, pow2)) - 1.0
+    for amax in TINY:
+        tiny = x * (amax / x.abs().max())
+        scale = amax_to_scale(tensor_amax(tiny), dtype, round_to_power_of_2=pow2)
+        assert torch.isfinite(scale) and scale.reciprocal() >= 2.0 ** -126  # a normal float32
+        assert sqnr(tiny, _roundtrip(tiny, dtype, pow2)) > floor, amax
+    for amax in (1e-40, 1e-45, 0.0):  # float32 subnormals and zero: the cap, finite
+        scale = amax_to_scale(torch.tensor(amax), dtype, round_to_power_of_2=pow2)
+        assert scale.item() == MAX_SCALE
+
+
+def test_tiny_magnitudes_compiled():
+    from f8dist.numerics import sqnr
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 48) * 1e-30
+    compiled = torch.compile(_roundtrip, fullgraph=True)
+    assert sqnr(x, compiled(x, E4M3, True)) > 25
+    assert torch.equal(compiled(x, E4M3, True), _roundtrip(x, E4M3, True))

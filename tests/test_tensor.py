@@ -63,3 +63,15 @@ def test_differentiable_cast_and_dequantize_pass_gradients_through():
     assert isinstance(t, Float8Tensor)
     (t.to_original_precision() * 3).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_autocast_dtype_cast_keeps_bytes_and_scale():
+    # [Note: autocast] in f8dist/linear.py: the float8 operands autocast casts
+    t = _rowwise(torch.randn(8, 16))
+    b = t.to(torch.bfloat16)
+    assert isinstance(b, Float8Tensor) and b.dtype == torch.bfloat16
+    assert b._data is t._data and b._scale is t._scale and b._axiswise_dim == t._axiswise_dim
+    assert torch.equal(b.to_original_precision(), t.to_original_precision().bfloat16())
+    for bad in (torch.float8_e5m2, torch.int32):
+        with pytest.raises(NotImplementedError, match="high-precision dtype only"):
+            t.to(bad)
