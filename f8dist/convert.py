@@ -7,6 +7,7 @@ from typing import Callable, List, Optional
 
 import torch.nn as nn
 
+from f8dist import agreement
 from f8dist.config import Float8LinearConfig
 from f8dist.gemm import GEMM_ALIGNMENT
 from f8dist.linear import Float8Linear
@@ -64,6 +65,7 @@ def convert_to_float8_training(
         return mod
 
     out = swap(module, "")
+    agreement.check_before_first_forward(out)  # [Note: ranks that disagree]
     if skipped:
         logger.warning(
             "f8dist: kept %d linear(s) in high precision because their dims are not multiples of "

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from f8dist import agreement
 from f8dist.linear import Float8Linear
 from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
@@ -137,6 +138,6 @@ def parallelize_llama(
                 f"tensor parallelism over {tp_mesh.size()} ranks shards attention heads, so "
                 f"n_heads and n_kv_heads must be multiples of it; got {heads}"
             )
-    return parallelize_module(
-        model, tp_mesh, llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
-    )
+    plan = llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
+    agreement.check(model, tp_mesh)  # before sharding broadcasts: [Note: ranks that disagree]
+    return parallelize_module(model, tp_mesh, plan)

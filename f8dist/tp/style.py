@@ -72,7 +72,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from f8dist import delayed
+from f8dist import agreement, delayed
 from f8dist.cast import ToFloat8, cast_to_float8
 from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.gemm import check_gemm_shape
@@ -205,6 +205,7 @@ class _Float8LinearStyle:
         name = type(self).__name__
         module = _float8_linear(module, name)
         _check_local_gemm(module, device_mesh, self._sharded_features, name)
+        agreement.record_style(module, self)
         return super()._apply(module, device_mesh)
 
     def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -338,6 +339,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         # a style object may serve several modules (wildcard plans): bind a copy to this one
         bound = copy.copy(self)
         bound._spec, bound._linears = self._cast_for(module)
+        agreement.record_style(module, self)
         return PrepareModuleInput._apply(bound, module, device_mesh)
 
     def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):

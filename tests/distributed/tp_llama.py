@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist import Float8Linear, Float8LinearConfig, agreement, convert_to_float8_training
 from f8dist.cast import cast_to_float8
 from f8dist.testing import count_collectives
 from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
@@ -123,6 +123,7 @@ def compare(
     parallelize_llama(model, mesh["tp"], float8=not args.hp_tp, loss_parallel=True)
     if dp > 1:
         shard_2d(model, mesh["dp"])
+    agreement.check_once(model)  # the one-time rank check, outside the counted steps
 
     # the global batch: dp_rank's slice goes to this rank's model
     gen = torch.Generator().manual_seed(1)
