@@ -134,9 +134,9 @@ def check(model: nn.Module, mesh) -> None:
     everyone: List[Settings] = [{} for _ in ranks]
     dist.all_gather_object(everyone, mine, group=group)
     raise RuntimeError(
-        f"f8dist: the ranks sharding {type(model).__name__} disagree on its float8 settings (checked "
-        "before its first step; they would hang in mismatched collectives or train with different "
-        "numerics per rank):\n" + _differences(everyone, ranks)
+        f"f8dist: the ranks sharding {type(model).__name__} disagree on its float8 settings "
+        "(checked before its first step; they would hang in mismatched collectives or train with "
+        "different numerics per rank):\n" + _differences(everyone, ranks)
         + "\nGive every rank the same convert_to_float8_training config and module_filter_fn and "
         "the same parallel styles."
     )
@@ -148,7 +148,8 @@ def settings(model: nn.Module) -> Settings:
     out: Settings = {}
     for name, m in model.named_modules():
         name = ".".join(p for p in name.split(".") if p not in _WRAPPERS) or "<root>"
-        config = getattr(m, "config", None)  # a Float8Linear's (not imported: f8dist.fsdp imports us)
+        # a Float8Linear's config (the class is not imported here: f8dist.fsdp imports this module)
+        config = getattr(m, "config", None)
         if isinstance(m, nn.Linear):
             out[name, "float8"] = str(isinstance(config, Float8LinearConfig))
             if isinstance(config, Float8LinearConfig):
@@ -179,7 +180,8 @@ def _differences(per_rank: List[Settings], ranks: List[int]) -> str:
         by_value: Dict[str, List[int]] = {}
         for rank, v in zip(ranks, vals):
             by_value.setdefault(v, []).append(rank)
-        groups.setdefault((field, tuple((v, tuple(r)) for v, r in by_value.items())), []).append(module)
+        key = (field, tuple((v, tuple(r)) for v, r in by_value.items()))
+        groups.setdefault(key, []).append(module)
     lines = []
     for (field, by_value), modules in list(groups.items())[:_SHOWN]:
         on = ", ".join(f"{v} on rank{'s' if len(r) > 1 else ''} {_ranks(r)}" for v, r in by_value)
@@ -191,4 +193,5 @@ def _differences(per_rank: List[Settings], ranks: List[int]) -> str:
 
 
 def _ranks(ranks) -> str:
-    return ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    more = f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else ""
+    return ", ".join(map(str, ranks[:8])) + more

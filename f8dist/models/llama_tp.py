@@ -58,8 +58,9 @@ def llama_tp_plan(
     """The ``parallelize_module`` plan (FQN -> style) for a :class:`~f8dist.models.llama.Transformer`.
 
     ``float8=True`` needs a converted model (a Float8Linear somewhere); linears left in high
-    precision keep PyTorch's styles. ``loss_parallel=True`` leaves the logits sharded on the vocab dim (as a DTensor) for
-    ``torch.distributed.tensor.parallel.loss_parallel``; else they are replicated local tensors.
+    precision keep PyTorch's styles. ``loss_parallel=True`` leaves the logits sharded on the vocab
+    dim (as a DTensor) for ``torch.distributed.tensor.parallel.loss_parallel``; else they are
+    replicated local tensors.
     """
     for name in ("tok_embeddings", "layers", "norm", "output"):
         if not hasattr(model, name):
