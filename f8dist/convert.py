@@ -8,6 +8,7 @@ from typing import Callable, List, Optional
 
 import torch.nn as nn
 
+from f8dist import agreement
 from f8dist.config import Float8LinearConfig
 from f8dist.gemm import GEMM_ALIGNMENT
 from f8dist.linear import Float8Linear
@@ -84,6 +85,7 @@ def convert_to_float8_training(
             new.register_module(child_name, child)
         if parent is not None:
             setattr(parent, name, new)
+    agreement.check_before_first_forward(out)  # [Note: ranks that disagree]
     if skipped:
         logger.warning(
             "f8dist: kept %d linear(s) in high precision because their dims are not multiples of "

@@ -23,7 +23,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 import resource
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -48,7 +50,7 @@ from torch.distributed.tensor import DTensor
 import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
-from f8dist.models.data import VOCAB_SIZE, ByteBatches
+from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from teardown import exit_cleanly  # scripts/teardown.py
 
@@ -58,9 +60,33 @@ RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 _BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags end the job in one line, printed once (by rank 0 under torchrun), before any
+    process group, model or data exists."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(
+                f"must be {'a positive' if low == 1 else 'a non-negative'} integer, got {value}"
+            )
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message
+    return parse
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    positive, non_negative = _at_least(1), _at_least(0)
+    p.add_argument("--steps", type=positive, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--float8", choices=RECIPES, default="tensorwise",
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
@@ -68,37 +94,53 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; FSDP2 on the rest")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
                    help="activation checkpointing per block: selective (op-level) or full")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=positive, default=10)
     p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
+    p.add_argument("--checkpoint-every", type=non_negative, default=0, help="save every K steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--metrics-file", default=None, help="rank 0 writes per-step losses here (JSON)")
-    p.add_argument("--float8-stats-every", type=int, default=0,
+    p.add_argument("--float8-stats-every", type=non_negative, default=0,
                    help="every N steps, record every float8 cast (amax, scale, saturated %%, "
                         "underflow %%, SQNR by module/gemm/operand; eager only); 0: off")
     p.add_argument("--float8-stats-dir", default="float8_stats",
                    help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0)")
     # optimization
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=positive, default=8, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=positive, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--warmup-steps", type=non_negative, default=10)
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="FSDP2 parameter (compute) dtype; master weights and grads reduce in fp32")
     # model size
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--n-kv-heads", type=int, default=None)
+    p.add_argument("--dim", type=positive, default=64)
+    p.add_argument("--n-layers", type=positive, default=2)
+    p.add_argument("--n-heads", type=positive, default=4)
+    p.add_argument("--n-kv-heads", type=positive, default=None)
     p.add_argument("--ffn-dim-multiplier", type=float, default=None)
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        p.error("--checkpoint-every needs --checkpoint-dir")
+    windows = len(corpus_bytes("train")) - 1  # a sequence is a window of the corpus, plus 1 target
+    if args.seq_len >= windows:
+        p.error(f"--seq-len {args.seq_len} is longer than the training text ({windows} bytes); "
+                "the model's positions and the batches are windows of it")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, known before any rank starts
+    if world % args.tp:
+        p.error(f"--tp {args.tp} must divide the number of ranks ({world})")
+    if args.batch_size % (world // args.tp):
+        p.error(f"--batch-size {args.batch_size} must be a multiple of the {world // args.tp} "
+                "data-parallel ranks")
+    for heads in (args.n_heads, args.n_kv_heads or args.n_heads):
+        if heads % args.tp:
+            p.error(f"--tp {args.tp} shards attention heads: --n-heads and --n-kv-heads must be "
+                    f"multiples of it (got {heads})")
     if args.float8_stats_every and (args.float8 == "none" or args.compile):
         p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
                 "recipe and no --compile")
@@ -134,8 +176,6 @@ def _free_port() -> int:
 
 def build_mesh(tp: int, device: torch.device) -> DeviceMesh:
     world = dist.get_world_size()
-    if tp < 1 or world % tp:
-        raise ValueError(f"--tp {tp} must divide the number of ranks ({world})")
     return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
@@ -225,38 +265,74 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
 
 # -- checkpoints --------------------------------------------------------------------------------
 
+# [Note: atomic checkpoints]
+# A checkpoint is written to DIR/step-N.partial and renamed to DIR/step-N once complete (DCP's
+# .metadata, written last, is on disk when dcp.save returns on any rank), so a job killed while
+# saving leaves no step-N that --resume would take and fail to load. --resume takes the newest
+# DIR/step-N that holds .metadata, which also skips incomplete directories of older train.py runs.
+# RNG states are saved per rank: a run resumed on another number of ranks re-seeds instead.
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
 def _rng_key() -> str:
     return f"rank{dist.get_rank()}"
 
 
 def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int) -> None:
+    """Save to ``path/step-{step}``, atomically ([Note: atomic checkpoints])."""
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
         "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step)},
         "rng": {_rng_key(): torch.get_rng_state()},
     }
-    dcp.save(state, checkpoint_id=os.path.join(path, f"step-{step}"))
+    final = os.path.join(path, f"step-{step}")
+    partial = final + ".partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+    dist.barrier()
+    dcp.save(state, checkpoint_id=partial)
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)  # this step, saved by an earlier run
+        os.rename(partial, final)
+    dist.barrier()
 
 
 def latest_checkpoint(path: str) -> Optional[str]:
-    steps = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("step-")] if os.path.isdir(path) else []
+    """The newest complete checkpoint ``path/step-N`` (one with DCP's ``.metadata``), or None."""
+    steps = [
+        int(m.group(1)) for name in (os.listdir(path) if os.path.isdir(path) else [])
+        if (m := _STEP_DIR.fullmatch(name)) and os.path.exists(os.path.join(path, name, ".metadata"))
+    ]
     return os.path.join(path, f"step-{max(steps)}") if steps else None
 
 
-def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches) -> int:
+def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, seed: int):
+    """Load ``checkpoint``; returns (its step, a note for the log). Model and optimizer state are
+    resharded to this run's mesh; RNG states come back if the run has the checkpoint's number of
+    ranks, else every rank is re-seeded from ``seed``, the step and its rank."""
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    saved_ranks = sum(key.startswith("rng.") for key in saved)
+    same_ranks = saved_ranks == dist.get_world_size()
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
         "train": {"step": torch.tensor(0), "batches_step": torch.tensor(0)},
-        "rng": {_rng_key(): torch.get_rng_state()},
     }
+    if same_ranks:
+        state["rng"] = {_rng_key(): torch.get_rng_state()}
     dcp.load(state, checkpoint_id=checkpoint)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     batches.load_state_dict({"step": int(state["train"]["batches_step"])})
-    torch.set_rng_state(state["rng"][_rng_key()])
-    return int(state["train"]["step"])
+    step = int(state["train"]["step"])
+    if same_ranks:
+        torch.set_rng_state(state["rng"][_rng_key()])
+        return step, "RNG states restored"
+    torch.manual_seed(hash((seed, step, dist.get_rank())) % 2**63)
+    return step, (f"saved on {saved_ranks} rank(s), resumed on {dist.get_world_size()}: model and "
+                  "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank")
 
 
 # -- logging ------------------------------------------------------------------------------------
@@ -300,10 +376,10 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     if args.resume:
         checkpoint = latest_checkpoint(args.checkpoint_dir)
         if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no step-* checkpoint in {args.checkpoint_dir}")
-        start = load_checkpoint(checkpoint, model, optimizer, batches)
+            raise FileNotFoundError(f"--resume: no complete step-N checkpoint in {args.checkpoint_dir}")
+        start, note = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
         if rank == 0:
-            print(f"resumed from {checkpoint} at step {start}", flush=True)
+            print(f"resumed from {checkpoint} at step {start} ({note})", flush=True)
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -320,6 +396,9 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
 
         stats = Float8StatsLogger(model, every=args.float8_stats_every,
                                   out_dir=args.float8_stats_dir)
+    if args.compile and rank == 0:
+        print(f"torch.compile: compiling the {margs.n_layers} transformer block(s) in step "
+              f"{start + 1}; the first log line can take minutes", flush=True)
     t_log, tokens_since_log, t_start = time.perf_counter(), 0, time.perf_counter()
 
     for step in range(start + 1, args.steps + 1):
@@ -332,6 +411,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
             loss.backward()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
+        if args.compile and rank == 0 and step == start + 1:
+            print(f"compiled: step {step} took {time.perf_counter() - t_start:.0f}s", flush=True)
         if args.float8 == "delayed":  # roll the amax histories (one MAX all-reduce) into scales
             f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()

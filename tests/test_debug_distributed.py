@@ -10,4 +10,5 @@ def test_distributed_stats_equal_one_device():
     assert result["checked"] == [
         "direct [Shard(dim=0)]", "direct [Shard(dim=1)]", "direct [Replicate()]",
         "tp-like colwise linear", "fsdp2",
+        "fsdp2 float8 all-gather",
     ]

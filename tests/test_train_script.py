@@ -23,11 +23,52 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
     (["--float8", "fp8"], "invalid choice"),
+    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),  # was % 0
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),  # saved nothing
+    (["--tp", "0"], "argument --tp: must be a positive integer, got 0"),
+    (["--seq-len", "100000000"], "--seq-len 100000000 is longer than the training text"),  # hung
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
 ])
-def test_bad_flags_say_what_to_change(argv, match, capsys):
+def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    err = capsys.readouterr().err
+    assert match in err
+    assert err.count("\n") == 1, err  # no usage dump
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tp", "3"], "--tp 3 must divide the number of ranks (4)"),
+    (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
+    (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
+])
+def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
+                                                                            monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_only_rank0_prints_a_flag_error(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--steps", "0"])
+    assert capsys.readouterr().err == ""
+
+
+def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
+    # step-10 is complete; step-20 has no .metadata (a save killed before train.py saved
+    # atomically); step-30.partial is a killed atomic save
+    for name, complete in (("step-10", True), ("step-20", False), ("step-30.partial", False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"shard")
+        if complete:
+            (tmp_path / name / ".metadata").write_bytes(b"meta")
+    assert train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-10")
+    assert train.latest_checkpoint(str(tmp_path / "missing")) is None
 
 
 def test_float8_config_follows_the_flag():

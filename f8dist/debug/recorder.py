@@ -8,7 +8,8 @@ it runs without this module, eager or traced.
 
 [Note: statistics of the logical tensor]
 Under FSDP2 or tensor parallel a cast may see DTensors: ``hp`` and a DTensor of Float8Tensors
-sharing its placements. Each rank computes the statistics of its shard (``cast_stats_tensors``,
+sharing its placements (FSDP2's float8 all-gather casts each rank's shard as a part of the
+sharded weight, f8dist/fsdp/weight.py). Each rank computes the statistics of its shard (``cast_stats_tensors``,
 sums and maxima) and they are reduced over exactly the mesh dims that shard the tensor, the same
 rule as the amax (``[Note: amax]`` in f8dist/placement.py): a sum or max over the mesh axes
 whose placement shards the tensor, nothing over a Replicate one. So every rank holds the statistics of the logical tensor

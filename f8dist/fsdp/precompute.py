@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from f8dist import agreement
 from f8dist.config import Gemm, Operand, ScalingType
 from f8dist.fsdp.weight import Float8AllGatherWeight
 from f8dist.placement import is_dtensor, local_part, reduce_over_shards
@@ -32,6 +33,7 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
         >>> precompute_float8_dynamic_scale_for_fsdp(model)    # one all-reduce
         >>> model(x)                                           # no amax all-reduce
     """
+    agreement.check_once(model)  # before this all-reduce if there was no forward yet
     # weights sharded over the same mesh axes share their all-reduce(s), whatever their
     # placements say otherwise (2-D: colwise (_StridedShard(0), Shard(0)) and rowwise
     # (Shard(0), Shard(1)) weights both reduce over dp and tp)

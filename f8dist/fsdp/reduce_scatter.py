@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from f8dist import agreement
 from f8dist.config import E4M3, E5M2
 from f8dist.scaling import amax_to_scale, dequantize, saturated_cast, tensor_amax
 
@@ -235,7 +236,13 @@ def enable_float8_reduce_scatter(
             "enable_float8_reduce_scatter: no FSDP2 module in the model; call it after "
             "fully_shard(...)"
         )
-    _check_ranks_agree(config)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # [Note: ranks that disagree]
+        agreement.agree(
+            {("float8_reduce_scatter", "float8_dtype"): str(config.float8_dtype),
+             ("float8_reduce_scatter", "block_size"): str(config.block_size)},
+            dist.group.WORLD, what="ranks disagree on enable_float8_reduce_scatter's config",
+            fix="Pass the same Float8ReduceScatterConfig on every rank.",
+        )
     comm = Float8ReduceScatter(config)
     for module in modules:
         try:
@@ -246,16 +253,3 @@ def enable_float8_reduce_scatter(
                 f"{type(module).__name__}: {e}"
             ) from e
     return len(modules)
-
-
-def _check_ranks_agree(config: Float8ReduceScatterConfig) -> None:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    mine = (str(config.float8_dtype), config.block_size)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if any(other != mine for other in every):
-        raise ValueError(
-            f"enable_float8_reduce_scatter: ranks disagree on the config (float8_dtype, "
-            f"block_size) per rank: {every}; pass the same Float8ReduceScatterConfig everywhere"
-        )

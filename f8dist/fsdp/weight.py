@@ -130,7 +130,9 @@ class Float8AllGatherWeight(torch.Tensor):
             )
         spec = _weight_spec(module, self._config)
         scale = self._scale_for_all_gather(mesh, module, spec)
-        fp8 = cast_to_float8(shard, spec, scale)
+        # the shard is cast as part of the logical weight, so that observers (f8dist.debug) reduce
+        # its statistics over the shards ([Note: statistics of the logical tensor])
+        fp8 = local_part(cast_to_float8(like(_sharded_param(self, module), shard), spec, scale))
         padded_rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to chunk 0's size
         data = fp8._data.view(torch.uint8)  # [rows, K]
         data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0])) if data.dim() == 2 else \
@@ -187,15 +189,24 @@ def _weight_spec(module, config: Float8LinearConfig):
     return config.cast_spec(Gemm.OUTPUT, Operand.WEIGHT)
 
 
+def _sharded_param(local: torch.Tensor, module):
+    """The sharded DTensor parameter of ``module`` whose local tensor is ``local`` (None without a
+    module: the 1-argument hook)."""
+    if module is not None:
+        for p in module.parameters(recurse=False):
+            if getattr(p, "_local_tensor", None) is local:
+                return p
+    return None
+
+
 def _sharding_of(local: torch.Tensor, module, mesh):
     """(mesh, placements) of the sharded DTensor parameter whose local tensor is ``local``.
 
     Under 2-D FSDP x TP this is the 2-D mesh with dp and tp placements; without a module (the
     1-argument hook) the FSDP mesh, sharded on every axis."""
-    if module is not None:
-        for p in module.parameters(recurse=False):
-            if getattr(p, "_local_tensor", None) is local:
-                return p.device_mesh, p.placements
+    param = _sharded_param(local, module)
+    if param is not None:
+        return param.device_mesh, param.placements
     from torch.distributed.tensor import Shard
 
     return mesh, [Shard(0)] * mesh.ndim

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from f8dist import agreement
 from f8dist.linear import Float8Linear
 from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
@@ -56,8 +57,10 @@ def llama_tp_plan(
 ) -> Dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (FQN -> style) for a :class:`~f8dist.models.llama.Transformer`.
 
-    ``loss_parallel=True`` leaves the logits sharded on the vocab dim (as a DTensor) for
-    ``torch.distributed.tensor.parallel.loss_parallel``; else they are replicated local tensors.
+    ``float8=True`` needs a converted model (a Float8Linear somewhere); linears left in high
+    precision keep PyTorch's styles. ``loss_parallel=True`` leaves the logits sharded on the vocab
+    dim (as a DTensor) for ``torch.distributed.tensor.parallel.loss_parallel``; else they are
+    replicated local tensors.
     """
     for name in ("tok_embeddings", "layers", "norm", "output"):
         if not hasattr(model, name):
@@ -65,6 +68,13 @@ def llama_tp_plan(
                 f"llama_tp_plan expects torchtitan's LLaMA module names (tok_embeddings, layers, "
                 f"norm, output); {type(model).__name__} has no {name!r}"
             )
+    if float8 and not any(isinstance(m, Float8Linear) for m in model.modules()):
+        raise ValueError(
+            f"llama_tp_plan(float8=True): {type(model).__name__} has no Float8Linear, so the plan "
+            "would shard it with PyTorch's high-precision styles; call "
+            "f8dist.convert_to_float8_training(model) before parallelizing, or pass float8=False "
+            "for high-precision tensor parallelism"
+        )
     plan: Dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -129,6 +139,6 @@ def parallelize_llama(
                 f"tensor parallelism over {tp_mesh.size()} ranks shards attention heads, so "
                 f"n_heads and n_kv_heads must be multiples of it; got {heads}"
             )
-    return parallelize_module(
-        model, tp_mesh, llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
-    )
+    plan = llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
+    agreement.check(model, tp_mesh)  # before sharding broadcasts: [Note: ranks that disagree]
+    return parallelize_module(model, tp_mesh, plan)

@@ -24,6 +24,18 @@ communicated float8 tensor (``cast_to_float8`` of a float8 tensor that does not 
 rounding that a one-device run does not have; layers whose input needs no redistribution are not
 cast here at all.
 
+[Note: which redistributions carry float8]
+An axiswise cast is not made before a redistribution that shards its scaled-over dim on either
+side, e.g. a rowwise recipe's input (one scale per token, over K) going ``Replicate() ->
+Shard(-1)`` into ``Float8RowwiseParallel(input_layouts=Replicate())``. Float8 shards cannot be
+reassembled along the dim their scales span, and that redistribution is a local split that moves
+no bytes, so casting first would save nothing and would hand the grad_weight gemm (scaled over
+tokens, or in high precision for rowwise_with_gw_hp) a re-scaled or dequantized float8 copy where
+one device uses the high-precision input. The input is split in high precision and the linear
+casts its shard with the amax of the logical row (one ``[M, 1]`` all-reduce, [Note: amax]): one
+device's scales and bytes. A tensorwise cast is still made first: its scale is the replicated
+tensor's amax (no collective) and a split keeps it, giving one device's bytes.
+
 [Note: float8 gradients under compile]
 The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
 becomes a DTensor of Float8Tensors). torch.compile traces an autograd.Function's backward when it
@@ -60,7 +72,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from f8dist import delayed
+from f8dist import agreement, delayed
 from f8dist.cast import ToFloat8, cast_to_float8
 from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.gemm import check_gemm_shape
@@ -89,9 +101,15 @@ def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor,
     return scale if spec.scaling_type is ScalingType.DELAYED else None
 
 
-def _cast_input(x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear]) -> torch.Tensor:
-    """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision)."""
-    if not spec.enabled:
+def _cast_input(
+    x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
+) -> torch.Tensor:
+    """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
+    or ``x`` itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise
+    cast scales over ([Note: which redistributions carry float8])."""
+    axis = spec.axiswise_dim(x.dim())
+    layouts = (*getattr(x, "placements", ()), *desired_layouts)
+    if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
     return ToFloat8.apply(x, spec, _scale_for(spec, linears, x))
 
@@ -187,12 +205,14 @@ class _Float8LinearStyle:
         name = type(self).__name__
         module = _float8_linear(module, name)
         _check_local_gemm(module, device_mesh, self._sharded_features, name)
+        agreement.record_style(module, self)
         return super()._apply(module, device_mesh)
 
     def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         if input_layouts != desired_input_layouts:  # it will be communicated: float8 first
             x = _as_dtensor(inputs[0], device_mesh, input_layouts)
-            inputs = (_cast_input(x, mod.specs[OUTPUT_INPUT], [mod]), *inputs[1:])
+            inputs = (_cast_input(x, mod.specs[OUTPUT_INPUT], [mod], desired_input_layouts),
+                      *inputs[1:])
         return super()._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
         )
@@ -234,7 +254,8 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
     all-reduced (``output_layouts=Replicate()``) or reduce-scattered (``Shard(1)``, sequence
     parallel) in high precision. With a sharded output, the gradient that comes back is cast to
     float8 before backward all-gathers it. An input that needs redistributing to ``Shard(-1)`` is
-    cast to float8 before it moves.
+    cast to float8 before it moves when its scales survive the split (tensorwise; see [Note: which
+    redistributions carry float8]).
 
     Keyword Args:
         input_layouts (Placement, optional): layout of the module input; default ``Shard(-1)``.
@@ -318,6 +339,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         # a style object may serve several modules (wildcard plans): bind a copy to this one
         bound = copy.copy(self)
         bound._spec, bound._linears = self._cast_for(module)
+        agreement.record_style(module, self)
         return PrepareModuleInput._apply(bound, module, device_mesh)
 
     def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
@@ -325,7 +347,8 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
             if not isinstance(input, torch.Tensor):
                 raise TypeError(f"{type(self).__name__}: expected a tensor input, got {type(input)}")
             x = _as_dtensor(input, mesh, (input_layout,))
-            input = _cast_input(x, self._spec, self._linears)  # float8 before it is communicated
+            # float8 before it is communicated
+            input = _cast_input(x, self._spec, self._linears, (desired_layout,))
         return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
 
     def _cast_for(self, module: nn.Module):

@@ -4,7 +4,8 @@
   axiswise scales, and a given scale that saturates and underflows): the recorded statistics are
   those of the logical tensor, i.e. of the same cast on one device.
 * A TP-like Float8Linear (weight Shard(0), input replicated) forward and backward.
-* FSDP2 (fully_shard per layer, same data on every rank): every rank records one device's figures.
+* FSDP2 (fully_shard per layer, same data on every rank): every rank records one device's figures,
+  also when the weights are cast before a float8 all-gather (each rank casts its shard).
 
 Rank 0 reports the comparisons it ran (``{"checked": [...]}``); a mismatch raises on its rank.
 Run by tests/test_debug_distributed.py through tests/distributed/harness.py.
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import f8dist
+from f8dist import Float8LinearConfig
 from f8dist.cast import CastSite, cast_to_float8
 from f8dist.config import CastSpec, ScalingGranularity
 from f8dist.debug import record
@@ -41,11 +43,11 @@ def assert_same(dist_stats, ref_stats, what):
         assert got.float8_dtype == ref.float8_dtype
 
 
-def tiny_model(device):
+def tiny_model(device, config=Float8LinearConfig(emulate=True)):
     torch.manual_seed(0)
     with torch.device(device):
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-    return f8dist.convert_to_float8_training(model, config=f8dist.Float8LinearConfig(emulate=True))
+    return f8dist.convert_to_float8_training(model, config=config)
 
 
 def direct_casts(mesh, device, checked):
@@ -111,6 +113,28 @@ def fsdp(mesh, device, checked):
     checked.append("fsdp2")
 
 
+def fsdp_float8_all_gather(mesh, device, checked):
+    # each rank casts its half of a weight (rows) before the all-gather; the weights' maxima are
+    # put in rank 1's half, so a shard's statistics are not the weight's
+    ref = tiny_model(device, Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True))
+    with torch.no_grad():
+        for layer in (ref[0], ref[2]):
+            layer.weight[-1] *= 8
+    model = copy.deepcopy(ref)
+    for layer in (model[0], model[2]):  # one all-gather per layer, no re-gather in backward
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4)).to(device)
+    with record(ref) as ref_rec:
+        ref(x).sum().backward()
+    with record(model) as rec:
+        model(x).sum().backward()
+    # the all-gathered float8 weight serves the grad_input gemm too: that gemm casts no weight
+    expected = {s: v for s, v in ref_rec.stats().items() if (s.gemm, s.operand) != ("grad_input", "weight")}
+    assert_same(rec.stats(), expected, "FSDP2 float8 all-gather")
+    checked.append("fsdp2 float8 all-gather")
+
+
 def run(args):
     rank, world, device = init()
     mesh = init_device_mesh(device.type, (world,))
@@ -118,6 +142,7 @@ def run(args):
     direct_casts(mesh, device, checked)
     tp_like_linear(mesh, device, checked)
     fsdp(mesh, device, checked)
+    fsdp_float8_all_gather(mesh, device, checked)
     write_result(args, {"checked": checked})
 
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist import Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
 from f8dist.testing import count_collectives
 from tests.distributed.common import assert_equal, init, main, sqnr, write_result
 
@@ -117,6 +117,7 @@ def run_fsdp(rank, world, fp8_all_gather):
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
+    agreement.check_once(model)  # the one-time rank check, outside the counted steps
     g = torch.Generator().manual_seed(1)
 
     def batch(step):

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist import Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
 from f8dist.testing import count_collectives
 from f8dist.models.llama import FeedForward
 from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -93,6 +93,7 @@ def scenario(rank, world, amax_init: bool) -> dict:
     ref = convert_to_float8_training(copy.deepcopy(plain), config=config)
     model = convert_to_float8_training(plain, config=config)
     parallelize_module(model, init_device_mesh("cpu", (world,)), PLAN)
+    agreement.check_once(model)  # the one-time rank check, outside the counted steps
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=LR) for m in (model, ref))
     g = torch.Generator().manual_seed(1)
     seq = slice(rank * S // world, (rank + 1) * S // world)  # this rank's sequence shard

@@ -53,7 +53,7 @@ def test_float8_reduce_scatter_two_ranks():
     r = run_torchrun("fsdp_reduce_scatter", 2, "--scenarios",
                      "disagree,grads,bytes,train,train_script", timeout=300)
     assert r["world"] == 2
-    assert "ranks disagree" in r["disagree_error"]
+    assert "ranks disagree" in r["disagree_error"] and "block_size" in r["disagree_error"]
     _check_grads(r)
     _check_bytes(r)
     _check_train(r)

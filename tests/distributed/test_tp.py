@@ -51,6 +51,16 @@ def test_padded_local_shard(tp_results):
     assert tp_results["padded_shard_sqnr_db"] >= FLOOR_DB
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_style_with_replicated_input_matches_one_device(tp_results, recipe):
+    # Replicate() -> Shard(-1) is a local split, no communication: see [Note: which
+    # redistributions carry float8] in f8dist/tp/style.py
+    figures = tp_results["rowwise_replicated_input"][recipe]
+    assert isinstance(figures, dict), f"{recipe}: {figures}"
+    low = {k: v for k, v in figures.items() if v < FLOOR_DB}
+    assert not low, f"{recipe}: below {FLOOR_DB} dB against one device: {low}"
+
+
 @pytest.mark.parametrize(
     "case, words",
     [
@@ -61,6 +71,7 @@ def test_padded_local_shard(tp_results):
         ("shard_not_16", ["proj", "over 2 ranks", "out_features = 24", "pad_inner_dim"]),
         ("delayed_input", ["delayed", "fwd_config_submodule_fqn"]),
         ("2d_mesh_to_plan", ["1-D", "mesh['tp']"]),
+        ("unconverted_model", ["no Float8Linear", "convert_to_float8_training", "float8=False"]),
     ],
 )
 def test_misspecified_plans_raise(tp_results, case, words):

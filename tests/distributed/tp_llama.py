@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist import Float8Linear, Float8LinearConfig, agreement, convert_to_float8_training
 from f8dist.cast import cast_to_float8
 from f8dist.testing import count_collectives
 from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
@@ -123,6 +123,7 @@ def compare(
     parallelize_llama(model, mesh["tp"], float8=not args.hp_tp, loss_parallel=True)
     if dp > 1:
         shard_2d(model, mesh["dp"])
+    agreement.check_once(model)  # the one-time rank check, outside the counted steps
 
     # the global batch: dp_rank's slice goes to this rank's model
     gen = torch.Generator().manual_seed(1)
@@ -271,6 +272,7 @@ def errors(mesh) -> dict:
             tp_mesh, PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         ),
         "2d_mesh_to_plan": lambda: parallelize_llama(Transformer(ARGS), mesh),
+        "unconverted_model": lambda: parallelize_llama(Transformer(ARGS), tp_mesh, float8=True),
     }
     messages = {}
     for name, fn in cases.items():
@@ -300,6 +302,41 @@ def padded_shard(mesh) -> float:
     return sqnr(ref(x).detach(), lin(x.chunk(tp, 1)[r]).detach())
 
 
+def rowwise_replicated_input(mesh) -> dict:
+    """``Float8RowwiseParallel(input_layouts=Replicate())`` (each rank takes its in_features
+    slice of a replicated input) per recipe: SQNR of the output, the input gradient and the weight
+    gradient against one device, or the error it raised."""
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from f8dist.tp import Float8RowwiseParallel
+
+    out = {}
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        torch.manual_seed(0)
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        lin = Float8Linear.from_float(nn.Linear(64, 32, bias=False), config)
+        ref = copy.deepcopy(lin)
+        x = torch.randn(2, 16, 64)  # [B, S, K], the same on every rank
+        grad = torch.randn(2, 16, 32)  # [B, S, N]
+        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref = ref(x_ref)
+        y_ref.backward(grad)
+        try:
+            parallelize_module(lin, mesh["tp"], Float8RowwiseParallel(input_layouts=Replicate()))
+            y = lin(x_tp)
+            y.backward(grad)
+        except Exception as e:  # reported, so the test shows what a recipe raised
+            out[recipe] = f"{type(e).__name__}: {e}"
+            continue
+        out[recipe] = {
+            "output": sqnr(y_ref.detach(), y.detach()),
+            "grad_input": sqnr(x_ref.grad, x_tp.grad),
+            "grad_weight": sqnr(ref.weight.grad, lin.weight.grad.full_tensor()),
+        }
+    return out
+
+
 def run(args):
     rank, world, device = init()
     mesh = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
@@ -318,6 +355,7 @@ def run(args):
     if args.dp == 1:
         results["errors"] = errors(mesh)
         results["padded_shard_sqnr_db"] = padded_shard(mesh)
+        results["rowwise_replicated_input"] = rowwise_replicated_input(mesh)
     write_result(args, results)
 
 

@@ -3,21 +3,25 @@
 On whatever mesh ``--train "..."`` asks for, in one launch:
 
 1. train bf16 (``--float8 none``) and float8 ``--recipe`` on the same data; the float8 run saves
-   a checkpoint every ``--every`` steps;
-2. delete its last checkpoint, as if the job had died after the one before;
-3. train again with ``--resume``: a fresh model, loaded from that checkpoint.
+   a checkpoint every ``--every`` steps into ``--ckpt-dir``, and its last save is killed after
+   every rank wrote its shards but before DCP's ``.metadata`` (``killed_at_the_last_save``);
+2. train again with ``--resume``: a fresh model, loaded from the newest complete checkpoint;
+3. resume from ``--resume-from``, a checkpoint saved by a run on one rank.
 
-Reports the three loss curves and compare_loss's markdown table of the first two.
+Reports the loss curves and compare_loss's markdown table of the first two.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shlex
-import shutil
 import sys
+from unittest import mock
 
-import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.distributed.common import init, main, write_result
 
@@ -26,33 +30,75 @@ sys.path.insert(0, os.path.abspath(SCRIPTS))
 import compare_loss  # noqa: E402
 import train  # noqa: E402
 
+class SimulatedKill(RuntimeError):
+    pass
+DCP_SAVE = dcp.save  # the real one, while train.dcp.save is patched
+
+
+class _DiesBeforeMetadata(dcp.FileSystemWriter):
+    """A writer whose coordinator dies where DCP would write ``.metadata`` (its last file)."""
+
+    def finish(self, metadata, results):
+        raise SimulatedKill("shards written, .metadata not yet")
+
+
+def killed_at_the_last_save(last_step: int):
+    """scripts/train.py's save_checkpoint, except that the save of ``last_step`` stops where a
+    kill would: what it wrote stays on disk, nothing after it runs, and training goes on as if a
+    restarted job had recorded the losses (the resumed run is compared with them)."""
+    real = train.save_checkpoint
+
+    def save(path, model, optimizer, batches, step):
+        if step != last_step:
+            return real(path, model, optimizer, batches, step)
+
+        def dying_save(state, checkpoint_id):
+            DCP_SAVE(state, storage_writer=_DiesBeforeMetadata(checkpoint_id))
+
+        with mock.patch.object(train.dcp, "save", dying_save):
+            try:
+                real(path, model, optimizer, batches, step)
+            except CheckpointException as e:  # the coordinator's error, raised on every rank
+                if not any(type(exc).__name__ == "SimulatedKill" for exc, _ in e.failures.values()):
+                    raise
+            else:
+                raise AssertionError("the simulated kill did not happen")
+
+    return mock.patch.object(train, "save_checkpoint", save)
+
 
 def _args(parser):
     parser.add_argument("--train", default="", help="flags for scripts/train.py, one string")
     parser.add_argument("--recipe", default="tensorwise")
     parser.add_argument("--every", type=int, required=True)
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--resume-from", required=True,
+                        help="a checkpoint directory saved by a run on another number of ranks")
 
 
 def run(args):
     init()
     argv = shlex.split(args.train)
-    ckpt = os.path.join(os.path.dirname(os.path.abspath(args.result)), "ckpt")
-    checkpointing = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.every)]
+    checkpointing = ["--checkpoint-dir", args.ckpt_dir, "--checkpoint-every", str(args.every)]
 
     bf16 = train.train(train.parse_args([*argv, "--float8", "none"]))
-    fp8 = train.train(train.parse_args([*argv, "--float8", args.recipe, *checkpointing]))
-
-    last = fp8["steps"][-1]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(os.path.join(ckpt, f"step-{last}"))
-    dist.barrier()
+    fp8_args = train.parse_args([*argv, "--float8", args.recipe, *checkpointing])
+    with killed_at_the_last_save(fp8_args.steps):
+        fp8 = train.train(fp8_args)
+    left = sorted(os.listdir(args.ckpt_dir))  # what the killed save left
     resumed = train.train(train.parse_args([*argv, "--float8", args.recipe, "--checkpoint-dir",
-                                            ckpt, "--resume"]))
+                                            args.ckpt_dir, "--resume"]))
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        regrouped = train.train(train.parse_args([*argv, "--float8", args.recipe, "--checkpoint-dir",
+                                                  args.resume_from, "--resume"]))
 
     table = compare_loss.loss_table({"none": bf16["losses"], args.recipe: fp8["losses"]},
                                     tail=10, title=args.train)
-    write_result(args, {"bf16": bf16, "float8": fp8, "resumed": resumed, "table": table})
+    write_result(args, {"bf16": bf16, "float8": fp8, "resumed": resumed, "table": table,
+                        "checkpoints_after_kill": left, "regrouped": regrouped,
+                        "regrouped_log": log.getvalue()})
 
 
 if __name__ == "__main__":

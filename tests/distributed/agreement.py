@@ -1,0 +1,97 @@
+"""torchrun program (2 ranks): ranks whose float8 settings disagree fail at the first step with a
+message naming the difference; ranks that agree pay one 16-byte all-gather (f8dist/agreement.py).
+
+Each case builds the LLaMA-style model on every rank with a rank-dependent float8 setting, shards
+it (FSDP2 over both ranks, or tensor parallel with the ready plan) and trains two steps as
+scripts/train.py does. A mismatch case must raise on every rank before any collective of the
+step (the ranks then go on to the next case); ``--cases`` picks cases (default: all).
+
+Rank 0 reports, per case, the error message and the seconds until it was raised; for the
+matching case, the collectives of the first step minus those of the second (the check's cost).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import f8dist
+from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.models import ModelArgs, Transformer, parallelize_llama
+from f8dist.testing import count_collectives
+from tests.distributed.common import init, main, write_result
+
+ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, multiple_of=32, max_seq_len=16)
+
+
+def recipe(name: str, **changes) -> Float8LinearConfig:
+    return Float8LinearConfig.from_recipe_name(name).replace(**changes)
+
+
+# case -> (layout, {rank: config}, float8 TP styles on rank 1); rank 0 uses TP styles when "tp"
+CASES = {
+    "float8_all_gather_on_rank0_only": (
+        "fsdp", {0: recipe("tensorwise", enable_fsdp_float8_all_gather=True), 1: recipe("tensorwise")}, True),
+    "delayed_vs_dynamic_fsdp": ("fsdp", {0: recipe("delayed"), 1: recipe("tensorwise")}, True),
+    "recipes_fsdp": ("fsdp", {0: recipe("tensorwise"), 1: recipe("rowwise")}, True),
+    "recipes_tp": ("tp", {0: recipe("tensorwise"), 1: recipe("rowwise")}, True),
+    "delayed_vs_dynamic_tp": ("tp", {0: recipe("delayed"), 1: recipe("tensorwise")}, True),
+    "float8_styles_on_rank0_only": ("tp", {0: recipe("tensorwise"), 1: recipe("tensorwise")}, False),
+    "matching": ("fsdp", {0: recipe("tensorwise"), 1: recipe("tensorwise")}, True),
+}
+
+
+def step(model, tokens, targets):
+    logits = model(tokens)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).backward()
+    f8dist.sync_float8_amax_and_scale_history(model)
+
+
+def build(layout: str, config: Float8LinearConfig, float8_styles: bool, mesh):
+    model = Transformer(ARGS)
+    model.init_weights(seed=0)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
+    if layout == "tp":
+        parallelize_llama(model, mesh, float8=float8_styles)
+    else:
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def run_case(name: str, mesh, rank: int) -> dict:
+    layout, configs, rank1_styles = CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len), generator=gen)
+    targets = torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len), generator=gen)
+    start = time.perf_counter()
+    try:  # sharding time (TP) or the first step (FSDP2) must raise
+        model = build(layout, configs[rank], rank == 0 or rank1_styles, mesh)
+        with count_collectives() as first:
+            step(model, tokens, targets)
+        with count_collectives() as second:
+            step(model, tokens, targets)
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.perf_counter() - start}
+    return {"error": None, "first": first.as_dict(), "second": second.as_dict()}
+
+
+def run(args):
+    rank, world, device = init(timeout_s=args.pg_timeout)
+    mesh = init_device_mesh(device.type, (world,))
+    names = args.cases.split(",") if args.cases else list(CASES)
+    write_result(args, {name: run_case(name, mesh, rank) for name in names})
+
+
+def extra_args(parser):
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--pg-timeout", type=float, default=60.0)
+
+
+if __name__ == "__main__":
+    main(run, extra_args)

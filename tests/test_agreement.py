@@ -1,0 +1,38 @@
+"""f8dist/agreement.py on one process: what the ranks compare, how a difference is named, and that
+one process pays nothing. The 2-rank checks are tests/distributed/test_agreement.py."""
+
+import torch.nn as nn
+
+from f8dist import Float8LinearConfig, agreement, convert_to_float8_training
+
+
+def _model(recipe="tensorwise", keep=lambda mod, fqn: True):
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    return convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep
+    )
+
+
+def test_settings_name_each_linear_and_config_field():
+    s = agreement.settings(_model("rowwise", keep=lambda mod, fqn: fqn != "2"))
+    assert s["0", "float8"] == "True" and s["2", "float8"] == "False"
+    assert s["0", "cast_config_input.scaling_granularity"] == "ScalingGranularity.AXISWISE"
+    assert s["0", "round_scales_to_power_of_2"] == "True"
+    assert not any(module == "2" and field != "float8" for module, field in s)
+
+
+def test_differences_name_fields_ranks_and_modules():
+    a, b = agreement.settings(_model("tensorwise")), agreement.settings(_model("delayed"))
+    c = agreement.settings(_model("tensorwise", keep=lambda mod, fqn: fqn != "2"))
+    text = agreement._differences([a, a, b, c], [0, 1, 2, 3])
+    assert ("cast_config_input.scaling_type: ScalingType.DYNAMIC on ranks 0, 1, 3, "
+            "ScalingType.DELAYED on rank 2 (modules 0)") in text
+    # a linear converted on some ranks only is named once, not by each of its config fields
+    assert "float8: True on ranks 0, 1, 2, False on rank 3 (modules 2)" in text
+    assert "on rank 3 (modules 0, 2)" not in text
+
+
+def test_one_process_registers_no_hook():
+    before = dict(nn.modules.module._global_forward_pre_hooks)
+    _model()
+    assert nn.modules.module._global_forward_pre_hooks == before
