@@ -82,6 +82,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0)")
     # optimization
     p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--grad-accum-steps", type=int, default=1,
+                   help="split each rank's batch into this many micro-batches (forward and "
+                        "backward each) per optimizer step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=10)
@@ -95,6 +98,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--n-kv-heads", type=int, default=None)
     p.add_argument("--ffn-dim-multiplier", type=float, default=None)
     args = p.parse_args(argv)
+    if args.grad_accum_steps < 1:
+        p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.float8_stats_every and (args.float8 == "none" or args.compile):
@@ -291,6 +296,10 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
                                   betas=(0.9, 0.95), foreach=True)
     batches = ByteBatches(seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                           dp_rank=dp_rank, dp_size=dp_size)
+    accum = args.grad_accum_steps
+    if (args.batch_size // dp_size) % accum:
+        raise ValueError(f"--grad-accum-steps {accum} must divide each rank's batch "
+                         f"({args.batch_size // dp_size} sequences); change --batch-size")
 
     start = 0
     if args.resume:
@@ -324,11 +333,14 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         inputs, targets = (t.to(device) for t in next(batches))  # [b, S], [b, S]
         # --float8-stats-every N: record this step's float8 casts if step % N == 0
         with stats.step(step) if stats is not None else contextlib.nullcontext():
-            logits = model(inputs)  # [b, S, V]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-            loss.backward()
+            loss = 0.0
+            for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):  # [b / accum, S]
+                logits = model(x)  # [b / accum, S, V]
+                micro = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1)) / accum
+                micro.backward()
+                loss = loss + micro.detach()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
-        if args.float8 == "delayed":  # roll the amax histories (one MAX all-reduce) into scales
+        if args.float8 == "delayed":  # one MAX all-reduce: the step's amaxes into the histories
             f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -336,7 +348,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             # one all-reduce for the scales of every float8 weight's next all-gather
             precompute_float8_dynamic_scale_for_fsdp(model)
 
-        global_loss = loss.detach().clone()
+        global_loss = loss.clone()
         dist.all_reduce(global_loss)  # sum over all ranks; tp ranks hold equal losses
         global_loss = float(global_loss) / world
         steps.append(step)

@@ -60,9 +60,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from f8dist import delayed
 from f8dist.cast import ToFloat8, cast_to_float8
 from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
+from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
 from f8dist.linear import Float8Linear
 from f8dist.placement import has_partial
@@ -78,14 +78,15 @@ GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
 # ---------------------------------------------------------------------------------------------
 
 
-def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor, init=None):
+def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor, record=None):
     """The scale of a cast of ``x`` made for ``linears`` outside their forward: None (dynamic),
     or, when they keep an amax history of the operand, the delayed scale after recording ``x``'s
     amax into them ([Note: delayed casts in the float8 styles]). The operand is recorded even when
-    only another gemm's cast of it is delayed: the linears get float8 bytes and cannot record it."""
-    if not linears or spec.operand not in linears[0]._delayed_operands:
+    only another gemm's cast of it is delayed: the linears get float8 bytes and cannot record it.
+    ``record``: that of the forward whose gradient ``x`` is (see ``shared_scale``)."""
+    if not linears or linears[0].delayed is None or not linears[0].delayed.keeps(spec.operand):
         return None
-    scale = delayed.record_and_scale(list(linears), spec.operand, x, init)
+    scale = shared_scale([m.delayed for m in linears], spec.operand, x, record)
     return scale if spec.scaling_type is ScalingType.DELAYED else None
 
 
@@ -102,17 +103,14 @@ class _CastGradToFloat8(torch.autograd.Function):
     float8 (a delayed cast records into ``mod`` and uses its scale)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mod: Float8Linear):
-        ctx.mod = mod
-        # whether the forward that made x was the linear's first step (read now: it is reset
-        # by the time backward runs)
-        ctx.init = bool(getattr(mod, "_delayed_init_forward", False))
+    def forward(ctx, x: torch.Tensor, mod: Float8Linear, record: bool):
+        ctx.mod, ctx.record = mod, record  # whether the forward that made x records
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.mod.specs[GRAD_INPUT_GRAD_OUTPUT]
-        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.init)), None
+        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.record)), None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +260,8 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
             and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
         ):
             # backward all-gathers the sharded gradient: cast it to float8 first
-            outputs = _CastGradToFloat8.apply(outputs, mod)
+            record = mod.delayed is not None and mod.delayed.training()
+            outputs = _CastGradToFloat8.apply(outputs, mod, record)
         return outputs.to_local() if use_local_output else outputs
 
 
@@ -334,7 +333,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         name = type(self).__name__
         delayed_linears = {
             n: m for n, m in module.named_modules()
-            if isinstance(m, Float8Linear) and Operand.INPUT in m._delayed_operands
+            if isinstance(m, Float8Linear) and m.delayed is not None and m.delayed.keeps(Operand.INPUT)
         }
         if self.fwd_config_submodule_fqn is None:
             if delayed_linears:
@@ -358,7 +357,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
             ) from None
         sub = _float8_linear(sub, f"{name}(fwd_config_submodule_fqn=...)")
         others = [m for m in delayed_linears.values() if m is not sub]
-        if others and Operand.INPUT not in sub._delayed_operands:
+        if others and not (sub.delayed is not None and sub.delayed.keeps(Operand.INPUT)):
             raise ValueError(
                 f"{name}: {[n for n, m in delayed_linears.items() if m is not sub]} cast their "
                 f"input with delayed scaling but fwd_config_submodule_fqn="
