@@ -23,6 +23,7 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
     (["--float8", "fp8"], "invalid choice"),
+    (["--grad-accum-steps", "0"], "--grad-accum-steps must be >= 1"),
 ])
 def test_bad_flags_say_what_to_change(argv, match, capsys):
     with pytest.raises(SystemExit):
