@@ -10,8 +10,9 @@ the module is cast to::
     fp8_amax_{op}          []             max amax recorded since the last sync
     fp8_amax_history_{op}  [history_len]  amax of the latest steps, newest first
     fp8_scale_{op}         []             scale = amax_to_scale(max(history))
-    fp8_counts_{op}        [3]            out of range in this step (0/1), steps out of range,
-                                          steps whose amax was non-finite (not in state_dict)
+    fp8_steps_{op}         [4]            this step: out of range, recorded by an own cast (0/1);
+                                          steps out of range, steps with a non-finite amax
+                                          (not in state_dict)
 
 One optimizer step::
 
@@ -109,7 +110,7 @@ __all__ = [
 DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 # [Note: out of range]: amax * scale in float8 units outside [low, high * fp8_max] is out of range
 OUT_OF_RANGE = (1.0, 2.0)
-_PENDING, _OUT_OF_RANGE_STEPS, _NONFINITE_STEPS = range(3)  # fp8_counts_{op}
+_OUT_OF_RANGE, _OWN, _COUNTERS = 0, 1, slice(2, 4)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
 
@@ -180,7 +181,7 @@ class DelayedScaling:
             module.register_buffer(f"fp8_amax_{op}", torch.zeros((), device=device))
             module.register_buffer(f"fp8_amax_history_{op}", torch.zeros(self.history_len, device=device))
             module.register_buffer(f"fp8_scale_{op}", torch.ones((), device=device))
-            module.register_buffer(f"fp8_counts_{op}", torch.zeros(3, device=device), persistent=False)
+            module.register_buffer(f"fp8_steps_{op}", torch.zeros(4, device=device), persistent=False)
 
     @classmethod
     def attach(cls, module: nn.Module) -> Optional["DelayedScaling"]:
@@ -270,12 +271,20 @@ class DelayedScaling:
     def _to_scale(self, op: Operand, amax: torch.Tensor) -> torch.Tensor:
         return amax_to_scale(amax, self.operands[op], round_to_power_of_2=self.round_pow2)
 
-    def _record(self, op: Operand, amax: torch.Tensor, out_of_range: Optional[torch.Tensor]) -> None:
-        pending = self.buffer("amax", op)
-        pending.copy_(torch.maximum(pending, amax))  # NaN stays NaN: the sync skips it
+    def _record(self, op: Operand, amax: torch.Tensor, out_of_range: Optional[torch.Tensor],
+                own: bool = True) -> None:
+        """max(fp8_amax, ``amax``); NaN stays NaN (the sync keeps it out of the history). A
+        record that is not ``own`` (a shared input that this linear may not consume: [Note:
+        delayed casts in the float8 styles]) is dropped by the linear's first own record."""
+        pending, steps = self.buffer("amax", op), self.buffer("steps", op)  # [], [4]
+        recorded = steps[_OWN] > 0
+        if own:
+            pending.copy_(torch.where(recorded, torch.maximum(pending, amax), amax))
+            steps[_OWN].fill_(1.0)
+        else:
+            pending.copy_(torch.where(recorded, pending, torch.maximum(pending, amax)))
         if out_of_range is not None:
-            flag = self.buffer("counts", op)[_PENDING]
-            flag.copy_(torch.maximum(flag, out_of_range.float()))
+            steps[_OUT_OF_RANGE].copy_(torch.maximum(steps[_OUT_OF_RANGE], out_of_range.float()))
 
     def _out_of_range(self, op: Operand, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """[Note: out of range]; False for a non-finite ``amax`` (the sync counts those)."""
@@ -313,15 +322,17 @@ def _scale(
     if not first.synced and (record or communicated):  # [Note: first step]
         seen = first._group_amax(op, amax)
     if first.enable_amax_init and not first.synced:
-        if record:
-            for o in owners:
-                o._record(op, amax, None)
-        return first._to_scale(op, seen)
-    scale = first.buffer("scale", op)
-    out_of_range = first._out_of_range(op, seen, scale)
+        out_of_range = None
+        scale = first._to_scale(op, seen)
+    else:
+        scale = first.buffer("scale", op)
+        out_of_range = first._out_of_range(op, seen, scale)
     if record:
-        for o in owners:
-            o._record(op, amax, out_of_range)
+        first._record(op, amax, out_of_range)
+        for o in owners[1:]:
+            o._record(op, amax, None, own=False)
+    if out_of_range is None:
+        return scale
     current = ~torch.isfinite(seen)
     if not communicated or not first.synced:  # else the ranks could disagree
         current = current | out_of_range
@@ -403,7 +414,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
     amaxes = torch.stack([o.buffer("amax", op) for o, op in entries])  # [E]
-    pending = torch.stack([o.buffer("counts", op)[_PENDING] for o, op in entries])  # [E]
+    pending = torch.stack([o.buffer("steps", op)[_OUT_OF_RANGE] for o, op in entries])  # [E]
     reduced = all_reduce(torch.cat([_inf_for_nan(amaxes), pending]), "max", group)  # [2E]
     amaxes, pending = reduced[: len(entries)], reduced[len(entries):]
     finite = torch.isfinite(amaxes)  # [E]; a non-finite amax stays out of the history
@@ -429,8 +440,9 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
             o.buffer("amax", op).zero_()
             o.buffer("amax_history", op).copy_(new_hist[j])
             o.buffer("scale", op).copy_(scales[j])
-            counts = o.buffer("counts", op)  # [3]
-            counts.copy_(counts + torch.stack([-counts[_PENDING], pending[i], (~ok[j]).float()]))
+            steps = o.buffer("steps", op)  # [4]: this step's flags to 0, counters up
+            steps.copy_(torch.stack([steps[0] * 0, steps[1] * 0, steps[2] + pending[i],
+                                     steps[3] + (~ok[j]).float()]))
     for o in owners:
         o.synced = True
 
@@ -450,7 +462,7 @@ def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, 
     for o in _owners(model):
         out[getattr(o.module, "fqn", "")] = {
             str(op): dict(zip(("out_of_range_steps", "nonfinite_steps"),
-                              map(int, o.buffer("counts", op)[1:].tolist())))
+                              map(int, o.buffer("steps", op)[_COUNTERS].tolist())))
             for op in o.operands
         }
     return out

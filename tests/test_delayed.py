@@ -22,9 +22,9 @@ from f8dist import (
     sync_float8_amax_and_scale_history,
 )
 from f8dist import cast as f8cast
-from f8dist.config import E4M3, E5M2
+from f8dist.config import E4M3, E5M2, Operand
 from f8dist.debug import Float8StatsLogger
-from f8dist.delayed import delayed_scaling_counters
+from f8dist.delayed import delayed_scaling_counters, shared_scale
 from f8dist.numerics import sqnr
 from f8dist.scaling import amax_to_scale
 
@@ -96,8 +96,8 @@ def test_buffers_in_state_dict():
             amax, history, scale = (f"{layer}." + b.format(op) for b in BUFFERS)
             assert sd[amax].shape == () and sd[scale].shape == ()
             assert sd[history].shape == (DELAYED.delayed_scaling_config.history_len,)
-            assert f"{layer}.fp8_counts_{op}" not in sd  # the counters are not checkpointed
-    assert model[0].delayed.buffer("counts", "input").shape == (3,)
+            assert f"{layer}.fp8_steps_{op}" not in sd  # the counters are not checkpointed
+    assert model[0].delayed.buffer("steps", "input").shape == (4,)
     # dynamic recipes keep nn.Linear's keys only
     assert set(float8_model(Float8LinearConfig()).state_dict()) == set(plain_model().state_dict())
     assert float8_model(Float8LinearConfig())[0].delayed is None
@@ -144,6 +144,19 @@ def test_recorded_amax_and_used_scale():
     assert not lin.fp8_amax_input.any()  # the next step records from scratch
     assert all(v == {"out_of_range_steps": 0, "nonfinite_steps": 0}
                for ops in delayed_scaling_counters(model).values() for v in ops.values())
+
+
+def test_shared_cast_records_tentatively():
+    """A cast made for several linears (a TP style's shared input) records into all of them; a
+    linear that then casts its own input in the step keeps its own amax only."""
+    consumer, other = float8_model()[0], float8_model()[0]
+    for lin in (consumer, other):
+        lin.delayed.synced = True  # past the first step
+    big, small = torch.full((16, 32), 4.0), torch.full((16, 32), 0.5)
+    for _ in range(2):  # e.g. two micro-batches
+        shared_scale([consumer.delayed, other.delayed], Operand.INPUT, big)
+        other(small)
+    assert consumer.fp8_amax_input == 4.0 and other.fp8_amax_input == 0.5
 
 
 def test_training_sqnr_vs_fp32():

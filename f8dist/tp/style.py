@@ -38,15 +38,17 @@ that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py), as the 
 the style records the amax of the rank's *shard* (forward: the input; backward, rowwise style:
 the sequence-sharded gradient) into the linear and casts with its scale; no amax collective runs.
 The linear reuses the float8 bytes and records nothing more, and the sync's one MAX all-reduce
-makes the shard amaxes the logical tensor's, so every rank holds one device's histories. On the
-first step ([Note: first step]) the history is filled from the logical tensor's amax, reduced
-over tp (one scalar all-reduce per cast, first step only).
+makes the shard amaxes the logical tensor's, so every rank holds one device's histories. The
+first step ([Note: first step]) reduces each cast's amax over the ranks (one scalar all-reduce
+per cast, first step only); a step whose amax jumps out of the history's range keeps the history
+scale in these casts, whose bytes must share one scale on every rank ([Note: out of range]).
 
 A shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``) is cast once with
 the named linear's scale and its amax is recorded into *every* delayed Float8Linear below the
 module: the linears consuming it (wq/wk/wv, w1/w3) thus hold the same histories, as on one device;
-one fed another tensor (wo, w2) overwrites the shared amax in its own forward, which runs later.
-Caveat: a delayed linear below the module that does not run in a step keeps the shared amax.
+for the others it is a tentative record, which the first cast of their own input in the step (wo,
+w2) replaces. Caveat: a delayed linear below the module that does not run in a step keeps the
+shared amax.
 """
 
 from __future__ import annotations
