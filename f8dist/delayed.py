@@ -58,18 +58,23 @@ sync rolls the history as any other. An evaluation forward before the first sync
 amax of its own tensor.
 
 [Note: out of range]
-A history predicts the amax of the next step. When a cast's current amax times its history scale
-lands outside ``[1, 2 * fp8_max]`` (in float8 units; ``OUT_OF_RANGE``) the prediction failed:
-above, everything in the top half of the tensor's range would saturate; below 1.0, the middle of
-both formats' normal range (e4m3: 2**-6..448, e5m2: 2**-14..57344), the tensor would lose the
-lower half of its normal binades and its small values flush to zero. Such a cast is re-scaled from
-its current amax for that step, like a dynamic cast; the sync counts the step
-(``delayed_scaling_counters``, printed by the float8 stats logger) and restarts the history from
-its amax, so the next step is in range again. An all-zero tensor is never out of range (it casts
-to exact zeros at any scale). A non-finite amax makes the cast use it too: its scale turns 0 or
-NaN and the output non-finite, as in high precision ([Note: non-finite values] in
+A history predicts the amax of the next step. A delayed cast whose current amax, times the
+history's scale, lands outside :func:`in_range` proves the prediction wrong:
+
+* above ``2 * fp8_max``: everything in the top half of the tensor's range would saturate;
+* below ``2**10`` times the format's smallest normal (e4m3: 16, e5m2: 2**-4): the top ten binades
+  of the tensor, values down to a thousandth of its max, would no longer all be normal float8
+  numbers, and the small ones flush to zero. Heavy-tailed tensors keep most of their elements that
+  far below their max.
+
+Such a cast is re-scaled from its current amax for that step, like a dynamic cast; the sync
+counts the step (``delayed_scaling_counters``, printed by the float8 stats logger) and restarts
+the history from its amax, so the next step is in range again. An all-zero tensor is never out of
+range (it casts to exact zeros at any scale). A non-finite amax makes the cast use it too: its
+scale turns 0 or NaN and the output non-finite, as in high precision ([Note: non-finite values] in
 f8dist/scaling.py); the sync keeps that amax out of the history and counts the step. The rule is
-tensor ops (``torch.where``), so compiled graphs keep it. docs/numerics.md gives the figures.
+tensor ops (``torch.where``), so compiled graphs keep it. docs/numerics.md gives the figures
+(``scripts/delayed_cases.py``).
 
 The decision is per rank, on the rank's tensor. Casts whose float8 bytes are then communicated
 (the FSDP2 float8 all-gather of the weight, the TP styles' casts before an all-gather) need one
@@ -102,14 +107,15 @@ from f8dist.scaling import amax_to_scale, fp8_max, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
-    "DELAYED_BUFFER_PREFIXES", "OUT_OF_RANGE", "DelayedScaling", "delayed_operands",
+    "DELAYED_BUFFER_PREFIXES", "in_range", "DelayedScaling", "delayed_operands",
     "shared_scale", "set_amax_group", "sync_float8_amax_and_scale_history",
     "delayed_scaling_counters", "strip_delayed_scaling_state",
 ]
 
 DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
-# [Note: out of range]: amax * scale in float8 units outside [low, high * fp8_max] is out of range
-OUT_OF_RANGE = (1.0, 2.0)
+# [Note: out of range]: the binades below a tensor's max that a delayed cast keeps in normal
+# numbers, and how far above the format's max its max may land
+KEPT_BINADES, SATURATION = 10, 2.0
 _OUT_OF_RANGE, _OWN, _COUNTERS = 0, 1, slice(2, 4)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
@@ -273,25 +279,34 @@ class DelayedScaling:
 
     def _record(self, op: Operand, amax: torch.Tensor, out_of_range: Optional[torch.Tensor],
                 own: bool = True) -> None:
-        """max(fp8_amax, ``amax``); NaN stays NaN (the sync keeps it out of the history). A
-        record that is not ``own`` (a shared input that this linear may not consume: [Note:
-        delayed casts in the float8 styles]) is dropped by the linear's first own record."""
+        """max(fp8_amax, ``amax``) and max(out-of-range flag, ``out_of_range``); NaN stays NaN
+        (the sync keeps it out of the history). A record that is not ``own`` (a shared input that
+        this linear may not consume: [Note: delayed casts in the float8 styles]) is replaced by
+        the linear's first own record of the step."""
         pending, steps = self.buffer("amax", op), self.buffer("steps", op)  # [], [4]
-        recorded = steps[_OWN] > 0
+        flag = steps[_OUT_OF_RANGE]
+        new_flag = out_of_range.float() if out_of_range is not None else torch.zeros_like(flag)
+        keep = steps[_OWN] > 0  # [], an own record happened: max into it; else start it
         if own:
-            pending.copy_(torch.where(recorded, torch.maximum(pending, amax), amax))
+            pending.copy_(torch.where(keep, torch.maximum(pending, amax), amax))
+            flag.copy_(torch.where(keep, torch.maximum(flag, new_flag), new_flag))
             steps[_OWN].fill_(1.0)
-        else:
-            pending.copy_(torch.where(recorded, pending, torch.maximum(pending, amax)))
-        if out_of_range is not None:
-            steps[_OUT_OF_RANGE].copy_(torch.maximum(steps[_OUT_OF_RANGE], out_of_range.float()))
+        else:  # a tentative record only adds to other tentative ones
+            pending.copy_(torch.where(keep, pending, torch.maximum(pending, amax)))
+            flag.copy_(torch.where(keep, flag, torch.maximum(flag, new_flag)))
 
     def _out_of_range(self, op: Operand, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """[Note: out of range]; False for a non-finite ``amax`` (the sync counts those)."""
-        low, high = OUT_OF_RANGE
+        low, high = in_range(self.operands[op])
         x = amax * scale  # [], where the tensor's max lands in float8 units
-        out = (x > high * fp8_max(self.operands[op])) | ((x < low) & (amax > 0))
-        return out & torch.isfinite(amax)
+        return ((x > high) | ((x < low) & (amax > 0))) & torch.isfinite(amax)
+
+
+def in_range(dtype: torch.dtype) -> Tuple[float, float]:
+    """Where a delayed cast's max may land in float8 units ([Note: out of range]): from
+    ``2**KEPT_BINADES`` times the smallest normal to ``SATURATION`` times the max (e4m3: 16..896,
+    e5m2: 2**-4..114688)."""
+    return torch.finfo(dtype).tiny * 2.0**KEPT_BINADES, SATURATION * fp8_max(dtype)
 
 
 def _inf_for_nan(amax: torch.Tensor) -> torch.Tensor:
@@ -330,7 +345,7 @@ def _scale(
     if record:
         first._record(op, amax, out_of_range)
         for o in owners[1:]:
-            o._record(op, amax, None, own=False)
+            o._record(op, amax, out_of_range, own=False)
     if out_of_range is None:
         return scale
     current = ~torch.isfinite(seen)

@@ -276,6 +276,38 @@ def case_half():
         return {"model.half() after conversion": error(e)}
 
 
+# -- the out-of-range thresholds -----------------------------------------------------------------
+
+def threshold_table() -> str:
+    """Data cast with a delayed scale made for an amax ``2**-k`` times its own: SQNR and the
+    share flushed to zero, and whether [Note: out of range] re-scales the cast. Gaussian data, and
+    heavy-tailed data (Student's t, 3 degrees of freedom), whose bulk lies far below its max."""
+    from f8dist.delayed import in_range
+    from f8dist.scaling import amax_to_scale, saturated_cast
+
+    torch.manual_seed(0)
+    gauss = torch.randn(4096, 256)
+    heavy = torch.distributions.StudentT(3.0).sample((4096, 256))
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    columns = (("gaussian", gauss, e4m3), ("gaussian", gauss, e5m2), ("t(3)", heavy, e4m3))
+    lines = ["| current amax / history amax | " + " | ".join(
+        f"{name} {str(d).replace('torch.float8_', '')}: SQNR dB, zeros" for name, _, d in columns) + " |",
+        "|---|" + "---|" * len(columns)]
+    for k in (3, 2, 1, 0, -2, -4, -5, -6, -8, -10, -12, -14, -16, -20, -24, -28, -30):
+        cells = []
+        for _, x, dtype in columns:
+            amax = x.abs().max()
+            scale = amax_to_scale(amax * 2.0**-k, dtype)  # the history saw 2**-k times this amax
+            q = saturated_cast(x, scale, dtype).float() / scale
+            landing = float(amax * scale)
+            low, high = in_range(dtype)
+            out = not low <= landing <= high
+            cells.append(f"{sqnr(x, q):.1f}, {100 * float((q == 0).float().mean()):.0f} %"
+                         + (" (re-scaled)" if out else ""))
+        lines.append(f"| 2^{k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # -- two ranks -----------------------------------------------------------------------------------
 
 def case_data_parallel(rank, world):
@@ -354,6 +386,8 @@ def main():
     print("| case | figures |\n|---|---|")
     for case, figures in rows.items():
         print(f"| {case} | {figures} |", flush=True)
+    if "RANK" not in os.environ and hasattr(sys.modules["f8dist.delayed"], "in_range"):
+        print("\n" + threshold_table())
     if "RANK" in os.environ:
         os._exit(0)
 

@@ -189,13 +189,23 @@ def test_first_step():
         assert h.ne(0).all() and torch.equal(h, h[:1].expand_as(h)), op
     assert torch.equal(model[0].fp8_amax_history_input[0], x.abs().max())
 
+    # amax init off: scale 1.0 where it is in range (an input of amax 30 lands at 30, within
+    # [16, 896] for e4m3), the input's own amax where not (its gradients, ~1e-2)
     off = float8_model(DELAYED.replace(enable_amax_init=False))
-    F.mse_loss(off(x), t).backward()
-    assert torch.equal(off[0].fp8_scale_input, torch.tensor(1.0))
-    assert torch.equal(off[0].fp8_amax_input, x.abs().max())  # recorded for the sync
+    used.clear()
+    f8cast.cast_observers.append(lambda site, hp, fp8: used.append((site, fp8._scale.clone())))
+    try:
+        F.mse_loss(off(x * 10), t).backward()
+    finally:
+        f8cast.cast_observers.pop()
+    scales = {(s.fqn, s.gemm, s.operand): v for s, v in used}
+    assert scales[("0", "output", "input")] == 1.0 and scales[("0", "output", "weight")] != 1.0
+    assert torch.equal(off[0].fp8_amax_input, 10 * x.abs().max())  # recorded for the sync
     sync_float8_amax_and_scale_history(off)
     h = off[0].fp8_amax_history_input
-    assert torch.equal(h[0], x.abs().max()) and not h[1:].any()  # rolled, not refilled
+    assert torch.equal(h[0], 10 * x.abs().max()) and not h[1:].any()  # rolled
+    h = off[0].fp8_amax_history_weight
+    assert h.ne(0).all() and torch.equal(h, h[:1].expand_as(h))  # out of range: restarted
 
 
 CHECKPOINTING = {
