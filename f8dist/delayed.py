@@ -30,8 +30,8 @@ disabled (``no_grad``, ``inference_mode``) or of a module in ``eval()`` casts wi
 scale and leaves every buffer as it was. Nothing in forward or backward changes Python state (a
 compiled, checkpointed region must not), so any number of forwards may run between two syncs.
 
-The amax recorded is ``tensor_amax`` of the *local* tensor (0 for an empty shard): no collective
-runs in forward or backward after the first step. Under FSDP2 and TP (weight shards), SP (sequence
+The amax recorded is ``tensor_amax`` of the *local* tensor (0 for an empty shard): the record
+runs no collective. Under FSDP2 and TP (weight shards), SP (sequence
 shards) and data parallelism (micro-batches) it is a partial amax; the sync's MAX all-reduce makes
 it the amax of the logical tensor over the global batch, so after each sync every rank holds the
 histories and scales of one device that ran the global batch ([Note: amax] in
@@ -76,11 +76,13 @@ f8dist/scaling.py); the sync keeps that amax out of the history and counts the s
 tensor ops (``torch.where``), so compiled graphs keep it. docs/numerics.md gives the figures
 (``scripts/delayed_cases.py``).
 
-The decision is per rank, on the rank's tensor. Casts whose float8 bytes are then communicated
-(the FSDP2 float8 all-gather of the weight, the TP styles' casts before an all-gather) need one
-scale on every rank, which deciding would take a collective per cast, what delayed scaling
-avoids: they keep the history scale for the step that jumps (non-finite values still turn
-non-finite), which is counted, and the restarted history serves the next step.
+The decision is per rank, on the tensor the rank casts. Bytes that are then communicated must
+share one scale on every rank: the TP styles' casts before an all-gather decide on the logical
+amax of their sharded tensor (one scalar all-reduce per cast, the one collective delayed scaling
+adds in forward and backward after the first step); the FSDP2 float8 all-gather of a weight keeps
+the history's scale (deciding would cost an all-reduce per weight, and an optimizer step does not
+move a weight's amax out of range of the previous step's) and an out-of-range step there is only
+counted.
 
 [Note: delayed checkpoints]
 The persistent buffers are in ``state_dict``: a checkpoint resumes with the same histories and
@@ -102,7 +104,7 @@ import torch
 import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
-from f8dist.placement import all_reduce, local_part
+from f8dist.placement import all_reduce, is_dtensor, local_part, reduce_over_shards
 from f8dist.scaling import amax_to_scale, fp8_max, tensor_amax
 from f8dist.tensor import Float8Tensor
 
@@ -324,18 +326,23 @@ def _scale(
 
     Until the first sync ([Note: first step]) a training cast and a cast whose bytes are
     ``communicated`` follow the amax reduced over the amax group: the scale comes from it (amax
-    init), or it decides whether scale 1.0 is out of range. After it, the history's scale, re-scaled
-    when out of range unless ``communicated`` ([Note: out of range]). A tensor that already is
-    float8 was recorded where it was cast: its scale is the history's.
+    init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
+    re-scaled when out of range ([Note: out of range]). Every rank must pick the same scale for
+    bytes it communicates: a communicated DTensor decides on its logical amax (a scalar
+    all-reduce over the axes sharding it), a communicated shard that is no DTensor (the FSDP2
+    all-gather's) keeps the history's scale. A tensor that already is float8 was recorded where it
+    was cast: its scale is the history's.
     """
     first = owners[0]
     local = local_part(hp)
     if isinstance(local, Float8Tensor):
         return first.buffer("scale", op)
     amax = tensor_amax(local.detach())  # [], this rank's part: what the sync reduces
-    seen = amax  # [], what this cast's scale follows
+    seen, decides = amax, not communicated  # [], what this cast's scale follows; may it re-scale
     if not first.synced and (record or communicated):  # [Note: first step]
-        seen = first._group_amax(op, amax)
+        seen, decides = first._group_amax(op, amax), True
+    elif communicated and is_dtensor(hp):
+        seen, decides = reduce_over_shards(amax, hp.device_mesh, hp.placements, "max"), True
     if first.enable_amax_init and not first.synced:
         out_of_range = None
         scale = first._to_scale(op, seen)
@@ -349,7 +356,7 @@ def _scale(
     if out_of_range is None:
         return scale
     current = ~torch.isfinite(seen)
-    if not communicated or not first.synced:  # else the ranks could disagree
+    if decides:
         current = current | out_of_range
     return torch.where(current, first._to_scale(op, seen), scale)
 

@@ -36,12 +36,12 @@ still cast before their all-gather. Eager mode sends float8 both ways.
 With ``ScalingType.DELAYED`` the casts above take their scale from the amax history of the linear
 that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py), as the linear would:
 the style records the amax of the rank's *shard* (forward: the input; backward, rowwise style:
-the sequence-sharded gradient) into the linear and casts with its scale; no amax collective runs.
-The linear reuses the float8 bytes and records nothing more, and the sync's one MAX all-reduce
-makes the shard amaxes the logical tensor's, so every rank holds one device's histories. The
-first step ([Note: first step]) reduces each cast's amax over the ranks (one scalar all-reduce
-per cast, first step only); a step whose amax jumps out of the history's range keeps the history
-scale in these casts, whose bytes must share one scale on every rank ([Note: out of range]).
+the sequence-sharded gradient) into the linear and casts with its scale. The linear reuses the
+float8 bytes and records nothing more, and the sync's one MAX all-reduce makes the shard amaxes
+the logical tensor's, so every rank holds one device's histories. The bytes must share one scale
+on every rank, so whether the history's scale is out of range for this step ([Note: out of range])
+is decided on the logical amax: one scalar all-reduce per cast (on the first step, [Note: first
+step], over all ranks).
 
 A shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``) is cast once with
 the named linear's scale and its amax is recorded into *every* delayed Float8Linear below the

@@ -17,14 +17,16 @@ Per step (forward, backward, sync, SGD), for ``enable_amax_init`` on and off:
 * the output, the input gradient (this rank's sequence shard) and every weight gradient are
   >= 120 dB against the reference (fp32: only summation order differs);
 * the sync runs one all-reduce (plus, the first time, the check that the ranks hold the same
-  layers); forward + backward run no all-reduce (no amax collective) after the first step, whose
-  casts reduce their amax with their layer's fingerprint (12 bytes each, [Note: first step] in
-  f8dist/delayed.py);
+  layers); after the first step, whose casts reduce their amax with their layer's fingerprint (12
+  bytes each, [Note: first step] in f8dist/delayed.py), forward + backward run one 4-byte
+  all-reduce per cast made before an all-gather (the FFN's and proj's inputs, w2's gradient: all
+  ranks decide [Note: out of range] on the logical amax), and no other;
 * the forward's sequence-parallel all-gathers move 1 byte per element, and so does backward's
   all-gather of w2's gradient.
 
-Then (amax init on) the inputs and targets drop 1e6x: the output SQNR against the high-precision
-model per step, and the delayed-scaling counters ([Note: out of range]).
+Then (amax init on) the inputs and targets drop 1e4x (SwiGLU squares it: w2's input drops 1e8x):
+the output SQNR against the high-precision model per step, and the delayed-scaling counters
+([Note: out of range]).
 """
 
 from __future__ import annotations
@@ -148,8 +150,9 @@ def scenario(rank, world, amax_init: bool) -> dict:
         assert (sync.total_calls, sync.expect("all_reduce").input_bytes) == (
             1 + first, 8 * 4 * 3 + 16 * first), sync
         fwd_ar, bwd_ar = fwd["all_reduce"], bwd["all_reduce"]
-        if step > 0:
-            assert fwd_ar.calls == 0 and bwd_ar.calls == 0, (step, fwd, bwd)
+        if step > 0:  # the logical amaxes of the casts before an all-gather
+            assert (fwd_ar.calls, fwd_ar.input_bytes, bwd_ar.calls, bwd_ar.input_bytes) == (2, 8, 1, 4), (
+                step, fwd, bwd)
         else:  # first step: each cast's amax and its layer's fingerprint (12 bytes)
             assert fwd_ar.input_bytes == 12 * fwd_ar.calls and bwd_ar.input_bytes == 12 * bwd_ar.calls
         ag, bag = fwd.expect("all_gather"), bwd.expect("all_gather")
@@ -177,14 +180,14 @@ def scenario(rank, world, amax_init: bool) -> dict:
 
 
 def activation_drop(model, opt, g, seq, steps=4) -> dict:
-    """Inputs and targets 1e6 times smaller than the histories ([Note: out of range] in
+    """Inputs and targets 1e4 times smaller than the histories after one more step ([Note: out of range] in
     f8dist/delayed.py): output SQNR per step against the high-precision model with the same
-    weights, and the counters. The casts before an all-gather (the FFN's and proj's inputs) keep
-    the history scale on the steps that jump; each of them restarts its history at the sync."""
+    weights, and the counters."""
     dbs = []
-    for _ in range(steps):
-        x = torch.randn(B, S, DIM, generator=g) * 1e-6
-        target = torch.randn(B, S, OUT, generator=g) * 1e-6
+    for step in range(steps):  # the first one before the drop
+        factor = 1e-4 if step else 1.0
+        x = torch.randn(B, S, DIM, generator=g) * factor
+        target = torch.randn(B, S, OUT, generator=g) * factor
         plain = Net()
         plain.load_state_dict({k: _full(v) for k, v in model.state_dict().items() if "fp8_" not in k})
         with torch.no_grad():
