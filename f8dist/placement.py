@@ -23,8 +23,8 @@ results match one device. The rule has two forms here, one per kind of caller:
   ``(mesh, placements)`` name the axes to reduce over.
 
 Data parallelism does not shard activations: each rank scales its own micro-batch, as every float8
-recipe does; delayed scaling's history sync (``f8dist/delayed.py``) is where amaxes cross data
-parallel ranks (:func:`all_reduce`).
+recipe does; delayed scaling's history sync and first step (``f8dist/delayed.py``) are where
+amaxes cross data parallel ranks (:func:`all_reduce`).
 
 Nothing else in f8dist inspects placements to decide a reduction.
 """
