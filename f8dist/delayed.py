@@ -10,9 +10,9 @@ the module is cast to::
     fp8_amax_{op}          []             max amax recorded since the last sync
     fp8_amax_history_{op}  [history_len]  amax of the latest steps, newest first
     fp8_scale_{op}         []             scale = amax_to_scale(max(history))
-    fp8_steps_{op}         [4]            this step: out of range, recorded by an own cast (0/1);
-                                          steps out of range, steps with a non-finite amax
-                                          (not in state_dict)
+    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded by an own cast
+                                          (0/1), amax and out of range of shared casts; steps out
+                                          of range, steps with a non-finite amax (not in state_dict)
 
 One optimizer step::
 
@@ -118,7 +118,7 @@ DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 # [Note: out of range]: the binades below a tensor's max that a delayed cast keeps in normal
 # numbers, and how far above the format's max its max may land
 KEPT_BINADES, SATURATION = 10, 2.0
-_OUT_OF_RANGE, _OWN, _COUNTERS = 0, 1, slice(2, 4)  # fp8_steps_{op}
+_FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
 
@@ -178,6 +178,7 @@ class DelayedScaling:
             op: tuple(g for g in op.gemms if config.cast_config(g, op).scaling_type is ScalingType.DELAYED)
             for op in operands
         }
+        self.bounds = {op: in_range(dtype) for op, dtype in operands.items()}  # [Note: out of range]
         self.round_pow2 = config.round_scales_to_power_of_2
         self.history_len = config.delayed_scaling_config.history_len
         self.enable_amax_init = config.enable_amax_init
@@ -189,7 +190,7 @@ class DelayedScaling:
             module.register_buffer(f"fp8_amax_{op}", torch.zeros((), device=device))
             module.register_buffer(f"fp8_amax_history_{op}", torch.zeros(self.history_len, device=device))
             module.register_buffer(f"fp8_scale_{op}", torch.ones((), device=device))
-            module.register_buffer(f"fp8_steps_{op}", torch.zeros(4, device=device), persistent=False)
+            module.register_buffer(f"fp8_steps_{op}", torch.zeros(6, device=device), persistent=False)
 
     @classmethod
     def attach(cls, module: nn.Module) -> Optional["DelayedScaling"]:
@@ -283,25 +284,22 @@ class DelayedScaling:
                 own: bool = True) -> None:
         """max(fp8_amax, ``amax``) and max(out-of-range flag, ``out_of_range``); NaN stays NaN
         (the sync keeps it out of the history). A record that is not ``own`` (a shared input that
-        this linear may not consume: [Note: delayed casts in the float8 styles]) is replaced by
-        the linear's first own record of the step."""
-        pending, steps = self.buffer("amax", op), self.buffer("steps", op)  # [], [4]
-        flag = steps[_OUT_OF_RANGE]
-        new_flag = out_of_range.float() if out_of_range is not None else torch.zeros_like(flag)
-        keep = steps[_OWN] > 0  # [], an own record happened: max into it; else start it
+        this linear may not consume: [Note: delayed casts in the float8 styles]) goes aside; the
+        sync takes it only if the linear made no own record in the step."""
+        steps = self.buffer("steps", op)  # [6]
+        pending = self.buffer("amax", op) if own else steps[_SHARED_AMAX]
+        pending.copy_(torch.maximum(pending, amax))
+        if out_of_range is not None:
+            flag = steps[_FLAG if own else _SHARED_FLAG]
+            flag.copy_(torch.maximum(flag, out_of_range))
         if own:
-            pending.copy_(torch.where(keep, torch.maximum(pending, amax), amax))
-            flag.copy_(torch.where(keep, torch.maximum(flag, new_flag), new_flag))
             steps[_OWN].fill_(1.0)
-        else:  # a tentative record only adds to other tentative ones
-            pending.copy_(torch.where(keep, pending, torch.maximum(pending, amax)))
-            flag.copy_(torch.where(keep, flag, torch.maximum(flag, new_flag)))
 
     def _out_of_range(self, op: Operand, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """[Note: out of range]; False for a non-finite ``amax`` (the sync counts those)."""
-        low, high = in_range(self.operands[op])
+        """[Note: out of range], or a non-finite ``amax``; never an all-zero tensor."""
+        low, high = self.bounds[op]
         x = amax * scale  # [], where the tensor's max lands in float8 units
-        return ((x > high) | ((x < low) & (amax > 0))) & torch.isfinite(amax)
+        return ~(((x >= low) & (x <= high)) | (amax <= 0))  # NaN compares False: out
 
 
 def in_range(dtype: torch.dtype) -> Tuple[float, float]:
@@ -355,9 +353,7 @@ def _scale(
             o._record(op, amax, out_of_range, own=False)
     if out_of_range is None:
         return scale
-    current = ~torch.isfinite(seen)
-    if decides:
-        current = current | out_of_range
+    current = out_of_range if decides else ~torch.isfinite(seen)
     return torch.where(current, first._to_scale(op, seen), scale)
 
 
@@ -435,11 +431,17 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     group = group if group is not None else owners[0].group
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
-    amaxes = torch.stack([o.buffer("amax", op) for o, op in entries])  # [E]
-    pending = torch.stack([o.buffer("steps", op)[_OUT_OF_RANGE] for o, op in entries])  # [E]
-    reduced = all_reduce(torch.cat([_inf_for_nan(amaxes), pending]), "max", group)  # [2E]
-    amaxes, pending = reduced[: len(entries)], reduced[len(entries):]
-    finite = torch.isfinite(amaxes)  # [E]; a non-finite amax stays out of the history
+    steps = torch.stack([o.buffer("steps", op) for o, op in entries])  # [E, 6]
+    own = steps[:, _OWN] > 0  # [E]; else the step's shared-cast records, if any
+    amaxes = torch.where(own, torch.stack([o.buffer("amax", op) for o, op in entries]),
+                         steps[:, _SHARED_AMAX])  # [E]
+    flags = torch.where(own, steps[:, _FLAG], steps[:, _SHARED_FLAG])  # [E]
+    reduced = all_reduce(torch.cat([_inf_for_nan(amaxes), flags]), "max", group)  # [2E]
+    amaxes, finite = reduced[: len(entries)], torch.isfinite(reduced[: len(entries)])  # [E]
+    out_of_range = (reduced[len(entries):] > 0) & finite  # [E]; a non-finite amax is counted apart
+    # the first step's amax (amax init) and that of a step out of range fill the whole history
+    restart = out_of_range | torch.tensor(
+        [o.enable_amax_init and not o.synced for o, _ in entries], device=amaxes.device)  # [E]
 
     # histories of one length and scales of one dtype are updated as one stacked tensor each
     groups: Dict[tuple, List[int]] = {}
@@ -450,21 +452,19 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
         amax, ok = amaxes[idx], finite[idx]  # [G]
         rolled = torch.roll(histories, 1, dims=1)  # [G, L]
         rolled[:, 0] = amax
-        # the first step's amax (amax init) and that of a step out of range fill the whole history
-        first = torch.tensor([o.enable_amax_init and not o.synced for o in (entries[i][0] for i in idx)],
-                             device=amax.device)  # [G]
-        restart = first | (pending[idx] > 0)  # [G]
-        new_hist = torch.where(restart[:, None], amax[:, None].expand_as(rolled), rolled)
-        new_hist = torch.where(ok[:, None], new_hist, histories)
+        new_hist = torch.where(restart[idx, None], amax[:, None].expand_as(rolled), rolled)
+        new_hist = torch.where(ok[:, None], new_hist, histories)  # non-finite: kept out
         scales = amax_to_scale(new_hist.amax(dim=1), dtype, round_to_power_of_2=round_pow2)  # [G]
         for j, i in enumerate(idx):
             o, op = entries[i]
-            o.buffer("amax", op).zero_()
             o.buffer("amax_history", op).copy_(new_hist[j])
             o.buffer("scale", op).copy_(scales[j])
-            steps = o.buffer("steps", op)  # [4]: this step's flags to 0, counters up
-            steps.copy_(torch.stack([steps[0] * 0, steps[1] * 0, steps[2] + pending[i],
-                                     steps[3] + (~ok[j]).float()]))
+    # this step's records to 0, the counters up
+    counters = steps[:, _COUNTERS] + torch.stack([out_of_range, ~finite], dim=1)  # [E, 2]
+    new_steps = torch.cat([torch.zeros_like(steps[:, :4]), counters], dim=1)  # [E, 6]
+    for i, (o, op) in enumerate(entries):
+        o.buffer("amax", op).zero_()
+        o.buffer("steps", op).copy_(new_steps[i])
     for o in owners:
         o.synced = True
 

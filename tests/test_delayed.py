@@ -97,7 +97,7 @@ def test_buffers_in_state_dict():
             assert sd[amax].shape == () and sd[scale].shape == ()
             assert sd[history].shape == (DELAYED.delayed_scaling_config.history_len,)
             assert f"{layer}.fp8_steps_{op}" not in sd  # the counters are not checkpointed
-    assert model[0].delayed.buffer("steps", "input").shape == (4,)
+    assert model[0].delayed.buffer("steps", "input").shape == (6,)
     # dynamic recipes keep nn.Linear's keys only
     assert set(float8_model(Float8LinearConfig()).state_dict()) == set(plain_model().state_dict())
     assert float8_model(Float8LinearConfig())[0].delayed is None
