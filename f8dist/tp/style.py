@@ -105,14 +105,15 @@ class _CastGradToFloat8(torch.autograd.Function):
     float8 (a delayed cast records into ``mod`` and uses its scale)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mod: Float8Linear, record: bool):
-        ctx.mod, ctx.record = mod, record  # whether the forward that made x records
+    def forward(ctx, x: torch.Tensor, mod: Float8Linear):
+        # a backward exists only for a forward with grad enabled: it recorded unless in eval()
+        ctx.mod, ctx.record = mod, mod.training
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.mod.specs[GRAD_INPUT_GRAD_OUTPUT]
-        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.record)), None, None
+        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.record)), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +263,7 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
             and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
         ):
             # backward all-gathers the sharded gradient: cast it to float8 first
-            record = mod.delayed is not None and mod.delayed.training()
-            outputs = _CastGradToFloat8.apply(outputs, mod, record)
+            outputs = _CastGradToFloat8.apply(outputs, mod)
         return outputs.to_local() if use_local_output else outputs
 
 
