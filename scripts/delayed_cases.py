@@ -1,19 +1,22 @@
 """Delayed scaling in the setups of a real training run, case by case: one row of figures each.
 
 One process (activation checkpointing, gradient accumulation, eval forwards, bad batches, range
-jumps, ``model.half()``)::
+jumps, ``model.half()``), then the table of the out-of-range thresholds (docs/numerics.md)::
 
     PYTHONPATH=$PWD python scripts/delayed_cases.py
 
-Two ranks (FSDP2 with the default config against one device on the global batch, and ranks that
-hold different delayed layers calling the sync)::
+Two ranks (FSDP2 with the default config against one device on the global batch, a range jump
+under TP + SP, and ranks that hold different delayed layers)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD torchrun --standalone --nproc_per_node=2 scripts/delayed_cases.py
 
 Every case trains a small float8 MLP (recipe "delayed") with SGD on gaussian data and compares it
 with what the case should equal: the same run without checkpointing / accumulation / eval, the
 high-precision computation with the same weights (SQNR in dB, ``f8dist.numerics.sqnr``), or one
-device on the global batch. A case that raises prints the error instead of figures.
+device on the global batch. A case that raises prints the error instead of figures; "counters"
+are ``f8dist.delayed.delayed_scaling_counters`` summed over the layers and operands. The script
+uses the public API only, so it also runs on a checkout from before the counters existed (they
+print as n/a) to give the before figures.
 """
 
 from __future__ import annotations
