@@ -270,8 +270,8 @@ class DelayedScaling:
             return amax
         _check(out[1:] == payload[1:], (
             f"Float8Linear {self._fqn()}: the ranks of the delayed-scaling amax group run "
-            f"different layers in their first step (this rank: {op} of {self._fqn()}); every rank of the group must "
-            "hold the same delayed layers. Under pipeline parallelism call "
+            f"different layers in their first step (this rank: {op} of {self._fqn()}); every "
+            "rank of the group must hold the same delayed layers. Under pipeline parallelism call "
             "f8dist.delayed.set_amax_group(stage, <the stage's data-parallel group>) first "
             "([Note: the amax group] in f8dist/delayed.py)"
         ))

@@ -141,7 +141,8 @@ def case_checkpointing(compiled: bool):
         else:
             ref_run = ref
         try:
-            rows[f"AC {name}{' compiled' if compiled else ''}"] = compare(ref_run, run_steps(model, batches, fwd))
+            got = run_steps(model, batches, fwd)
+            rows[f"AC {name}{' compiled' if compiled else ''}"] = compare(ref_run, got)
         except Exception as e:  # noqa: BLE001 (the figure is the error)
             rows[f"AC {name}{' compiled' if compiled else ''}"] = error(e)
     return rows
@@ -157,7 +158,8 @@ def case_grad_accum():
         whole = run_steps(copy.deepcopy(warm), batches[2:])
         accum = run_steps(copy.deepcopy(warm), batches[2:], micro=2)
         exact = [same(a, b) for a, b in zip(whole[2], accum[2])]
-        close = [all(torch.allclose(a[k], b[k], rtol=1e-5, atol=0) for k in a) for a, b in zip(whole[2], accum[2])]
+        close = [all(torch.allclose(a[k], b[k], rtol=1e-5, atol=0) for k in a)
+                 for a, b in zip(whole[2], accum[2])]
         g = [min(sqnr(a, b) for a, b in zip(s1, s2)) for s1, s2 in zip(whole[1], accum[1])]
         return {"grad accumulation (2 micro-batches vs whole batch, 6 steps after 2)": (
             f"histories bit-equal at {sum(exact)}/6 syncs (first: {exact[0]}), within 1e-5 at "
@@ -205,9 +207,11 @@ def guarded_run(make_batch, loss_scale=lambda step: 1.0, steps=STEPS, config=DEL
         rows.append(dict(
             finite=bool(torch.isfinite(y).all()),
             out_db=sqnr(y_ref.detach().float(), y.detach().float()),
-            grad_db=min(sqnr(a.grad.float(), b.grad.float()) for a, b in zip(ref.parameters(), model.parameters())),
+            grad_db=min(sqnr(a.grad.float(), b.grad.float())
+                        for a, b in zip(ref.parameters(), model.parameters())),
             zero_wgrad=all(not g.any() for g in f8_grads),
-            scales_finite=all(bool(torch.isfinite(v).all()) for k, v in buffers(model).items() if "scale" in k),
+            scales_finite=all(bool(torch.isfinite(v).all())
+                              for k, v in buffers(model).items() if "scale" in k),
             buffer_dtypes={str(v.dtype) for v in buffers(model).values()},
         ))
         if torch.isfinite(loss):
@@ -224,7 +228,8 @@ def case_bad_values():
     clean = data(STEPS)
     rows, model = guarded_run(lambda step: clean[step])
     out = {"clean data (the baseline of the rows below)": (
-        f"min output {min(r['out_db'] for r in rows):.1f} dB, min grad {min(r['grad_db'] for r in rows):.1f} dB; "
+        f"min output {min(r['out_db'] for r in rows):.1f} dB, "
+        f"min grad {min(r['grad_db'] for r in rows):.1f} dB; "
         f"counters: {counters(model)}")}
     for name, bad in (("inf", float("inf")), ("nan", float("nan"))):
         def batch(step, bad=bad):
@@ -325,7 +330,8 @@ def case_data_parallel(rank, world):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1 * world), torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 * world)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
         exact, close = [], []
         for step in range(6):
@@ -344,7 +350,8 @@ def case_data_parallel(rank, world):
             close.append(all(torch.allclose(mine[k], theirs[k], rtol=1e-5, atol=0) for k in theirs))
         dbs = [sqnr(p_ref.detach(), p.full_tensor().detach())
                for (n, p), p_ref in zip(model.named_parameters(), ref.parameters()) if n.endswith("weight")]
-        out[f"FSDP2 2 ranks, default config{', float8 all-gather' if fp8_ag else ''}, 6 steps vs one device"] = (
+        name = f"FSDP2 2 ranks, default config{', float8 all-gather' if fp8_ag else ''}"
+        out[f"{name}, 6 steps vs one device"] = (
             f"weights min {min(dbs):.1f} dB; histories bit-equal at {sum(exact)}/6 syncs "
             f"(first: {exact[0]}), within 1e-5 at {sum(close)}/6")
     return out
@@ -427,7 +434,8 @@ def case_layer_mismatch(rank, world):
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = {}
     if "RANK" in os.environ:
         import torch.distributed as dist

@@ -9,11 +9,11 @@ Every cast is delayed (recipe "delayed"). Every rank also runs the same float8 m
 Per step (forward, backward, sync, SGD), for ``enable_amax_init`` on and off:
 
 * after the sync, every ``fp8_*`` buffer (amax, history, scale of input / weight / grad_output of
-  the four linears) equals the reference's: bit-identical on the first step for the weights and the model
-  input (w1's and w3's input: same data, no update yet), else within ``RTOL``: the sharded gemms sum in another order than
-  one device's (row-wise partial sums, other blocking), so gradients, and after the first update
-  weights and activations, differ in the last fp32 bits, and so do their amaxes (measured
-  max relative difference ~4e-7);
+  the four linears) equals the reference's: bit-identical on the first step for the weights and
+  the model input (w1's and w3's input: same data, no update yet), else within ``RTOL``: the
+  sharded gemms sum in another order than one device's (row-wise partial sums, other blocking),
+  so gradients, and after the first update weights and activations, differ in the last fp32
+  bits, and so do their amaxes (measured max relative difference ~4e-7);
 * the output, the input gradient (this rank's sequence shard) and every weight gradient are
   >= 120 dB against the reference (fp32: only summation order differs);
 * the sync runs one all-reduce (plus, the first time, the check that the ranks hold the same
