@@ -376,10 +376,9 @@ class Float8LinearConfig:
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
-    # initialize the amax history from the first batch seen (off for autocast+compile+FSDP users)
+    # fill the amax histories from the first training step (reduced over the ranks, so step 0
+    # casts as one device on the global batch); off: start from scale 1.0
     enable_amax_init: bool = True
-    # run the pre/post forward hooks that keep delayed buffers up to date
-    enable_pre_and_post_forward: bool = True
 
     def __post_init__(self):
         overrides = tuple(_OVERRIDE_FIELD.values())  # None: the operand's main config

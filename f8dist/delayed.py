@@ -1,88 +1,129 @@
 """Delayed scaling: each cast uses a scale computed from an amax history of earlier iterations.
 
 [Note: delayed scaling]
-A Float8Linear whose config has ``ScalingType.DELAYED`` casts keeps, per delayed operand
-``op`` in ("input", "weight", "grad_output"), three persistent buffers (torchao's names)::
+A Float8Linear whose config has ``ScalingType.DELAYED`` casts owns a :class:`DelayedScaling`
+(``linear.delayed``): the one place its delayed state lives and changes. Per delayed operand ``op``
+in ("input", "weight", "grad_output") it keeps torchao's three persistent buffers on the linear
+(so ``state_dict`` keys are torchao's) and one non-persistent counter buffer, all float32 whatever
+the module is cast to::
 
-    fp8_amax_{op}          []             amax recorded by the latest forward / backward
-    fp8_amax_history_{op}  [history_len]  amax of the latest iterations, newest first
-    fp8_scale_{op}         []             the scale every delayed cast of ``op`` uses
+    fp8_amax_{op}          []             max amax recorded since the last sync
+    fp8_amax_history_{op}  [history_len]  amax of the latest steps, newest first
+    fp8_scale_{op}         []             scale = amax_to_scale(max(history))
+    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded by an own cast
+                                          (0/1), amax and out of range of shared casts; steps out
+                                          of range, steps with a non-finite amax (not in state_dict)
 
-One iteration::
+One optimizer step::
 
-    forward:   cast input and weight with fp8_scale_*; record their amax in fp8_amax_*
-    backward:  cast grad_output with fp8_scale_grad_output; record its amax
+    forward(s), backward(s): each training cast records max(fp8_amax, amax of its tensor) and
+               casts with fp8_scale ([Note: first step], [Note: out of range] for the exceptions)
     sync_float8_amax_and_scale_history(model):
-               all-reduce(MAX) every fp8_amax_* of the model at once (one collective), roll each
-               history, put the amax in front, fp8_scale_* = amax_to_scale(max(history))
+               all-reduce(MAX) every fp8_amax of the model at once (one collective), roll each
+               history, put the amax in front, fp8_scale = amax_to_scale(max(history)), fp8_amax = 0
 
-The amax recorded in forward and backward is ``tensor_amax`` of the *local* tensor (0 for an
-empty shard): no collective runs in forward or backward. Under FSDP2 and TP (weight shards) and
-SP (sequence shards) it is a partial amax; the sync's MAX all-reduce makes it the amax of the
-logical tensor, and under data parallelism that of the global batch. So after each sync every rank
-holds the histories and scales of one device that ran the global batch ([Note: amax] in
+Recording a max makes a step's amax the max over everything the step cast, whatever runs it:
+gradient accumulation (the max over its micro-batches: the history of one step on the whole
+batch), and activation checkpointing, whose recompute casts the same tensors with the same scale
+and records the same amax again (a no-op). Only training casts record: a forward with gradients
+disabled (``no_grad``, ``inference_mode``) or of a module in ``eval()`` casts with the history
+scale and leaves every buffer as it was. Nothing in forward or backward changes Python state (a
+compiled, checkpointed region must not), so any number of forwards may run between two syncs.
+
+The amax recorded is ``tensor_amax`` of the *local* tensor (0 for an empty shard): the record
+runs no collective. Under FSDP2 and TP (weight shards), SP (sequence
+shards) and data parallelism (micro-batches) it is a partial amax; the sync's MAX all-reduce makes
+it the amax of the logical tensor over the global batch, so after each sync every rank holds the
+histories and scales of one device that ran the global batch ([Note: amax] in
 f8dist/placement.py).
 
+[Note: the amax group]
+The sync's all-reduce and the first step's reductions run over the ranks that hold the same
+layers: all ranks by default; under pipeline parallelism each stage's data (and tensor) parallel
+group, given with :func:`set_amax_group` before the first step. The first sync checks that the
+ranks of the group hold the same delayed layers (a fixed-size all-reduce of the number of delayed
+operands and a fingerprint of their names, once per set of layers and group), each first-step
+reduction carries the fingerprint of its layer, and a mismatch raises an error naming the fix
+instead of hanging or mixing layers.
+
 [Note: first step]
-Before the first sync the buffers hold no history (scale 1.0). With ``enable_amax_init`` (the
-default) the first forward (and its backward) cast like a dynamic cast: the amax of the tensor
-(of the logical tensor for a DTensor) fills the history and gives the scale. Under data
-parallelism that amax is the rank's own micro-batch, so the first sync refills the whole history
-with the synced amax instead of rolling it in, and ranks agree again. Under TP/SP the tensors
-are sharded, not split by data, so the logical amax is one device's: the float8 parallel styles
-init their casts from it too (one scalar all-reduce per cast, first step only; [Note: delayed
-casts in the float8 styles] in f8dist/tp/style.py).
+Before the first sync there is no history. Until then, the casts of a training step (and casts
+whose bytes are communicated) follow the amax of their tensor reduced over the amax group, one
+scalar all-reduce per cast: the amax of the logical tensor over the global batch, so step 0 casts
+as one device on the global batch would (under gradient accumulation, each micro-batch casts from
+its own). With ``enable_amax_init`` (the default) the scale comes from that amax and the first
+sync fills the whole history with the step's amax; with ``enable_amax_init=False`` the scale is
+1.0, as in torchao, unless that amax is out of range for it ([Note: out of range]), and the first
+sync rolls the history as any other. An evaluation forward before the first sync casts from the
+amax of its own tensor.
 
-Under FSDP2 float8 all-gather the weight is cast before the forward, in ``fsdp_pre_all_gather``,
-which on the first step initializes the weight history from the amax of the WHOLE weight (one
-all-reduce over the shards); the forward then sees a float8 weight.
+[Note: out of range]
+A history predicts the amax of the next step. A delayed cast whose current amax, times the
+history's scale, lands outside :func:`in_range` proves the prediction wrong:
 
-``enable_amax_init=False`` casts the first step with scale 1.0: unsafe for small tensors (at scale
-1.0 e5m2 flushes gradients below 2**-16 to zero; docs/numerics.md). Keep it for autocast + compile
-+ FSDP, where module-level Python state must not change.
+* above ``2 * fp8_max``: everything in the top half of the tensor's range would saturate;
+* below ``2**10`` times the format's smallest normal (e4m3: 16, e5m2: 2**-4): the top ten binades
+  of the tensor, values down to a thousandth of its max, would no longer all be normal float8
+  numbers, and the small ones flush to zero. Heavy-tailed tensors keep most of their elements that
+  far below their max.
 
-``enable_pre_and_post_forward`` (default on) makes a training forward (grad enabled) raise if the
-previous one was not followed by a sync, so scales never silently go stale; turn it off where
-module-level Python state must not change between steps.
+Such a cast is re-scaled from its current amax for that step, like a dynamic cast; the sync
+counts the step (``delayed_scaling_counters``, printed by the float8 stats logger) and restarts
+the history from its amax, so the next step is in range again. An all-zero tensor is never out of
+range (it casts to exact zeros at any scale). A non-finite amax makes the cast use it too: its
+scale turns 0 or NaN and the output non-finite, as in high precision ([Note: non-finite values] in
+f8dist/scaling.py); the sync keeps that amax out of the history and counts the step. The rule is
+tensor ops (``torch.where``), so compiled graphs keep it. docs/numerics.md gives the figures
+(``scripts/delayed_cases.py``).
+
+The decision is per rank, on the tensor the rank casts. Bytes that are then communicated must
+share one scale on every rank: the TP styles' casts before an all-gather decide on the logical
+amax of their sharded tensor (one scalar all-reduce per cast, the one collective delayed scaling
+adds in forward and backward after the first step); the FSDP2 float8 all-gather of a weight keeps
+the history's scale (deciding would cost an all-reduce per weight, and an optimizer step does not
+move a weight's amax out of range of the previous step's) and an out-of-range step there is only
+counted.
 
 [Note: delayed checkpoints]
-The buffers are in ``state_dict``: a checkpoint resumes with the same histories and scales, so the
-next step is bit-identical. The two other directions a torchao user expects also work:
+The persistent buffers are in ``state_dict``: a checkpoint resumes with the same histories and
+scales, so the next step is bit-identical. The two other directions a torchao user expects also
+work:
 
 * a plain ``nn.Linear`` checkpoint (no ``fp8_*`` keys) loads into a float8 model with
-  ``strict=True``; the missing delayed buffers keep their fresh values (and the first forward
-  initializes them as on step one);
+  ``strict=True``; the delayed buffers are reset and the next step is a first step;
 * a float8 checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``, or with
   ``load_state_dict(sd, strict=False)`` (the ``fp8_*`` keys then come back as unexpected keys).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-from f8dist.cast import logical_amax
-from f8dist.config import Float8LinearConfig, Operand, ScalingType
-from f8dist.placement import all_reduce, local_part
-from f8dist.scaling import amax_to_scale, tensor_amax
+from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
+from f8dist.placement import all_reduce, is_dtensor, local_part, reduce_over_shards
+from f8dist.scaling import amax_to_scale, fp8_max, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
-    "DELAYED_BUFFER_PREFIXES", "delayed_operands", "register_delayed_buffers", "delayed_scales",
-    "record_amax", "record_and_scale", "init_history", "delayed_pre_forward",
-    "delayed_post_forward", "sync_float8_amax_and_scale_history", "strip_delayed_scaling_state",
+    "DELAYED_BUFFER_PREFIXES", "in_range", "DelayedScaling", "delayed_operands",
+    "shared_scale", "set_amax_group", "sync_float8_amax_and_scale_history",
+    "delayed_scaling_counters", "strip_delayed_scaling_state",
 ]
 
 DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
+# [Note: out of range]: the binades below a tensor's max that a delayed cast keeps in normal
+# numbers, and how far above the format's max its max may land
+KEPT_BINADES, SATURATION = 10, 2.0
+_FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
+
+Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
 
 
-def _names(op: str) -> Tuple[str, str, str]:
-    return f"fp8_amax_{op}", f"fp8_amax_history_{op}", f"fp8_scale_{op}"
-
-
-def delayed_operands(config: Float8LinearConfig) -> Dict[str, torch.dtype]:
+def delayed_operands(config: Float8LinearConfig) -> Dict[Operand, torch.dtype]:
     """Operands cast with delayed scaling in at least one gemm, and their float8 dtype.
 
     One history and one scale serve every delayed cast of an operand, so its delayed casts must
@@ -103,174 +144,279 @@ def delayed_operands(config: Float8LinearConfig) -> Dict[str, torch.dtype]:
     return out
 
 
-def register_delayed_buffers(module: nn.Module) -> None:
-    """Give a Float8Linear the buffers and flags of [Note: delayed scaling] (no-op without
-    delayed casts)."""
-    config: Float8LinearConfig = module.config
-    ops = delayed_operands(config)
-    module._delayed_operands = ops
-    if not ops:
-        return
-    device = module.weight.device
-    hist_len = config.delayed_scaling_config.history_len
-    for op in ops:
-        amax, history, scale = _names(op)
-        module.register_buffer(amax, torch.zeros((), device=device))
-        module.register_buffer(history, torch.zeros(hist_len, device=device))
-        module.register_buffer(scale, torch.ones((), device=device))
-    module.is_amax_initialized = not config.enable_amax_init
-    module.amax_and_scale_synced = True  # fresh buffers: nothing to sync yet
-    # history filled from a first-step (possibly rank-local) amax; the next sync refills it
-    module._amax_history_from_init = False
+def _check(ok: torch.Tensor, message: str) -> None:
+    """Raise ``message`` unless ``ok`` is all true (an async assert inside a compiled graph)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        raise RuntimeError(message)
 
 
-def delayed_scales(module: nn.Module) -> Optional[dict]:
-    """{(gemm, operand): scale buffer} of every delayed cast of ``module``."""
-    config = module.config
-    scales = {}
-    for op in module._delayed_operands:
-        for g in op.gemms:
-            if config.cast_config(g, op).scaling_type is ScalingType.DELAYED:
-                scales[(g, op)] = _buffer(module, f"fp8_scale_{op}")
-    return scales or None
+@torch.compiler.assume_constant_result
+def _fingerprint(name: str) -> float:
+    """A number that is the same on every rank for the same name (24 bits: exact in float32)."""
+    return float(zlib.crc32(name.encode()) & 0xFFFFFF)
 
 
-def _buffer(module: nn.Module, name: str) -> torch.Tensor:
-    """A delayed buffer as a plain tensor. ``parallelize_module`` turns buffers into Replicate
-    DTensors; their local tensor is the whole buffer, and writing it writes the DTensor."""
-    return local_part(getattr(module, name))
+class DelayedScaling:
+    """The delayed-scaling state of one :class:`~f8dist.linear.Float8Linear` and everything that
+    reads or writes it ([Note: delayed scaling]): the linear's forward and backward, the TP styles
+    (:func:`shared_scale`), the FSDP2 float8 all-gather (:meth:`all_gather_scale`) and the sync.
 
+    Example::
 
-def record_amax(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
-    """Write the amax of the rank's part of ``hp`` into ``module.fp8_amax_{operand}``.
-
-    For callers that cast a delayed operand outside the linear's forward (FSDP2 float8
-    all-gather, float8 parallel styles). A tensor that already is float8 was recorded where it was
-    cast and is skipped.
+        >>> lin = Float8Linear.from_float(nn.Linear(32, 16), Float8LinearConfig.from_recipe_name("delayed"))
+        >>> sorted(lin.delayed.operands)
+        [<Operand.GRAD_OUTPUT: 'grad_output'>, <Operand.INPUT: 'input'>, <Operand.WEIGHT: 'weight'>]
     """
+
+    def __init__(self, module: nn.Module, operands: Dict[Operand, torch.dtype]):
+        config = module.config
+        self.module = module
+        self.operands = operands  # {operand: float8 dtype}
+        self.cells = {  # the gemms in which each operand is cast with delayed scaling
+            op: tuple(g for g in op.gemms if config.cast_config(g, op).scaling_type is ScalingType.DELAYED)
+            for op in operands
+        }
+        self.bounds = {op: in_range(dtype) for op, dtype in operands.items()}  # [Note: out of range]
+        self.round_pow2 = config.round_scales_to_power_of_2
+        self.history_len = config.delayed_scaling_config.history_len
+        self.enable_amax_init = config.enable_amax_init
+        self.group = None  # [Note: the amax group]; None: all ranks
+        self._verified = None  # (group, fingerprint) the sync last checked
+        self.reset()
+        device = module.weight.device
+        for op in operands:
+            module.register_buffer(f"fp8_amax_{op}", torch.zeros((), device=device))
+            module.register_buffer(f"fp8_amax_history_{op}", torch.zeros(self.history_len, device=device))
+            module.register_buffer(f"fp8_scale_{op}", torch.ones((), device=device))
+            module.register_buffer(f"fp8_steps_{op}", torch.zeros(6, device=device), persistent=False)
+
+    @classmethod
+    def attach(cls, module: nn.Module) -> Optional["DelayedScaling"]:
+        """The state of ``module`` (a Float8Linear) with its buffers registered, or None when its
+        config has no delayed cast."""
+        operands = delayed_operands(module.config)
+        return cls(module, operands) if operands else None
+
+    def reset(self) -> None:
+        """Forget the history: until the next sync, casts are those of [Note: first step]."""
+        # Python state that changes in the sync only, never in forward or backward (a compiled
+        # checkpointed region must not change it)
+        self.synced = False
+
+    def buffer(self, kind: str, op: Operand) -> torch.Tensor:
+        """``fp8_{kind}_{op}`` as a plain tensor. ``parallelize_module`` makes buffers Replicate
+        DTensors; their local tensor is the whole buffer, and writing it writes the DTensor."""
+        return local_part(getattr(self.module, f"fp8_{kind}_{op}"))
+
+    def keeps(self, op: Operand) -> bool:
+        """Whether ``op`` has an amax history here."""
+        return op in self.operands
+
+    def _fqn(self) -> str:
+        return getattr(self.module, "fqn", "") or "<root>"
+
+    # -- the casts ----------------------------------------------------------------------------
+
+    def training(self) -> bool:
+        """Whether a forward now records ([Note: delayed scaling]): grad enabled, module in train()."""
+        return self.module.training and torch.is_grad_enabled()
+
+    def forward_scales(self, input: torch.Tensor, weight: torch.Tensor, record: bool) -> Scales:
+        """The scales of the forward's delayed casts of ``input`` and ``weight``, by (gemm,
+        operand), their amaxes recorded if ``record`` (``training()`` at the forward)."""
+        scales: Scales = {}
+        for op, t in ((Operand.INPUT, input), (Operand.WEIGHT, weight)):
+            if op in self.operands:
+                scales.update(self._cells(op, _scale([self], op, t, record)))
+        return scales
+
+    def grad_output_scales(self, grad: torch.Tensor, record: bool) -> Scales:
+        """The scales of backward's delayed grad_output casts; ``record``: that of the forward."""
+        if Operand.GRAD_OUTPUT not in self.operands:
+            return {}
+        return self._cells(Operand.GRAD_OUTPUT, _scale([self], Operand.GRAD_OUTPUT, grad, record))
+
+    def all_gather_scale(self, shard: torch.Tensor) -> torch.Tensor:
+        """The weight scale of the FSDP2 float8 all-gather, which casts this rank's ``shard``
+        before the forward (on the first step from the amax of all shards). FSDP2 all-gathers
+        under ``no_grad``, so the amax is recorded in ``train()`` mode whatever the grad mode: a
+        weight's amax is the same in an evaluation forward as in the next training one."""
+        return _scale([self], Operand.WEIGHT, shard, self.module.training, communicated=True)
+
+    def _cells(self, op: Operand, scale: torch.Tensor) -> Scales:
+        return {(g, op): scale for g in self.cells[op]}
+
+    def float32_apply(self, fn):
+        """``fn`` for ``nn.Module._apply`` that moves the delayed buffers with the module but keeps
+        them float32 (``model.half()`` would overflow a scale to inf)."""
+        ids = {id(b) for name, b in self.module._buffers.items() if name.startswith("fp8_")}
+
+        def apply(t):
+            out = fn(t)
+            return t.to(device=out.device) if id(t) in ids and out.dtype != t.dtype else out
+
+        return apply
+
+    # -- pieces of a cast (see _scale) --------------------------------------------------------
+
+    def _group_amax(self, op: Operand, amax: torch.Tensor) -> torch.Tensor:
+        """``amax`` reduced (max) over the amax group, with this layer's fingerprint checked."""
+        fp = _fingerprint(f"{self._fqn()}:{op}")
+        payload = torch.stack([_inf_for_nan(amax), amax.new_tensor(fp), amax.new_tensor(-fp)])  # [3]
+        out = all_reduce(payload, "max", self.group)
+        if out is payload:  # one process
+            return amax
+        _check(out[1:] == payload[1:], (
+            f"Float8Linear {self._fqn()}: the ranks of the delayed-scaling amax group run "
+            f"different layers in their first step (this rank: {op} of {self._fqn()}); every "
+            "rank of the group must hold the same delayed layers. Under pipeline parallelism call "
+            "f8dist.delayed.set_amax_group(stage, <the stage's data-parallel group>) first "
+            "([Note: the amax group] in f8dist/delayed.py)"
+        ))
+        return out[0]
+
+    def _to_scale(self, op: Operand, amax: torch.Tensor) -> torch.Tensor:
+        return amax_to_scale(amax, self.operands[op], round_to_power_of_2=self.round_pow2)
+
+    def _record(self, op: Operand, amax: torch.Tensor, out_of_range: Optional[torch.Tensor],
+                own: bool = True) -> None:
+        """max(fp8_amax, ``amax``) and max(out-of-range flag, ``out_of_range``); NaN stays NaN
+        (the sync keeps it out of the history). A record that is not ``own`` (a shared input that
+        this linear may not consume: [Note: delayed casts in the float8 styles]) goes aside; the
+        sync takes it only if the linear made no own record in the step."""
+        steps = self.buffer("steps", op)  # [6]
+        pending = self.buffer("amax", op) if own else steps[_SHARED_AMAX]
+        pending.copy_(torch.maximum(pending, amax))
+        if out_of_range is not None:
+            flag = steps[_FLAG if own else _SHARED_FLAG]
+            flag.copy_(torch.maximum(flag, out_of_range))
+        if own:
+            steps[_OWN].fill_(1.0)
+
+    def _out_of_range(self, op: Operand, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """[Note: out of range], or a non-finite ``amax``; never an all-zero tensor."""
+        low, high = self.bounds[op]
+        x = amax * scale  # [], where the tensor's max lands in float8 units
+        return ~(((x >= low) & (x <= high)) | (amax <= 0))  # NaN compares False: out
+
+
+def in_range(dtype: torch.dtype) -> Tuple[float, float]:
+    """Where a delayed cast's max may land in float8 units ([Note: out of range]): from
+    ``2**KEPT_BINADES`` times the smallest normal to ``SATURATION`` times the max (e4m3: 16..896,
+    e5m2: 2**-4..114688)."""
+    return torch.finfo(dtype).tiny * 2.0**KEPT_BINADES, SATURATION * fp8_max(dtype)
+
+
+def _inf_for_nan(amax: torch.Tensor) -> torch.Tensor:
+    """A MAX all-reduce may drop a NaN (max(NaN, x) is x on some backends); inf survives it."""
+    return torch.where(torch.isnan(amax), torch.inf, amax)
+
+
+def _scale(
+    owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor, record: bool,
+    communicated: bool = False,
+) -> torch.Tensor:
+    """The scale of one delayed cast of ``hp`` (its local part is cast) made for ``owners``
+    (several when one cast feeds several linears), from ``owners[0]``'s history; the amax is
+    recorded into every owner when ``record``.
+
+    Until the first sync ([Note: first step]) a training cast and a cast whose bytes are
+    ``communicated`` follow the amax reduced over the amax group: the scale comes from it (amax
+    init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
+    re-scaled when out of range ([Note: out of range]). Every rank must pick the same scale for
+    bytes it communicates: a communicated DTensor decides on its logical amax (a scalar
+    all-reduce over the axes sharding it), a communicated shard that is no DTensor (the FSDP2
+    all-gather's) keeps the history's scale. A tensor that already is float8 was recorded where it
+    was cast: its scale is the history's.
+    """
+    first = owners[0]
     local = local_part(hp)
     if isinstance(local, Float8Tensor):
-        return
-    _buffer(module, f"fp8_amax_{operand}").copy_(tensor_amax(local.detach()))
+        return first.buffer("scale", op)
+    amax = tensor_amax(local.detach())  # [], this rank's part: what the sync reduces
+    seen, decides = amax, not communicated  # [], what this cast's scale follows; may it re-scale
+    if not first.synced and (record or communicated):  # [Note: first step]
+        seen, decides = first._group_amax(op, amax), True
+    elif communicated and is_dtensor(hp):
+        seen, decides = reduce_over_shards(amax, hp.device_mesh, hp.placements, "max"), True
+    if first.enable_amax_init and not first.synced:
+        out_of_range = None
+        scale = first._to_scale(op, seen)
+    else:
+        scale = first.buffer("scale", op)
+        out_of_range = first._out_of_range(op, seen, scale)
+    if record:
+        first._record(op, amax, out_of_range)
+        for o in owners[1:]:
+            o._record(op, amax, out_of_range, own=False)
+    if out_of_range is None:
+        return scale
+    current = out_of_range if decides else ~torch.isfinite(seen)
+    return torch.where(current, first._to_scale(op, seen), scale)
 
 
-def _init_from(module: nn.Module, operand: str, hp: torch.Tensor) -> None:
-    """[Note: first step]: history and scale from the amax of the logical tensor."""
-    if isinstance(local_part(hp), Float8Tensor):
-        return
-    init_history(module, operand, local_part(logical_amax(hp.detach())))  # [], Replicate for a DTensor
-
-
-def init_history(module: nn.Module, operand: str, amax: torch.Tensor) -> None:
-    """Fill ``operand``'s history with ``amax`` (of the logical tensor) and set its scale
-    ([Note: first step]). For callers that cast before the forward (FSDP2 float8 all-gather)."""
-    _, history, scale = _names(operand)
-    _buffer(module, history).fill_(amax)
-    _buffer(module, scale).copy_(_scale_from(module, operand, amax))
-
-
-def record_and_scale(
-    modules: List[nn.Module], operand: str, hp: torch.Tensor, init: Optional[bool] = None
-) -> torch.Tensor:
-    """The scale of a delayed cast of ``operand`` made outside the linears' forward, by the float8
-    parallel styles before they communicate ([Note: delayed casts in the float8 styles] in
-    f8dist/tp/style.py).
-
-    ``hp``'s local amax (the rank's shard; the sync's MAX makes it global) is recorded into every
-    module of ``modules``. On the first step ([Note: first step]; ``init`` says whether it is, or
-    None: each module's own ``not is_amax_initialized``) a module's history and scale are first
-    filled from the amax of the logical tensor (for a sharded DTensor, one all-reduce, on that
-    step only). Returns the scale buffer of ``modules[0]``, the one the cast uses.
+def shared_scale(owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor,
+                 record: Optional[bool] = None) -> torch.Tensor:
+    """The scale of a cast that the float8 TP styles make for linears outside their forward,
+    before its bytes are all-gathered ([Note: delayed casts in the float8 styles] in
+    f8dist/tp/style.py): ``hp``'s shard amax is recorded into every owner, the scale is
+    ``owners[0]``'s. ``record``: that of the forward whose gradient is cast (backward); None for
+    a forward cast, made now.
     """
-    starting = [m for m in modules if (not m.is_amax_initialized if init is None else init)]
-    if starting:
-        amax = local_part(logical_amax(hp.detach()))  # [], the logical tensor's
-        for m in starting:
-            init_history(m, operand, amax)
-    local = tensor_amax(local_part(hp).detach())  # [], this rank's shard
-    for m in modules:
-        _buffer(m, f"fp8_amax_{operand}").copy_(local)
-    return _buffer(modules[0], f"fp8_scale_{operand}")
+    record = owners[0].training() if record is None else record
+    return _scale(owners, op, hp, record, communicated=True)
 
 
-def _scale_from(module: nn.Module, operand: str, amax: torch.Tensor) -> torch.Tensor:
-    return amax_to_scale(
-        amax,
-        module._delayed_operands[operand],
-        round_to_power_of_2=module.config.round_scales_to_power_of_2,
-    )
+def _owners(model: nn.Module) -> List[DelayedScaling]:
+    owners = [getattr(m, "delayed", None) for m in model.modules()]
+    return [o for o in owners if isinstance(o, DelayedScaling)]
 
 
-def delayed_pre_forward(module: nn.Module, input: torch.Tensor) -> None:
-    """Check the sync happened, initialize on the first step, record the input and weight amax."""
-    config = module.config
-    if (
-        config.enable_pre_and_post_forward
-        and module.is_amax_initialized
-        and not module.amax_and_scale_synced
-        and torch.is_grad_enabled()
-    ):
-        raise RuntimeError(
-            f"Float8Linear {module.fqn or '<root>'}: its delayed scales were not synced since the "
-            "last forward; call f8dist.sync_float8_amax_and_scale_history(model) once per "
-            "iteration, after backward and before the next forward"
-        )
-    operands = {"input": input, "weight": module.weight}
-    if not module.is_amax_initialized:
-        for op, t in operands.items():
-            if op in module._delayed_operands:
-                _init_from(module, op, t)
-    for op, t in operands.items():
-        if op in module._delayed_operands:
-            record_amax(module, op, t)
+def set_amax_group(model: nn.Module, group) -> None:
+    """Reduce the delayed amaxes of ``model`` over ``group`` (a process group or a device mesh;
+    None: all ranks) in the first-step init and in the sync ([Note: the amax group]). Needed only
+    when ranks hold different layers (pipeline parallelism): call it before the first step.
+
+    Example::
+
+        >>> set_amax_group(stage_model, mesh["dp"])         # doctest: +SKIP
+    """
+    for o in _owners(model):
+        o.group, o._verified = group, None
 
 
-def delayed_post_forward(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """Hook grad_output's amax recording (and first-step init) onto ``out``; update flags."""
-    init = not module.is_amax_initialized
-    if "grad_output" in module._delayed_operands and out.requires_grad:
-        out = _RecordGradOutputAmax.apply(out, module, init)
-    if init:
-        module.is_amax_initialized = True
-        module._amax_history_from_init = True
-    # read by a float8 parallel style that casts grad_output outside the linear (its backward
-    # must know whether this forward was the first step)
-    module._delayed_init_forward = init
-    if module.config.enable_pre_and_post_forward:
-        module.amax_and_scale_synced = False
-    return out
-
-
-class _RecordGradOutputAmax(torch.autograd.Function):
-    """Identity in forward; in backward records grad_output's amax (and on the first step
-    initializes its history and scale) before the matmul's backward casts it."""
-
-    @staticmethod
-    def forward(ctx, out, module, init: bool):
-        ctx.module, ctx.init = module, init
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.init:
-            _init_from(ctx.module, "grad_output", grad)
-        record_amax(ctx.module, "grad_output", grad)
-        return grad, None, None
-
-
-def _delayed_layers(model: nn.Module) -> List[nn.Module]:
-    return [m for m in model.modules() if getattr(m, "_delayed_operands", None)]
+def _verify_layers(owners: List[DelayedScaling], entries, group) -> None:
+    """[Note: the amax group]: every rank of ``group`` syncs the same delayed operands, checked by
+    one fixed-size all-reduce the first time this set of layers syncs over ``group``."""
+    names = ";".join(f"{o._fqn()}:{op}" for o, op in entries)
+    key = (group, len(entries), _fingerprint(names))
+    if all(o._verified == key for o in owners):
+        return
+    n, fp = float(len(entries)), key[2]
+    mine = torch.tensor([n, -n, fp, -fp], device=owners[0].buffer("scale", entries[0][1]).device)
+    _check(all_reduce(mine, "max", group) == mine, (
+        f"sync_float8_amax_and_scale_history: the ranks of the group hold different delayed layers "
+        f"(this rank: {len(entries)} delayed operands in {len(owners)} layers, from "
+        f"{owners[0]._fqn()} to {owners[-1]._fqn()}); pass group=<the ranks that hold the same "
+        "layers> (pipeline parallelism: each stage's data-parallel group)"
+    ))
+    for o in owners:
+        o._verified = key
 
 
 @torch.no_grad()
-def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
+def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     """Roll every delayed amax history of ``model`` and recompute its scales.
 
-    Call once per iteration, after backward and before the next forward (e.g. just before
-    ``optimizer.step()``). With torch.distributed initialized, the amaxes of the whole model go
-    through ONE all-reduce (MAX) over all ranks, so every rank ends with the histories and scales
-    of one device that saw the global batch and the logical (unsharded) tensors. Can be wrapped
-    in ``torch.compile``. See [Note: delayed scaling].
+    Call once per optimizer step, after the step's last backward and before the next training
+    forward (e.g. just before ``optimizer.step()``). With torch.distributed initialized, the
+    amaxes of the whole model go through ONE all-reduce (MAX) over ``group`` (a process group or a
+    device mesh; None: the group given to :func:`set_amax_group`, by default all ranks), so every
+    rank ends with the histories and scales of one device that saw the global batch and the
+    logical (unsharded) tensors. The first call checks that the ranks hold the same delayed layers
+    ([Note: the amax group]). Can be wrapped in ``torch.compile``. See [Note: delayed scaling].
 
     Example::
 
@@ -279,67 +425,92 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
         >>> model(torch.randn(16, 32)).sum().backward()
         >>> sync_float8_amax_and_scale_history(model)
     """
-    layers = _delayed_layers(model)
-    if not layers:
+    owners = _owners(model)
+    if not owners:
         return
-    entries = [(m, op) for m in layers for op in m._delayed_operands]
-    amaxes = torch.stack([_buffer(m, f"fp8_amax_{op}") for m, op in entries])  # [E]
-    amaxes = all_reduce(amaxes, "max")  # [E], over all ranks: the model's one collective
+    group = group if group is not None else owners[0].group
+    entries = [(o, op) for o in owners for op in o.operands]
+    _verify_layers(owners, entries, group)
+    steps = torch.stack([o.buffer("steps", op) for o, op in entries])  # [E, 6]
+    own = steps[:, _OWN] > 0  # [E]; else the step's shared-cast records, if any
+    amaxes = torch.where(own, torch.stack([o.buffer("amax", op) for o, op in entries]),
+                         steps[:, _SHARED_AMAX])  # [E]
+    flags = torch.where(own, steps[:, _FLAG], steps[:, _SHARED_FLAG])  # [E]
+    reduced = all_reduce(torch.cat([_inf_for_nan(amaxes), flags]), "max", group)  # [2E]
+    amaxes, finite = reduced[: len(entries)], torch.isfinite(reduced[: len(entries)])  # [E]
+    out_of_range = (reduced[len(entries):] > 0) & finite  # [E]; a non-finite amax is counted apart
+    # the first step's amax (amax init) and that of a step out of range fill the whole history
+    restart = out_of_range | torch.tensor(
+        [o.enable_amax_init and not o.synced for o, _ in entries], device=amaxes.device)  # [E]
 
     # histories of one length and scales of one dtype are updated as one stacked tensor each
     groups: Dict[tuple, List[int]] = {}
-    for i, (m, op) in enumerate(entries):
-        key = (
-            m.config.delayed_scaling_config.history_len,
-            m._delayed_operands[op],
-            m.config.round_scales_to_power_of_2,
-        )
-        groups.setdefault(key, []).append(i)
+    for i, (o, op) in enumerate(entries):
+        groups.setdefault((o.history_len, o.operands[op], o.round_pow2), []).append(i)
     for (_, dtype, round_pow2), idx in groups.items():
-        histories = torch.stack([_buffer(entries[i][0], _names(entries[i][1])[1]) for i in idx])
-        amax = amaxes[idx]  # [G]
+        histories = torch.stack([entries[i][0].buffer("amax_history", entries[i][1]) for i in idx])  # [G, L]
+        amax, ok = amaxes[idx], finite[idx]  # [G]
         rolled = torch.roll(histories, 1, dims=1)  # [G, L]
         rolled[:, 0] = amax
-        from_init = torch.tensor(
-            [entries[i][0]._amax_history_from_init for i in idx], device=amax.device
-        )  # [G]
-        new_hist = torch.where(from_init[:, None], amax[:, None].expand_as(rolled), rolled)
+        new_hist = torch.where(restart[idx, None], amax[:, None].expand_as(rolled), rolled)
+        new_hist = torch.where(ok[:, None], new_hist, histories)  # non-finite: kept out
         scales = amax_to_scale(new_hist.amax(dim=1), dtype, round_to_power_of_2=round_pow2)  # [G]
         for j, i in enumerate(idx):
-            m, op = entries[i]
-            amax_name, history_name, scale_name = _names(op)
-            _buffer(m, amax_name).copy_(amax[j])
-            _buffer(m, history_name).copy_(new_hist[j])
-            _buffer(m, scale_name).copy_(scales[j])
-    for m in layers:
-        m.amax_and_scale_synced = True
-        m._amax_history_from_init = False
+            o, op = entries[i]
+            o.buffer("amax_history", op).copy_(new_hist[j])
+            o.buffer("scale", op).copy_(scales[j])
+    # this step's records to 0, the counters up
+    counters = steps[:, _COUNTERS] + torch.stack([out_of_range, ~finite], dim=1)  # [E, 2]
+    new_steps = torch.cat([torch.zeros_like(steps[:, :4]), counters], dim=1)  # [E, 6]
+    for i, (o, op) in enumerate(entries):
+        o.buffer("amax", op).zero_()
+        o.buffer("steps", op).copy_(new_steps[i])
+    for o in owners:
+        o.synced = True
 
 
-def load_delayed_state(module: nn.Module, state_dict: dict, prefix: str, missing_keys: list) -> None:
+def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, int]]]:
+    """``{fqn: {operand: {"out_of_range_steps": n, "nonfinite_steps": n}}}`` of every delayed
+    layer of ``model`` since it was built: steps in which a cast found its history scale out of
+    range ([Note: out of range]; on any rank of the group) and steps whose amax was non-finite
+    and kept out of the history. Counted by the sync; reading them syncs with the device.
+
+    Example::
+
+        >>> delayed_scaling_counters(model)["0"]["input"]             # doctest: +SKIP
+        {'out_of_range_steps': 0, 'nonfinite_steps': 1}
+    """
+    out = {}
+    for o in _owners(model):
+        out[getattr(o.module, "fqn", "")] = {
+            str(op): dict(zip(("out_of_range_steps", "nonfinite_steps"),
+                              map(int, o.buffer("steps", op)[_COUNTERS].tolist())))
+            for op in o.operands
+        }
+    return out
+
+
+def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, missing_keys: list) -> None:
     """Float8Linear._load_from_state_dict's delayed part ([Note: delayed checkpoints]).
 
     A checkpoint without any delayed buffer (a plain nn.Linear one) is not an error: the buffers
-    are reset to fresh, so the first forward initializes them from the loaded weights. A
+    are reset to fresh, and the next step is a first step ([Note: first step]). A
     checkpoint with them resumes their history. One with only some of them keeps those in
     ``missing_keys`` (an error under ``strict=True``).
     """
-    keys = [prefix + n for op in module._delayed_operands for n in _names(op)]
+    names = [f"fp8_{kind}_{op}" for op in owner.operands for kind in ("amax", "amax_history", "scale")]
+    keys = [prefix + n for n in names]
+    owner.reset()
     if any(k in state_dict for k in keys):
         # a history that saw data is resumed as is; an all-zero one still needs the first-step init
-        seen = any(_buffer(module, _names(op)[1]).any() for op in module._delayed_operands)
-        module.is_amax_initialized = bool(seen) or not module.config.enable_amax_init
-    else:
-        absent = set(keys)
-        missing_keys[:] = [k for k in missing_keys if k not in absent]
-        for op in module._delayed_operands:
-            amax, history, scale = _names(op)
-            _buffer(module, amax).zero_()
-            _buffer(module, history).zero_()
-            _buffer(module, scale).fill_(1.0)
-        module.is_amax_initialized = not module.config.enable_amax_init
-    module.amax_and_scale_synced = True
-    module._amax_history_from_init = False
+        owner.synced = any(bool(owner.buffer("amax_history", op).any()) for op in owner.operands)
+        return
+    absent = set(keys)
+    missing_keys[:] = [k for k in missing_keys if k not in absent]
+    for op in owner.operands:
+        owner.buffer("amax", op).zero_()
+        owner.buffer("amax_history", op).zero_()
+        owner.buffer("scale", op).fill_(1.0)
 
 
 def strip_delayed_scaling_state(state_dict: dict) -> dict:

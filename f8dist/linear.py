@@ -34,9 +34,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist import delayed
 from f8dist.cast import cast_to_float8, high_precision
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.delayed import DelayedScaling, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_gemm_shape
 from f8dist.placement import reduce_partial
@@ -47,6 +47,7 @@ OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
 INPUT, WEIGHT, GRAD_OUTPUT = Operand
 
 Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
+Delayed = Optional[Tuple[DelayedScaling, bool]]
 
 
 def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: Scales):
@@ -79,13 +80,13 @@ class _Float8Matmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input, weight, specs: CastSpecs, scales: Scales):
+    def forward(ctx, input, weight, specs: CastSpecs, scales: Scales, delayed: Delayed):
         x = input
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
             x = cast_to_float8(input, specs[OUTPUT, INPUT], (scales or {}).get((OUTPUT, INPUT)))
         out = _mm(OUTPUT, x, weight, specs, scales)  # [M, N]
         ctx.save_for_backward(x, weight)
-        ctx.specs, ctx.scales = specs, scales
+        ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
         return out
 
     @staticmethod
@@ -93,9 +94,12 @@ class _Float8Matmul(torch.autograd.Function):
         saved_input, weight = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
+        if ctx.delayed is not None:  # a delayed grad_output scale is known now
+            state, record = ctx.delayed
+            scales = {**scales, **state.grad_output_scales(grad_output, record)}
         grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales)  # [M, K]
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
-        return grad_input, grad_weight.to(weight.dtype), None, None
+        return grad_input, grad_weight.to(weight.dtype), None, None, None
 
 
 # [Note: autocast]
@@ -116,12 +120,15 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 def float8_linear_mm(
-    input: torch.Tensor, weight: torch.Tensor, specs: CastSpecs, scales: Scales = None
+    input: torch.Tensor, weight: torch.Tensor, specs: CastSpecs, scales: Scales = None,
+    delayed: Delayed = None,
 ) -> torch.Tensor:
-    """``input @ weight.t()`` through the float8 gemms, for inputs of any leading shape."""
+    """``input @ weight.t()`` through the float8 gemms, for inputs of any leading shape.
+    ``scales``: the forward's delayed scales; ``delayed``: (state, whether the forward recorded),
+    which gives backward its grad_output scale."""
     k = input.shape[-1]
     input_2d = input.reshape(-1, k)  # [M, K]
-    out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales)  # [M, N]
+    out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales, delayed)  # [M, N]
     return out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])
 
 
@@ -148,7 +155,7 @@ class Float8Linear(nn.Linear):
                 what=f"Float8Linear {fqn or '<root>'} ({self.in_features} -> {self.out_features})",
                 pad_inner_dim=self.config.pad_inner_dim,
             )
-        delayed.register_delayed_buffers(self)
+        self.delayed = DelayedScaling.attach(self)  # None without delayed casts
 
     @classmethod
     def from_float(
@@ -159,8 +166,8 @@ class Float8Linear(nn.Linear):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config, fqn=fqn)
         new.weight = mod.weight
         new.bias = mod.bias
-        if new._delayed_operands:  # its buffers were made on meta: make them on mod's device
-            delayed.register_delayed_buffers(new)
+        if new.delayed is not None:  # its buffers were made on meta: make them on mod's device
+            new.delayed = DelayedScaling.attach(new)
         if new.config.enable_fsdp_float8_all_gather:
             wrap_weight_for_float8_all_gather(new)
         return new
@@ -180,18 +187,14 @@ class Float8Linear(nn.Linear):
         self._fqn = fqn
         self.specs: CastSpecs = self._config.cast_specs(fqn)  # the six casts, resolved once
 
-    def delayed_scales(self) -> Optional[dict]:
-        """Scales by (gemm, operand) for delayed casts; None when the config has none."""
-        return delayed.delayed_scales(self) if self._delayed_operands else None
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
             input = input.to(torch.get_autocast_dtype(input.device.type))
-        if self._delayed_operands:
-            delayed.delayed_pre_forward(self, input)
-        out = float8_linear_mm(input, self.weight, self.specs, self.delayed_scales())
-        if self._delayed_operands:
-            out = delayed.delayed_post_forward(self, out)
+        scales = delayed = None
+        if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed.py
+            delayed = (self.delayed, self.delayed.training())
+            scales = self.delayed.forward_scales(input, self.weight, delayed[1])
+        out = float8_linear_mm(input, self.weight, self.specs, scales, delayed)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -200,8 +203,13 @@ class Float8Linear(nn.Linear):
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if self._delayed_operands:  # see [Note: delayed checkpoints] in f8dist/delayed.py
-            delayed.load_delayed_state(self, state_dict, prefix, missing_keys)
+        if self.delayed is not None:  # see [Note: delayed checkpoints] in f8dist/delayed.py
+            load_delayed_state(self.delayed, state_dict, prefix, missing_keys)
+
+    def _apply(self, fn, recurse=True):
+        if getattr(self, "delayed", None) is not None:  # its buffers stay float32
+            fn = self.delayed.float32_apply(fn)
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

@@ -23,8 +23,8 @@ results match one device. The rule has two forms here, one per kind of caller:
   ``(mesh, placements)`` name the axes to reduce over.
 
 Data parallelism does not shard activations: each rank scales its own micro-batch, as every float8
-recipe does; delayed scaling's history sync (``f8dist/delayed.py``) is where amaxes cross data
-parallel ranks (:func:`all_reduce`).
+recipe does; delayed scaling's history sync and first step (``f8dist/delayed.py``) are where
+amaxes cross data parallel ranks (:func:`all_reduce`).
 
 Nothing else in f8dist inspects placements to decide a reduction.
 """
@@ -110,12 +110,15 @@ def reduce_over_shards(local: torch.Tensor, mesh, placements: Sequence, op: str)
 
 def all_reduce(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
     """Functional all-reduce (``op``: "max" or "sum") of ``t`` over ``group`` (a process group or a
-    1-D device mesh; None: every rank); ``t`` itself when no process group is initialized."""
+    device mesh, every rank of it; None: every rank); ``t`` itself when no process group is
+    initialized."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
     if not (dist.is_available() and dist.is_initialized()):
         return t
+    if getattr(group, "ndim", 1) > 1:  # a multi-dimensional device mesh
+        group = _whole_mesh_group(group)
     return funcol.wait_tensor(funcol.all_reduce(t, op, group if group is not None else dist.group.WORLD))
 
 

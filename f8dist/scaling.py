@@ -21,7 +21,9 @@ A floor of 1e-12 on the amax (torchao's) would flush every e4m3 tensor with amax
 An inf or NaN in the tensor makes its amax inf or NaN, its scale 0 or NaN, and the cast values NaN.
 Nothing is clamped into a finite number: the gemm output turns NaN (all of it for a tensorwise
 scale, the affected rows or columns for an axiswise one), so a diverging run fails loudly, as it
-would in high precision, rather than training on silently clipped numbers.
+would in high precision, rather than training on silently clipped numbers. A delayed cast, whose
+scale comes from a history, takes the non-finite amax's scale too ([Note: out of range] in
+f8dist/delayed.py).
 
 This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes

@@ -110,6 +110,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0)")
     # optimization
     p.add_argument("--batch-size", type=positive, default=8, help="global batch (sequences)")
+    p.add_argument("--grad-accum-steps", type=positive, default=1,
+                   help="split each rank's batch into this many micro-batches (forward and "
+                        "backward each) per optimizer step")
     p.add_argument("--seq-len", type=positive, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=non_negative, default=10)
@@ -137,6 +140,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.batch_size % (world // args.tp):
         p.error(f"--batch-size {args.batch_size} must be a multiple of the {world // args.tp} "
                 "data-parallel ranks")
+    if (args.batch_size // (world // args.tp)) % args.grad_accum_steps:
+        p.error(f"--grad-accum-steps {args.grad_accum_steps} must divide each rank's batch "
+                f"({args.batch_size // (world // args.tp)} sequences); change --batch-size")
     for heads in (args.n_heads, args.n_kv_heads or args.n_heads):
         if heads % args.tp:
             p.error(f"--tp {args.tp} shards attention heads: --n-heads and --n-kv-heads must be "
@@ -371,6 +377,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
                                   betas=(0.9, 0.95), foreach=True)
     batches = ByteBatches(seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                           dp_rank=dp_rank, dp_size=dp_size)
+    accum = args.grad_accum_steps
 
     start = 0
     if args.resume:
@@ -407,13 +414,16 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         inputs, targets = (t.to(device) for t in next(batches))  # [b, S], [b, S]
         # --float8-stats-every N: record this step's float8 casts if step % N == 0
         with stats.step(step) if stats is not None else contextlib.nullcontext():
-            logits = model(inputs)  # [b, S, V]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-            loss.backward()
+            loss = 0.0
+            for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):  # [b / accum, S]
+                logits = model(x)  # [b / accum, S, V]
+                micro = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1)) / accum
+                micro.backward()
+                loss = loss + micro.detach()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
         if args.compile and rank == 0 and step == start + 1:
             print(f"compiled: step {step} took {time.perf_counter() - t_start:.0f}s", flush=True)
-        if args.float8 == "delayed":  # roll the amax histories (one MAX all-reduce) into scales
+        if args.float8 == "delayed":  # one MAX all-reduce: the step's amaxes into the histories
             f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -421,7 +431,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             # one all-reduce for the scales of every float8 weight's next all-gather
             precompute_float8_dynamic_scale_for_fsdp(model)
 
-        global_loss = loss.detach().clone()
+        global_loss = loss.clone()
         dist.all_reduce(global_loss)  # sum over all ranks; tp ranks hold equal losses
         global_loss = float(global_loss) / world
         steps.append(step)

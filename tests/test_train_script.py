@@ -29,6 +29,8 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--tp", "0"], "argument --tp: must be a positive integer, got 0"),
     (["--seq-len", "100000000"], "--seq-len 100000000 is longer than the training text"),  # hung
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--grad-accum-steps", "0"], "argument --grad-accum-steps: must be a positive integer, got 0"),
+    (["--batch-size", "6", "--grad-accum-steps", "4"], "--grad-accum-steps 4 must divide each rank's batch"),
 ])
 def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     with pytest.raises(SystemExit):

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch.nn as nn
 
 from f8dist.debug.recorder import StatsRecorder, is_rank0
+from f8dist.delayed import delayed_scaling_counters
 
 __all__ = ["Float8StatsLogger"]
 
@@ -18,7 +19,9 @@ class Float8StatsLogger:
     """Records the casts of every ``every``-th step, prints their table on rank 0 and, on
     rank 0 with ``out_dir``, appends them to ``out_dir/float8_stats.jsonl`` (one line per step and
     site); ``close()`` writes the last table to ``float8_stats.txt`` and, if matplotlib is
-    installed, the plot ``float8_stats.png``.
+    installed, the plot ``float8_stats.png``. Delayed-scaling layers add their counters (steps
+    out of range, steps with a non-finite amax: ``f8dist.delayed.delayed_scaling_counters``) to
+    their sites' lines, and the printed table names those that are not 0.
 
     Wrap each step's forward and backward in ``logger.step(i)``; steps not recorded cost nothing
     (the recorder is not entered).
@@ -44,6 +47,7 @@ class Float8StatsLogger:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"Float8StatsLogger(every=...) must be a positive int, got {every!r}")
         self.recorder = StatsRecorder(model)
+        self.model = model
         self.every = every
         self.out_dir = out_dir
         self.print_fn = print_fn
@@ -69,13 +73,20 @@ class Float8StatsLogger:
         if not is_rank0():
             return
         stats = self.recorder.stats(step)
+        delayed = delayed_scaling_counters(self.model)  # {fqn: {operand: {counter: steps}}}
         if self.print_fn is not None:
             self.print_fn(self.recorder.table(step))
+            events = [f"{fqn or '<root>'}:{op} {name}={n}" for fqn, ops in delayed.items()
+                      for op, counts in ops.items() for name, n in counts.items() if n]
+            if events:
+                self.print_fn("delayed scaling, steps so far: " + ", ".join(events))
         if self.out_dir is not None:
             with open(self._path("jsonl"), "a") as f:
                 for site, s in stats.items():
                     line = dict(step=step, fqn=site.fqn, gemm=site.gemm, operand=site.operand)
                     line.update(s.as_dict())
+                    counts = delayed.get(site.fqn, {}).get(str(site.operand), {})
+                    line.update({f"delayed_{name}": n for name, n in counts.items()})
                     f.write(json.dumps(line) + "\n")
 
     def close(self) -> None:

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from f8dist import delayed
 from f8dist.cast import cast_to_float8
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.placement import is_dtensor, like, local_part, reduce_over_shards
@@ -163,14 +162,10 @@ class Float8AllGatherWeight(torch.Tensor):
     def _scale_for_all_gather(self, mesh, module, spec) -> torch.Tensor:
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
         if spec.scaling_type is ScalingType.DELAYED:
-            # the module's amax history (f8dist.delayed) is already synced: no collective; the
-            # shard's amax goes into the history at the next sync (one all-reduce for the model).
-            # On the first step the history is empty: fill it from the whole weight's amax
-            # ([Note: first step] in f8dist/delayed.py), the one all-reduce a dynamic scale takes
-            if not module.is_amax_initialized:
-                delayed.init_history(module, Operand.WEIGHT, self._whole_weight_amax(mesh, module))
-            delayed.record_amax(module, Operand.WEIGHT, self._tensor)
-            return module.delayed_scales()[(Gemm.OUTPUT, Operand.WEIGHT)]
+            # the module's synced amax history: no collective, the shard's amax is recorded for
+            # the next sync (on the first step the history is filled from all shards, one
+            # all-reduce: [Note: first step] in f8dist/delayed.py)
+            return module.delayed.all_gather_scale(self._tensor)
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         amax = self._whole_weight_amax(mesh, module)

@@ -120,8 +120,8 @@ class Float8Linear(f8dist.Float8Linear, Module):
     def _init_self_buffers(self, *, buffer_device=None) -> None:
         # Buffers built on meta hold nothing after to_empty(): make the delayed-scaling ones anew,
         # as Float8Linear.from_float does for a linear that was on meta.
-        if self._delayed_operands:
-            delayed.register_delayed_buffers(self)
+        if self.delayed is not None:
+            self.delayed = delayed.DelayedScaling.attach(self)
             if buffer_device is not None:
                 for name, buf in self._buffers.items():
                     self._buffers[name] = buf.to(buffer_device)

@@ -48,17 +48,19 @@ still cast before their all-gather. Eager mode sends float8 both ways.
 With ``ScalingType.DELAYED`` the casts above take their scale from the amax history of the linear
 that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py), as the linear would:
 the style records the amax of the rank's *shard* (forward: the input; backward, rowwise style:
-the sequence-sharded gradient) into the linear and casts with its scale; no amax collective runs.
-The linear reuses the float8 bytes and records nothing more, and the sync's one MAX all-reduce
-makes the shard amaxes the logical tensor's, so every rank holds one device's histories. On the
-first step ([Note: first step]) the history is filled from the logical tensor's amax, reduced
-over tp (one scalar all-reduce per cast, first step only).
+the sequence-sharded gradient) into the linear and casts with its scale. The linear reuses the
+float8 bytes and records nothing more, and the sync's one MAX all-reduce makes the shard amaxes
+the logical tensor's, so every rank holds one device's histories. The bytes must share one scale
+on every rank, so whether the history's scale is out of range for this step ([Note: out of range])
+is decided on the logical amax: one scalar all-reduce per cast (on the first step, [Note: first
+step], over all ranks).
 
 A shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``) is cast once with
 the named linear's scale and its amax is recorded into *every* delayed Float8Linear below the
 module: the linears consuming it (wq/wk/wv, w1/w3) thus hold the same histories, as on one device;
-one fed another tensor (wo, w2) overwrites the shared amax in its own forward, which runs later.
-Caveat: a delayed linear below the module that does not run in a step keeps the shared amax.
+for the others it is a tentative record, which the first cast of their own input in the step (wo,
+w2) replaces. Caveat: a delayed linear below the module that does not run in a step keeps the
+shared amax.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from f8dist import agreement, delayed
+from f8dist import agreement
 from f8dist.cast import ToFloat8, cast_to_float8
 from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
+from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
 from f8dist.linear import Float8Linear
 from f8dist.placement import has_partial
@@ -90,14 +93,15 @@ GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
 # ---------------------------------------------------------------------------------------------
 
 
-def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor, init=None):
+def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor, record=None):
     """The scale of a cast of ``x`` made for ``linears`` outside their forward: None (dynamic),
     or, when they keep an amax history of the operand, the delayed scale after recording ``x``'s
     amax into them ([Note: delayed casts in the float8 styles]). The operand is recorded even when
-    only another gemm's cast of it is delayed: the linears get float8 bytes and cannot record it."""
-    if not linears or spec.operand not in linears[0]._delayed_operands:
+    only another gemm's cast of it is delayed: the linears get float8 bytes and cannot record it.
+    ``record``: that of the forward whose gradient ``x`` is (see ``shared_scale``)."""
+    if not linears or linears[0].delayed is None or not linears[0].delayed.keeps(spec.operand):
         return None
-    scale = delayed.record_and_scale(list(linears), spec.operand, x, init)
+    scale = shared_scale([m.delayed for m in linears], spec.operand, x, record)
     return scale if spec.scaling_type is ScalingType.DELAYED else None
 
 
@@ -121,16 +125,14 @@ class _CastGradToFloat8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mod: Float8Linear):
-        ctx.mod = mod
-        # whether the forward that made x was the linear's first step (read now: it is reset
-        # by the time backward runs)
-        ctx.init = bool(getattr(mod, "_delayed_init_forward", False))
+        # a backward exists only for a forward with grad enabled: it recorded unless in eval()
+        ctx.mod, ctx.record = mod, mod.training
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.mod.specs[GRAD_INPUT_GRAD_OUTPUT]
-        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.init)), None
+        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.record)), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +359,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         name = type(self).__name__
         delayed_linears = {
             n: m for n, m in module.named_modules()
-            if isinstance(m, Float8Linear) and Operand.INPUT in m._delayed_operands
+            if isinstance(m, Float8Linear) and m.delayed is not None and m.delayed.keeps(Operand.INPUT)
         }
         if self.fwd_config_submodule_fqn is None:
             if delayed_linears:
@@ -381,7 +383,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
             ) from None
         sub = _float8_linear(sub, f"{name}(fwd_config_submodule_fqn=...)")
         others = [m for m in delayed_linears.values() if m is not sub]
-        if others and Operand.INPUT not in sub._delayed_operands:
+        if others and not (sub.delayed is not None and sub.delayed.keeps(Operand.INPUT)):
             raise ValueError(
                 f"{name}: {[n for n, m in delayed_linears.items() if m is not sub]} cast their "
                 f"input with delayed scaling but fwd_config_submodule_fqn="

@@ -1,20 +1,26 @@
 """torchrun program: delayed scaling on 2 ranks against one device.
 
-Two scenarios in one process group, each against the same float8 model run unsharded on one
-device (every rank runs that reference too):
+Scenarios in one process group, each against the same float8 model run unsharded on one device
+(every rank runs that reference too):
 
-* ``fsdp``: FSDP2 (float8 all-gather of the delayed weights unless ``--no-fp8-all-gather``),
-  different data per rank; the reference sees the global batch.
-* ``fsdp_amax_init``: FSDP2 float8 all-gather with the first-step init: the weight histories
-  come from the whole weights, in the pre-all-gather cast, as on one device.
+* ``fsdp``: FSDP2 with the default config (first-step amax init), float8 all-gather of the
+  delayed weights off and on, different data per rank; the reference sees the global batch.
+* ``fsdp_init_off``: the same with ``enable_amax_init=False`` and float8 all-gather (scale 1.0 on
+  the first step, decided against the amax of the whole weight and the global batch).
 * ``tp``: PyTorch's ColwiseParallel / RowwiseParallel on Float8Linear, same data on every rank;
   the row-wise layer's input and the column-wise layer's grad_output are activations sharded over
   the ranks, recorded per rank and made global by the sync.
+* ``mismatch``: rank 0 holds two delayed layers, rank 1 one (as pipeline stages would): the first
+  step and the sync raise an error that names the fix; with ``set_amax_group`` (one group per
+  rank) they train.
 
 Checked after every sync: the histories, scales and amaxes equal the reference's (bit-identical
 on the first step, before any weight update; rtol 1e-5 later, where only summation order
-differs), the sync ran exactly one collective, an all-reduce, and the forward + backward ran no
-all-reduce (no amax collective). At the end the weights are >= 60 dB against the reference.
+differs); the sync ran one all-reduce of 8 bytes per delayed operand (the amax and the
+out-of-range flag), plus, on the first sync, the 16-byte check that the ranks hold the same layers;
+forward + backward ran no all-reduce after the first step (no amax collective), and on the first
+step only the 12-byte reductions of the first-step amaxes. At the end the weights are >= the
+floor against the reference (FSDP: 120 dB, only summation order differs; TP: 60 dB).
 """
 
 from __future__ import annotations
@@ -22,17 +28,20 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from f8dist import Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist.delayed import set_amax_group
 from f8dist.testing import count_collectives
 from tests.distributed.common import assert_equal, init, main, sqnr, write_result
 
 STEPS = 5
 LR = 0.1
+DELAYED = Float8LinearConfig.from_recipe_name("delayed")
 SYNC = sync_float8_amax_and_scale_history  # --compile-sync swaps in the compiled one
 
 
@@ -57,7 +66,7 @@ def _check_buffers(step, model, ref, worst):
         worst[0] = max(worst[0], rel)
 
 
-def _train(model, ref, batch_fn, loss_fn, lr, activation_all_reduce_bytes=0):
+def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_bytes=0):
     """STEPS steps of model and ref; returns per-step collective counts and the figures.
 
     ``activation_all_reduce_bytes``: what the parallelism itself all-reduces per step (TP's
@@ -65,6 +74,7 @@ def _train(model, ref, batch_fn, loss_fn, lr, activation_all_reduce_bytes=0):
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    n_operands = 3 * sum(1 for m in model.modules() if getattr(m, "delayed", None) is not None)
     per_step, worst, sync = [], [0.0], None
     for step in range(STEPS):
         x, t, x_local, t_local = batch_fn(step)
@@ -79,13 +89,19 @@ def _train(model, ref, batch_fn, loss_fn, lr, activation_all_reduce_bytes=0):
         if SYNC is sync_float8_amax_and_scale_history:
             with count_collectives() as sync:
                 SYNC(model)
-            assert sync.total_calls == 1 and sync.expect("all_reduce").calls == 1, sync
+            ar = sync.expect("all_reduce")
+            check = (1, 16) if step == 0 else (0, 0)  # the layer check of the first sync
+            assert (sync.total_calls, ar.calls, ar.input_bytes) == (
+                1 + check[0], 1 + check[0], 8 * n_operands + check[1]), (step, sync)
         else:  # a TorchDispatchMode (the counter) stops torch.compile: not counted
             SYNC(model)
         opt.step()
 
-        if step > 0:  # step 0 with amax init reduces DTensor amaxes once (see delayed.py)
-            assert fwd_bwd["all_reduce"].input_bytes == activation_all_reduce_bytes, fwd_bwd
+        extra = fwd_bwd["all_reduce"].input_bytes - activation_all_reduce_bytes
+        if step > 0:
+            assert extra == 0, (step, fwd_bwd)
+        else:  # the first-step amaxes, reduced with their layer's fingerprint: 12 bytes each
+            assert extra > 0 and extra % 12 == 0, fwd_bwd
         per_step.append({"fwd_bwd": fwd_bwd.as_dict(), "sync": sync.as_dict() if sync else None})
         _check_buffers(step, model, ref, worst)
     dbs = {
@@ -93,7 +109,7 @@ def _train(model, ref, batch_fn, loss_fn, lr, activation_all_reduce_bytes=0):
         for (k, v), v_ref in zip(model.state_dict().items(), ref.state_dict().values())
         if k.endswith(".weight")
     }
-    assert min(dbs.values()) >= 60, dbs
+    assert min(dbs.values()) >= floor_db, dbs
     return {"collectives_per_step": per_step, "buffers_max_rel_diff": worst[0], "weight_sqnr_db": dbs}
 
 
@@ -107,11 +123,7 @@ def _models(config, sizes, seed=0):
     return convert_to_float8_training(plain, config=config), ref
 
 
-def run_fsdp(rank, world, fp8_all_gather):
-    # the weight is cast before the all-gather, before a forward could initialize its history
-    config = Float8LinearConfig.from_recipe_name("delayed").replace(
-        enable_amax_init=False, enable_fsdp_float8_all_gather=fp8_all_gather
-    )
+def run_fsdp(rank, world, config):
     model, ref = _models(config, (32, 64, 32, 16))
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -131,50 +143,11 @@ def run_fsdp(rank, world, fp8_all_gather):
     def loss(y, t):
         return nn.functional.mse_loss(y, t, reduction="sum") / (t.numel() * world)
 
-    return _train(model, ref, batch, loss, LR * world)
-
-
-def run_fsdp_amax_init(rank, world):
-    """FSDP2 float8 all-gather with the first-step init ([Note: first step] in f8dist/delayed.py):
-    the pre-all-gather cast fills each weight history from the whole weight (one all-reduce per
-    weight, first step only), bit-identical to one device's init from the unsharded weight."""
-    config = Float8LinearConfig.from_recipe_name("delayed").replace(enable_fsdp_float8_all_gather=True)
-    model, ref = _models(config, (32, 64, 32, 16))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    n_weights = 3
-    g = torch.Generator().manual_seed(3)
-    opt = torch.optim.SGD(model.parameters(), lr=LR * world)
-    weight_buffers = ("fp8_amax_history_weight", "fp8_scale_weight")
-    forward_all_reduces = []
-    for step in range(3):
-        x = torch.randn(16 * world, 32, generator=g)
-        with count_collectives() as fwd:
-            y = model(x.chunk(world)[rank])
-        forward_all_reduces.append(fwd["all_reduce"].calls)
-        if step == 0:
-            ref(x)  # one device: the first forward initializes from the unsharded weight
-            for i in (0, 2, 4):
-                for name in weight_buffers:
-                    v, v_ref = getattr(model[i], name), getattr(ref[i], name)
-                    assert v_ref.ne(0).all() and v_ref.ne(1).all(), (name, v_ref)
-                    assert_equal(f"first forward, layer {i} {name}", v_ref, v)
-            # one all-reduce of 4 bytes per weight, nothing else
-            assert fwd["all_reduce"].calls == n_weights, fwd
-            assert fwd["all_reduce"].input_bytes == 4 * n_weights, fwd
-        y.square().mean().backward()
-        sync_float8_amax_and_scale_history(model)
-        opt.step()
-        opt.zero_grad()
-    assert forward_all_reduces == [n_weights, 0, 0], forward_all_reduces
-    return {"forward_all_reduces": forward_all_reduces}
+    return _train(model, ref, batch, loss, LR * world, floor_db=120)
 
 
 def run_tp(world):
-    config = Float8LinearConfig.from_recipe_name("delayed")  # with the first-step init
-    model, ref = _models(config, (32, 64, 32))
+    model, ref = _models(DELAYED, (32, 64, 32))  # with the first-step amax init
     mesh = init_device_mesh("cpu", (world,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     g = torch.Generator().manual_seed(2)
@@ -184,7 +157,37 @@ def run_tp(world):
         return x, t, x, t
 
     out_bytes = 16 * 32 * 4  # the row-wise layer's [16, 32] float32 partial sums
-    return _train(model, ref, batch, nn.functional.mse_loss, LR, out_bytes)
+    return _train(model, ref, batch, nn.functional.mse_loss, LR, 60, out_bytes)
+
+
+def run_mismatch(rank):
+    """Ranks holding different delayed layers: clear errors, not a hang; a group per rank works."""
+    def model_of(config):
+        torch.manual_seed(0)
+        sizes = (32, 64, 16) if rank == 0 else (32, 16)
+        return _models(config, sizes)[0]
+
+    def step(model):
+        model(torch.randn(16, 32)).sum().backward()
+        sync_float8_amax_and_scale_history(model)
+
+    messages = {}
+    try:
+        step(model_of(DELAYED))
+    except RuntimeError as e:
+        messages["first_step"] = str(e)
+    own_group, _ = dist.new_subgroups(group_size=1)
+    model = model_of(DELAYED)
+    set_amax_group(model, own_group)  # no rank waits for the other
+    for _ in range(2):
+        step(model)
+    messages["trained_with_own_group"] = bool(model[0].delayed.synced)
+    set_amax_group(model, None)  # back to all ranks: the sync's layer check fails
+    try:
+        step(model)
+    except RuntimeError as e:
+        messages["sync"] = str(e)
+    return messages
 
 
 def run(args):
@@ -194,17 +197,21 @@ def run(args):
         SYNC = torch.compile(sync_float8_amax_and_scale_history, fullgraph=True, backend="aot_eager")
     result = {"world": world}
     if "fsdp" in args.scenarios:
-        result["fsdp"] = run_fsdp(rank, world, not args.no_fp8_all_gather)
-    if "fsdp_amax_init" in args.scenarios:
-        result["fsdp_amax_init"] = run_fsdp_amax_init(rank, world)
+        result["fsdp"] = run_fsdp(rank, world, DELAYED)
+        result["fsdp_fp8_all_gather"] = run_fsdp(
+            rank, world, DELAYED.replace(enable_fsdp_float8_all_gather=True))
+    if "fsdp_init_off" in args.scenarios:
+        result["fsdp_init_off"] = run_fsdp(rank, world, DELAYED.replace(
+            enable_amax_init=False, enable_fsdp_float8_all_gather=True))
     if "tp" in args.scenarios:
         result["tp"] = run_tp(world)
+    if "mismatch" in args.scenarios:
+        result["mismatch"] = run_mismatch(rank)
     write_result(args, result)
 
 
 def _args(parser):
-    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_amax_init", "tp"])
-    parser.add_argument("--no-fp8-all-gather", action="store_true")
+    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_init_off", "tp", "mismatch"])
     parser.add_argument("--compile-sync", action="store_true")
 
 
