@@ -140,7 +140,8 @@ def agree(mine: Settings, group, *, what: str, fix: str) -> None:
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     fingerprint = torch.tensor([digest, len(text)], device=device)  # [2] int64
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(fingerprint, 0, group))  # [ranks * 2]
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.13
+    gathered = funcol.wait_tensor(gather(fingerprint, 0, group))  # [ranks * 2]
     if bool((gathered.view(-1, 2) == fingerprint).all()):
         return
     everyone: List[Settings] = [{} for _ in ranks]
