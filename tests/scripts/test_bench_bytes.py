@@ -1,0 +1,93 @@
+"""scripts/bench_bytes.py: inductor's byte accounting of a compiled fwd+bwd, on tiny shapes.
+
+The figures are deterministic (inductor's static count, see [Note: inductor accounting] in the
+script), so they are asserted: bf16 against the gemm byte formula, f8dist's ratios against the
+bounds the current code meets (a change that makes float8 move more bytes fails here).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+sys.path.insert(0, os.path.abspath(SCRIPTS))
+
+import bench_bytes  # noqa: E402
+
+# f8dist bytes / bf16 bytes and generated kernels of the --small FFN block, as measured when the
+# test was written (scripts/bench_bytes.py --small --blocks ffn); lower them as casts get cheaper.
+FFN_BOUNDS = {
+    "tensorwise": (1.830, 41),
+    "rowwise": (1.715, 80),
+    "rowwise_with_gw_hp": (1.517, 68),
+    "delayed": (1.429, 50),
+}
+
+
+@pytest.fixture(scope="module")
+def ffn():
+    return bench_bytes.run(["ffn"], bench_bytes.RECIPES, small=True, torchao=False)
+
+
+def test_bf16_linear_is_its_three_gemms():
+    """A bf16 linear compiles to its three gemms and nothing else: each reads its two operands
+    and writes its output, 2 bytes an element."""
+    args = bench_bytes.model_args(small=True)
+    (acc,) = bench_bytes.run(["linear"], [], small=True, torchao=False).values()
+    m, k, n = args.max_seq_len, args.dim, args.ffn_hidden_dim
+    assert acc.kernels == 0
+    assert [k.kind for k in acc.breakdown] == ["gemm"] * 3
+    assert acc.bytes == 3 * 2 * (m * k + n * k + m * n)
+    assert sum(k.bytes for k in acc.breakdown) == acc.bytes
+
+
+def test_figures_are_what_inductor_metrics_logs():
+    """The totals equal inductor's own counters (what TORCH_LOGS=inductor_metrics logs)."""
+    from torch._inductor import metrics
+
+    torch._logging.set_logs(inductor_metrics=True)
+    try:
+        metrics.reset()
+        results = bench_bytes.run(["linear"], ["tensorwise"], small=True, torchao=False)
+        logged_bytes, logged_kernels = metrics.num_bytes_accessed, metrics.generated_kernel_count
+    finally:
+        torch._logging.set_logs()
+    assert logged_bytes == sum(acc.bytes for acc in results.values())
+    assert logged_kernels == sum(acc.kernels for acc in results.values()) > 0
+
+
+def test_ffn_bytes_within_bounds(ffn):
+    bf16 = ffn[("ffn", "bf16", "-")]
+    assert bf16.kernels == 14
+    for recipe, (bound, kernels) in FFN_BOUNDS.items():
+        acc = ffn[("ffn", "f8dist", recipe)]
+        ratio = acc.bytes / bf16.bytes
+        assert ratio <= bound, f"{recipe}: {ratio:.4f} > {bound}"
+        assert acc.kernels <= kernels, recipe
+        # float8 moves more than bf16 does at these shapes (small tensors: scales count)
+        assert ratio > 1.0, recipe
+
+
+def test_ffn_float8_gemms_read_float8(ffn):
+    """Every gemm of a float8 recipe is a torch._scaled_mm on 1-byte operands, except the
+    high-precision grad_weight gemms of rowwise_with_gw_hp (one per linear: 3)."""
+    for recipe in bench_bytes.RECIPES:
+        gemms = [k for k in ffn[("ffn", "f8dist", recipe)].breakdown if k.kind == "gemm"]
+        assert len(gemms) == 9, recipe
+        scaled = [g for g in gemms if g.op.startswith("_scaled_mm")]
+        assert len(scaled) == (6 if recipe == "rowwise_with_gw_hp" else 9), recipe
+        for g in scaled:
+            operands = [b for b in g.reads if len(b.shape) == 2 and min(b.shape) > 1]
+            assert [b.dtype in ("e4m3", "e5m2") for b in operands] == [True, True], (recipe, g)
+
+
+def test_printed_table(capsys):
+    bench_bytes.main(["--small", "--blocks", "linear", "--recipes", "tensorwise",
+                      "--no-torchao", "--breakdown", "f8dist:tensorwise"])
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("| "))
+    assert [c.strip() for c in header.strip("|").split("|")] == bench_bytes.COLUMNS
+    assert "### linear f8dist tensorwise:" in printed
+    assert "_scaled_mm" in printed
