@@ -163,13 +163,22 @@ def init_distributed() -> torch.device:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=5))
-    if torch.cuda.is_available():
+        dist.init_process_group("nccl" if _one_gpu_per_rank() else "gloo",
+                                timeout=timedelta(minutes=5))
+    if _one_gpu_per_rank():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def _one_gpu_per_rank() -> bool:
+    """CUDA (with nccl) where every local rank has a GPU of its own; else the CPU (with gloo): nccl
+    cannot put two ranks on one GPU."""
+    gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if 0 < gpus < ranks and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{ranks} ranks on {gpus} GPU(s): running on the CPU with gloo", flush=True)
+    return gpus >= ranks
 
 
 def _free_port() -> int:

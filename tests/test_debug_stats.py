@@ -46,7 +46,7 @@ def test_thresholds_half_an_ulp_above_max():
 
 def test_dynamic_scaling_never_counts_saturation():
     # amax * (fp8_max / amax) overshoots fp8_max by a float32 ulp in ~1 of 5 casts: not saturation
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     total = 0
     for _ in range(200):
         hp = torch.randn(16, generator=g) * torch.rand((), generator=g) * 100
@@ -67,7 +67,7 @@ def test_underflow_counts_exact():
 
 
 def test_sqnr_amax_scale_match_direct_computation():
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     hp = torch.randn(64, 32, generator=g)
     for dtype, floor in ((E4M3, 25.0), (E5M2, 20.0)):
         fp8 = cast_to_float8(hp, CastSpec(dtype=dtype))

@@ -43,7 +43,7 @@ def float8_model(config=DELAYED, seed=0, bias=True):
 
 
 def batches(n, seed=1, batch=16):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     return [(torch.randn(batch, 32, generator=g), torch.randn(batch, 16, generator=g)) for _ in range(n)]
 
 

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from f8dist import Float8Linear, Float8LinearConfig, Float8Tensor
 from f8dist.numerics import sqnr
+from tests.floors import exact_gemm_db
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
@@ -51,9 +52,9 @@ def test_sqnr_of_the_three_gemms(recipe, dtype):
 
 
 def _autocast_results(recipe, param_dtype, compile=False):
-    """(nn.Linear, Float8Linear) results under CPU bf16 autocast, backward run inside the
-    autocast region in eager mode (CPU autograd runs on the calling thread: autocast is on),
-    after it when compiled."""
+    """(nn.Linear, Float8Linear) results under the default device's bf16 autocast, backward run
+    inside the autocast region in eager mode (CPU autograd runs on the calling thread: autocast
+    is on), after it when compiled."""
     ref, f8 = _pair(recipe, param_dtype)
     if compile:
         torch._dynamo.reset()
@@ -63,7 +64,7 @@ def _autocast_results(recipe, param_dtype, compile=False):
     results = []
     for mod in (ref, f8):
         xx = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
             y = mod(xx)
             if not compile:
                 y.backward(grad)
@@ -94,7 +95,7 @@ def test_autocast_with_a_float8_input(recipe):
     x = torch.randn(16, 64)
     x8 = x.clone().requires_grad_()
     xr = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         y = f8(ToFloat8.apply(x8, f8.specs[Gemm.OUTPUT, Operand.INPUT], None))
         y_ref = ref(xr)
     assert y.dtype == torch.bfloat16
@@ -122,15 +123,19 @@ def test_any_token_count(recipe, tokens):
 
 
 def test_compiled_token_padding_adds_no_kernel():
-    # [Note: any token count]: compiled, the pad fuses with the copies the gemm makes anyway
+    # [Note: any token count]: compiled, the pad fuses with the copies the gemm makes anyway. This
+    # is inductor's CPU lowering; Triton's (scripts/gpu_check.sh on an H100) gives the unaligned
+    # graph one kernel more (8 vs 7): the pad is its own kernel there.
     from torch._inductor import metrics
 
     kernels = {}
     for tokens in (16, 15):
         torch._dynamo.reset()
         metrics.reset()
-        _, f8 = _pair("tensorwise", torch.float32)
-        _run(torch.compile(f8, fullgraph=True), torch.randn(tokens, 64), torch.randn(tokens, 32))
+        with torch.device("cpu"):
+            _, f8 = _pair("tensorwise", torch.float32)
+            x, grad = torch.randn(tokens, 64), torch.randn(tokens, 32)
+        _run(torch.compile(f8, fullgraph=True), x, grad)
         kernels[tokens] = metrics.generated_kernel_count
     assert kernels[15] == kernels[16] > 0, kernels
 
@@ -154,9 +159,11 @@ def test_empty_batch(recipe, compiled):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_tiny_magnitudes_are_not_flushed_to_zero(recipe):
-    # [Note: tiny magnitudes] in f8dist/scaling.py: an input with amax 1e-20 scales like any other
+    # [Note: tiny magnitudes] in f8dist/scaling.py: an input with amax 1e-20 scales like any other.
+    # The gradient is 1e-10, not 1e-20: grad_weight would be ~1e-40, a float32 subnormal, which
+    # CUDA's float8 gemm flushes to zero (a property of the float32 output, not of float8).
     ref, f8 = _pair(recipe, torch.float32)
-    x, grad = torch.randn(16, 64) * 1e-20, torch.randn(16, 32) * 1e-20
+    x, grad = torch.randn(16, 64) * 1e-20, torch.randn(16, 32) * 1e-10
     _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad))
 
 
@@ -168,7 +175,7 @@ def test_emulation_matches_scaled_mm(recipe, tokens):
     _, emu = _pair(recipe, torch.float32, emulate=True)
     x, grad = torch.randn(tokens, 64), torch.randn(tokens, 32)
     for a, b in zip(_run(f8, x, grad), _run(emu, x, grad)):
-        assert sqnr(b, a) > 100
+        assert sqnr(b, a) > exact_gemm_db()  # [Note: exact gemm floor] in tests/floors.py
 
 
 def test_tensorwise_keeps_float8_input_and_no_float8_weight_for_backward():

@@ -96,8 +96,9 @@ class ByteBatches:
 
     def __next__(self) -> Tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step)
-        starts = torch.randint(
-            0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=generator
+        starts = torch.randint(  # on the CPU, as the generator and the data, whatever the default
+            0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=generator,
+            device="cpu",
         )[self.rows]  # [b]
         windows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()])
         windows = windows.long()  # [b, S + 1]

@@ -33,8 +33,9 @@ ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
 
 
 def init(timeout_s: float = 120) -> Tuple[int, int, torch.device]:
-    """Join the process group (nccl with CUDA, else gloo); returns (rank, world_size, device)."""
-    if torch.cuda.is_available():
+    """Join the process group (nccl with one GPU per local rank, else gloo on the CPU); returns
+    (rank, world_size, device)."""
+    if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

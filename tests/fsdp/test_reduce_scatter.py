@@ -23,7 +23,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _chunks(w=4, n=1000, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     return torch.randn(w, n, generator=g)  # [W, n]
 
 
@@ -116,8 +116,10 @@ def test_reduce_op_factors_are_fsdp2s_semantics():
     ReduceOp = dist.ReduceOp
     assert _sum_factor(ReduceOp.SUM, 4) is None  # FSDP2 divides itself (force-sum, fp16)
     assert _sum_factor(ReduceOp.AVG, 4) == 0.25  # the default mean
-    assert _sum_factor(ReduceOp.PREMUL_SUM(0.125), 4) == 0.125  # set_gradient_divide_factor(8)
-    assert _sum_factor(ReduceOp.PREMUL_SUM(torch.tensor(0.5)), 4) == 0.5
+    # set_gradient_divide_factor(8); FSDP2 builds the op with _make_nccl_premul_sum on every
+    # torch >= 2.11 (ReduceOp.PREMUL_SUM(f) is only callable from 2.13)
+    assert _sum_factor(dist._make_nccl_premul_sum(0.125), 4) == 0.125
+    assert _sum_factor(dist._make_nccl_premul_sum(torch.tensor(0.5)), 4) == 0.5
     with pytest.raises(NotImplementedError, match="SUM, AVG or PREMUL_SUM"):
         _sum_factor(ReduceOp.MAX, 4)
 

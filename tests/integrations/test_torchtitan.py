@@ -94,7 +94,7 @@ def test_converted_configs_keep_every_field_of_the_linear():
             assert getattr(c, f.name) is getattr(before[fqn], f.name), (fqn, f.name)
 
 
-TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator(torch.get_default_device()).manual_seed(0))
 W1 = "layers.0.feed_forward.w1"
 
 

@@ -34,7 +34,7 @@ def test_default_linears_are_float8_aligned():
 
 def test_causal_future_tokens_do_not_change_past_logits():
     model = _model()
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(1))
     changed = tokens.clone()
     changed[:, 10:] = (changed[:, 10:] + 7) % 256
     a, b = model(tokens), model(changed)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# f8dist on a CUDA machine, one command: the figures docs/performance.md records for a GPU.
+#
+#   bash scripts/gpu_check.sh [OUTDIR]            # every part; logs and CSVs under OUTDIR
+#   PARTS="bench train" bash scripts/gpu_check.sh # some parts
+#
+# Parts (in this order, timings first so nothing else runs beside them):
+#   env    the device, driver and torch
+#   bench  bench_matmul and bench_linear on the LLaMa-2-70B shapes, compiled: bf16 vs f8dist vs
+#          torchao in one run (torchao's columns when it is importable)
+#   train  scripts/train.py, bf16 and each float8 recipe, compiled, one process: tps and memory
+#   bytes  scripts/bench_bytes.py on CUDA (inductor's byte accounting with Triton kernels)
+#   tests  the test suite with CUDA as the default device (tests/conftest.py); the multi-process
+#          tests run on gloo (NCCL needs one GPU per rank, so they stay on the CPU ranks of gloo
+#          where there is one GPU)
+#
+# No install is needed: the repository goes on PYTHONPATH (GPU machines without a registry).
+# torch >= 2.11 with CUDA; pytest-xdist, when present, spreads the tests over the CPU cores.
+# Each part's exit status is printed; the script exits non-zero if any part failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu_check}
+parts=${PARTS:-env bench train bytes tests}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+failed=()
+
+part() {  # part NAME CMD...: run, log to OUTDIR/NAME.log, remember a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee -a "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+wants() { [[ " $parts " == *" $1 "* ]]; }
+
+if wants env; then
+  part env nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  part env "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+fi
+
+if wants bench; then
+  part bench "$py" scripts/bench_matmul.py --shapes llama70b --device cuda --csv "$out/matmul.csv"
+  part bench "$py" scripts/bench_linear.py --shapes llama70b --device cuda --modes compile \
+    --csv "$out/linear.csv"
+fi
+
+if wants train; then
+  for recipe in none tensorwise rowwise rowwise_with_gw_hp delayed; do
+    part train "$py" scripts/train.py --float8 "$recipe" --compile --steps 40 --log-every 10 \
+      --dim 2048 --n-layers 4 --n-heads 16 --seq-len 2048 --batch-size 8 --warmup-steps 5
+  done
+fi
+
+if wants bytes; then
+  part bytes "$py" scripts/bench_bytes.py --device cuda --csv "$out/bytes.csv"
+fi
+
+if wants tests; then
+  xdist=()
+  "$py" -c "import xdist" 2>/dev/null && xdist=(-n "${JOBS:-8}")
+  part tests env F8DIST_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests
+fi
+
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "gpu_check: failed parts: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_check: all parts passed ($parts)"
