@@ -388,14 +388,15 @@ def run(blocks: Sequence[str], recipes: Sequence[str], *, small: bool, torchao: 
         args = ModelArgs(**{**asdict(args), "max_seq_len": tokens})
     results = {}
     for block in blocks:
-        base = build_block(block, args).to(device=device, dtype=torch.bfloat16)
-        rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta).to(device)
-        gen = torch.Generator().manual_seed(1)
+        with torch.device("cpu"):  # the same initial weights on every device
+            base = build_block(block, args).to(device=device, dtype=torch.bfloat16)
+            rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta).to(device)
+        gen = torch.Generator().manual_seed(1)  # CPU numbers, whatever the device
         shape = (tokens, args.dim) if block in ("ffn", "linear") else (1, tokens, args.dim)
-        x = torch.randn(shape, generator=gen).to(device, torch.bfloat16)
+        x = torch.randn(shape, generator=gen, device="cpu").to(device, torch.bfloat16)
         with torch.no_grad():
             out_shape = base(x, rope).shape
-        grad = torch.randn(out_shape, generator=gen).to(device, torch.bfloat16)
+        grad = torch.randn(out_shape, generator=gen, device="cpu").to(device, torch.bfloat16)
         for impl, recipe, convert in candidates(recipes, torchao):
             module = copy.deepcopy(base)
             if convert is not None:
