@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import report  # noqa: E402
 from f8dist import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from f8dist.testing import count_collectives  # noqa: E402
-from teardown import exit_cleanly  # noqa: E402
+from teardown import exit_cleanly, one_gpu_per_rank  # noqa: E402
 from f8dist.models.llama import ModelArgs, Transformer  # noqa: E402
 from f8dist.models import parallelize_llama  # noqa: E402
 
@@ -147,14 +147,15 @@ def measure(scenario: str, variant, args, mesh) -> tuple:
 def run(args) -> list:
     from torch.distributed.device_mesh import init_device_mesh
 
+    cuda = one_gpu_per_rank()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if args.smoke:
         args.dim, args.layers, args.seq = 64, 1, 16
     world = dist.get_world_size()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if cuda else "cpu"
     if world % 2:
         raise SystemExit(f"bench_comm needs an even number of ranks (TP over 2), got {world}")
     meshes = {

@@ -240,7 +240,8 @@ def run(args) -> List[dict]:
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
     args = add_args(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
-    return run(args)
+    with torch.device("cpu"):  # a CPU benchmark (gloo), whatever the default device
+        return run(args)
 
 
 if __name__ == "__main__":

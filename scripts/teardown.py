@@ -1,4 +1,5 @@
-"""How a torchrun program ends: ``with exit_cleanly(): main()``.
+"""How a torchrun program starts and ends: ``one_gpu_per_rank()`` picks its device and backend,
+``with exit_cleanly(): main()`` ends it.
 
 Used by the scripts here and by the test programs (tests/distributed/common.py); not part of the
 library, which never ends a process.
@@ -11,9 +12,19 @@ import os
 import sys
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["exit_cleanly", "shutdown_process_group"]
+__all__ = ["exit_cleanly", "one_gpu_per_rank", "shutdown_process_group"]
+
+
+def one_gpu_per_rank() -> bool:
+    """CUDA (with nccl) where every local rank has a GPU of its own; else the CPU (with gloo): nccl
+    cannot put two ranks on one GPU."""
+    gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if 0 < gpus < ranks and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{ranks} ranks on {gpus} GPU(s): running on the CPU with gloo", flush=True)
+    return gpus >= ranks
 
 
 def shutdown_process_group(*, ok: bool = True) -> None:

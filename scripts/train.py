@@ -52,7 +52,7 @@ from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_co
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
-from teardown import exit_cleanly  # scripts/teardown.py
+from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 
@@ -159,26 +159,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def init_distributed() -> torch.device:
     """Join torchrun's process group, or make a one-process group when run as plain python."""
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    cuda = one_gpu_per_rank()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group("nccl" if _one_gpu_per_rank() else "gloo",
-                                timeout=timedelta(minutes=5))
-    if _one_gpu_per_rank():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+    if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
-
-
-def _one_gpu_per_rank() -> bool:
-    """CUDA (with nccl) where every local rank has a GPU of its own; else the CPU (with gloo): nccl
-    cannot put two ranks on one GPU."""
-    gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if 0 < gpus < ranks and os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{ranks} ranks on {gpus} GPU(s): running on the CPU with gloo", flush=True)
-    return gpus >= ranks
 
 
 def _free_port() -> int:

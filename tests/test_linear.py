@@ -28,9 +28,9 @@ def _run(mod, x, grad):
     return y, x.grad, mod.weight.grad, (mod.bias.grad if mod.bias is not None else None)
 
 
-def _assert_close(recipe, ref_results, results):
+def _assert_close(recipe, ref_results, results, *, bias_floor=None):
     """Float8 results (output and the three gradients) against the high-precision ones: same
-    dtypes and shapes, SQNR above the floors."""
+    dtypes and shapes, SQNR above the floors; the bias gradient equal, or above ``bias_floor``."""
     y_ref, gi_ref, gw_ref, gb_ref = ref_results
     y, gi, gw, gb = results
     for r, a in zip(ref_results, results):
@@ -39,7 +39,10 @@ def _assert_close(recipe, ref_results, results):
     assert sqnr(gi_ref, gi) > GRAD_FLOOR
     gw_floor = 60.0 if recipe == "rowwise_with_gw_hp" else GRAD_FLOOR
     assert sqnr(gw_ref, gw) > gw_floor
-    assert torch.equal(gb, gb_ref)  # bias is added outside the float8 gemm
+    if bias_floor is None:
+        assert torch.equal(gb, gb_ref)  # bias is added outside the float8 gemm
+    else:
+        assert sqnr(gb_ref, gb) > bias_floor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +113,9 @@ def test_autocast_with_a_float8_input(recipe):
 def test_autocast_compiled(recipe):
     ref_results, results = _autocast_results(recipe, torch.float32, compile=True)
     assert results[0].dtype == torch.bfloat16
-    _assert_close(recipe, ref_results, results)
+    # compiled, the bias gradient may be summed without eager autocast's bf16 rounding (Triton on
+    # CUDA does; scripts/gpu_check.sh): equal up to bf16 precision (bf16 rounding is ~50 dB)
+    _assert_close(recipe, ref_results, results, bias_floor=40.0)
 
 
 @pytest.mark.parametrize("tokens", [(3, 5), (8,)])

@@ -193,6 +193,12 @@ def _sum_factor(op, world: int) -> Optional[float]:
     if kind == RedOpType.AVG:
         return 1.0 / world
     if kind == RedOpType.PREMUL_SUM:
+        if not hasattr(op, "factor"):  # torch < 2.13 keeps it in C++
+            raise NotImplementedError(
+                "Float8ReduceScatter cannot read the factor of FSDP2's PREMUL_SUM on torch "
+                f"{torch.__version__} (torch >= 2.13 exposes it): drop set_gradient_divide_factor "
+                "(FSDP2 then averages) or upgrade torch"
+            )
         factor = op.factor
         return float(factor) if isinstance(factor, torch.Tensor) else factor
     raise NotImplementedError(

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from scripts.teardown import exit_cleanly
+from scripts.teardown import exit_cleanly, one_gpu_per_rank
 from f8dist.numerics import sqnr  # noqa: F401  (re-exported for the programs)
 
 ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
@@ -35,7 +35,7 @@ ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
 def init(timeout_s: float = 120) -> Tuple[int, int, torch.device]:
     """Join the process group (nccl with one GPU per local rank, else gloo on the CPU); returns
     (rank, world_size, device)."""
-    if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
+    if one_gpu_per_rank():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

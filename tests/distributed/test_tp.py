@@ -94,10 +94,11 @@ FLOAT8_ALL_GATHER = ["tensorwise+float8_all_gather", "tensorwise+float8_all_gath
 # and gradients differ from one device in the last fp32 bit. Downstream, a tensorwise float8 cast
 # whose amax moved by one ulp moves its scale, and every element near a rounding boundary flips
 # by one float8 ulp. Whether that happens depends on the CPU's BLAS blocking: 2-D weight
-# gradients measured 81-118 dB on an Intel (AVX-512) machine, > 120 dB on an AMD one. The hole
+# gradients measured 81-118 dB on an Intel (AVX-512) machine, > 120 dB on an AMD one, and the
+# rowwise 2-D grad_input 92 dB on the CPU of the H100 machine (scripts/gpu_check.sh). The hole
 # this guards against (a weight amax reduced over dp only) shows as 42-48 dB, and its exact
 # detector is the scale check below (bit-equal scales).
-WEIGHT_GRAD_FLOOR_2D_DB = 70.0
+FLOOR_2D_DB = 70.0
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", *FLOAT8_ALL_GATHER])
@@ -105,11 +106,8 @@ def test_fsdp_x_tp_matches_one_device(results_2d, recipe):
     # 2 x 2 mesh: each dp rank's batch against one device running that batch; weight grads
     # against one device accumulating both batches
     sqnr = results_2d[recipe]["sqnr_db"]
-    low = {k: v for k, v in sqnr.items() if not k.startswith("grad:") and v < FLOOR_DB}
-    assert not low, f"{recipe} (dp=2 x tp=2): below {FLOOR_DB} dB against one device: {low}"
-    floor = WEIGHT_GRAD_FLOOR_2D_DB
-    low = {k: v for k, v in sqnr.items() if k.startswith("grad:") and v < floor}
-    assert not low, f"{recipe} (dp=2 x tp=2): weight grads below {floor} dB: {low}"
+    low = {k: v for k, v in sqnr.items() if v < FLOOR_2D_DB}
+    assert not low, f"{recipe} (dp=2 x tp=2): below {FLOOR_2D_DB} dB against one device: {low}"
 
 
 @pytest.mark.parametrize("variant", FLOAT8_ALL_GATHER)

@@ -117,9 +117,14 @@ def test_reduce_op_factors_are_fsdp2s_semantics():
     assert _sum_factor(ReduceOp.SUM, 4) is None  # FSDP2 divides itself (force-sum, fp16)
     assert _sum_factor(ReduceOp.AVG, 4) == 0.25  # the default mean
     # set_gradient_divide_factor(8); FSDP2 builds the op with _make_nccl_premul_sum on every
-    # torch >= 2.11 (ReduceOp.PREMUL_SUM(f) is only callable from 2.13)
-    assert _sum_factor(dist._make_nccl_premul_sum(0.125), 4) == 0.125
-    assert _sum_factor(dist._make_nccl_premul_sum(torch.tensor(0.5)), 4) == 0.5
+    # torch >= 2.11, whose factor Python can read from 2.13 on
+    premul = dist._make_nccl_premul_sum(0.125)
+    if hasattr(premul, "factor"):
+        assert _sum_factor(premul, 4) == 0.125
+        assert _sum_factor(dist._make_nccl_premul_sum(torch.tensor(0.5)), 4) == 0.5
+    else:
+        with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
+            _sum_factor(premul, 4)
     with pytest.raises(NotImplementedError, match="SUM, AVG or PREMUL_SUM"):
         _sum_factor(ReduceOp.MAX, 4)
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
 sys.path.insert(0, os.path.abspath(SCRIPTS))
@@ -50,7 +51,11 @@ def test_bench_matmul_smoke(tmp_path, capsys):
     assert header == bench_matmul.COLUMNS
     assert len(rows) == 1  # one smoke shape
     row = rows[0]
-    for kind in ("tensorwise", "rowwise"):
+    kinds = ("tensorwise", "rowwise")
+    if torch.__version__ < "2.13":  # the CPU's _scaled_mm has no per-row scales before 2.13
+        assert row["rowwise_tflops"] == row["rowwise_vs_bf16"] == "-"
+        kinds = ("tensorwise",)
+    for kind in kinds:
         ratio = _positive(row[f"{kind}_vs_bf16"])
         # the ratio is the two printed throughputs divided (to the printed precision)
         expected = float(row[f"{kind}_tflops"]) / float(row["bf16_tflops"])
