@@ -62,7 +62,8 @@ COLUMNS = [
     "block", "recipe", "bf16_bytes", "f8dist_bytes", "f8dist_vs_bf16", "torchao_vs_bf16",
     "bf16_kernels", "f8dist_kernels", "torchao_kernels",
 ]
-GEMMS = ("mm", "addmm", "bmm", "_scaled_mm", "_int_mm")
+# aten gemms, and f8dist's float8 gemm on the CPU (f8dist/gemm.py: torch._scaled_mm's stand-in)
+GEMMS = ("mm", "addmm", "bmm", "_scaled_mm", "_int_mm", "f8dist.cpu_scaled_mm")
 
 
 # -------------------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def _kernel(graph, node) -> Kernel:
         op = str(overload) if overload is not None else (
             getattr(node.node, "python_kernel_name", None) or type(node.node).__name__)
         op = op.replace("aten.", "").replace("extern_kernels.", "")
-        kind = "gemm" if op.split(".")[0] in GEMMS else "extern"
+        kind = "gemm" if {op.split(".")[0], op.rsplit(".", 1)[0]} & set(GEMMS) else "extern"
     else:
         kind = "kernel"
         op = "+".join(o for o in ops if o in ("amax", "max", "sum", "mean", "abs")) or "pointwise"
