@@ -58,6 +58,8 @@ def test_figures_are_what_inductor_metrics_logs():
     assert logged_kernels == sum(acc.kernels for acc in results.values()) > 0
 
 
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                    reason="FFN_BOUNDS are of torch 2.13's inductor (CI's pin): 2.11 lowers differently")
 def test_ffn_bytes_within_bounds(ffn):
     bf16 = ffn[("ffn", "bf16", "-")]
     assert bf16.kernels == 14
