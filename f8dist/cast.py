@@ -87,7 +87,10 @@ def cast_to_float8(
         raise ValueError(f"{spec.site}: a given scale is tensorwise; axiswise casts compute their own")
 
     scale_local = local_part(scale)  # [] or the local shard's [..., 1, ...]
-    data = saturated_cast(local_part(t), scale_local, spec.dtype)
+    data = saturated_cast(  # a delayed scale may not follow t: [Note: non-finite values]
+        local_part(t), scale_local, spec.dtype,
+        keep_non_finite=spec.scaling_type is ScalingType.DELAYED,
+    )
     out = like(t, Float8Tensor(data, scale_local, t.dtype, axis, spec.mm_config))
 
     if cast_observers:

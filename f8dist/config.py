@@ -204,11 +204,20 @@ class DelayedScalingConfig:
 
     history_len: int = 16
     scale_fn_name: str = "max"  # how the history becomes one amax
+    # a cast whose current amax is out of range of the history scale re-scales in its own step
+    # (True), or keeps the history scale, the step only counted (False: one pass over the tensor
+    # per cast; [Note: the price of re-scaling] in f8dist/delayed.py)
+    rescale_out_of_range: bool = True
 
     def __post_init__(self):
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(
                 f"DelayedScalingConfig.history_len must be a positive int, got {self.history_len!r}"
+            )
+        if not isinstance(self.rescale_out_of_range, bool):
+            raise ValueError(
+                "DelayedScalingConfig.rescale_out_of_range must be a bool, got "
+                f"{self.rescale_out_of_range!r}"
             )
         if self.scale_fn_name != "max":
             raise ValueError(

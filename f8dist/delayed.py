@@ -76,6 +76,20 @@ f8dist/scaling.py); the sync keeps that amax out of the history and counts the s
 tensor ops (``torch.where``), so compiled graphs keep it. docs/numerics.md gives the figures
 (``scripts/delayed_cases.py``).
 
+[Note: the price of re-scaling]
+A cast that may re-scale depends on the amax of its own tensor, so it reads the tensor twice: once
+for the amax, once for the cast, and a producer (SwiGLU, a norm) cannot fuse the cast into its own
+kernel: it writes the high-precision tensor for the cast to read back. A cast with the history's
+scale needs no amax before it; its amax is recorded in the same pass. In a compiled FFN block the
+re-scaling rule costs about a sixth of the bytes delayed scaling moves (``scripts/bench_bytes.py``:
+rows ``delayed`` and ``delayed_counted``). No graph expresses "a second pass only when out of
+range" without a host sync per cast (``torch.cond`` decides on the host, and its operands and
+outputs are materialized). ``DelayedScalingConfig(rescale_out_of_range=False)`` takes the cheap
+casts: an out-of-range step casts with the history scale and is only counted (the sync restarts
+the history), as the FSDP2 float8 all-gather's casts always are; a non-finite value still turns
+the output non-finite (a delayed cast maps it to NaN in the same pass, [Note: non-finite values]
+in f8dist/scaling.py).
+
 The decision is per rank, on the tensor the rank casts. Bytes that are then communicated must
 share one scale on every rank: the TP styles' casts before an all-gather decide on the logical
 amax of their sharded tensor (one scalar all-reduce per cast, the one collective delayed scaling
@@ -181,6 +195,7 @@ class DelayedScaling:
         self.bounds = {op: in_range(dtype) for op, dtype in operands.items()}  # [Note: out of range]
         self.round_pow2 = config.round_scales_to_power_of_2
         self.history_len = config.delayed_scaling_config.history_len
+        self.rescale = config.delayed_scaling_config.rescale_out_of_range
         self.enable_amax_init = config.enable_amax_init
         self.group = None  # [Note: the amax group]; None: all ranks
         self._verified = None  # (group, fingerprint) the sync last checked
@@ -351,7 +366,7 @@ def _scale(
         first._record(op, amax, out_of_range)
         for o in owners[1:]:
             o._record(op, amax, out_of_range, own=False)
-    if out_of_range is None:
+    if out_of_range is None or not first.rescale:  # [Note: the price of re-scaling]
         return scale
     current = out_of_range if decides else ~torch.isfinite(seen)
     return torch.where(current, first._to_scale(op, seen), scale)

@@ -23,7 +23,9 @@ Nothing is clamped into a finite number: the gemm output turns NaN (all of it fo
 scale, the affected rows or columns for an axiswise one), so a diverging run fails loudly, as it
 would in high precision, rather than training on silently clipped numbers. A delayed cast, whose
 scale comes from a history, takes the non-finite amax's scale too ([Note: out of range] in
-f8dist/delayed.py).
+f8dist/delayed.py), or, where it keeps the history's scale, casts ``keep_non_finite``: each inf or
+NaN element to NaN, in the same pass (``x - x`` is 0 for a finite ``x``, NaN otherwise), so the
+output's rows and columns that touch it turn non-finite, as in high precision.
 
 This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes
@@ -111,11 +113,20 @@ def amax_to_scale(
     return scale
 
 
-def saturated_cast(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
-    """``clamp(x * scale, -max, max)`` in float8; ``scale`` broadcasts against ``x``."""
+def saturated_cast(
+    x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, *, keep_non_finite: bool = False
+) -> torch.Tensor:
+    """``clamp(x * scale, -max, max)`` in float8; ``scale`` broadcasts against ``x``.
+
+    ``keep_non_finite``: an inf or NaN in ``x`` casts to NaN whatever the scale, for a scale that
+    does not follow the tensor's own amax ([Note: non-finite values]); other values are unchanged.
+    """
     limit = fp8_max(float8_dtype)
-    scaled = x.to(torch.float32) * scale  # a fresh float32 tensor: clamp it in place
-    return scaled.clamp_(min=-limit, max=limit).to(float8_dtype)
+    x32 = x.to(torch.float32)
+    scaled = (x32 * scale).clamp_(min=-limit, max=limit)  # a fresh float32 tensor: clamp in place
+    if keep_non_finite:
+        scaled.add_(x32 - x32)  # 0 where x is finite (exactly), NaN where it is inf or NaN
+    return scaled.to(float8_dtype)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -53,9 +53,13 @@ import torch.nn as nn
 
 from bench_common import report
 from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist.config import DelayedScalingConfig
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, TransformerBlock, precompute_rope
 
-RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "delayed_counted"]
+# "delayed" whose out-of-range steps are only counted ([Note: the price of re-scaling])
+VARIANTS = {"delayed_counted": ("delayed", {"delayed_scaling_config": DelayedScalingConfig(
+    rescale_out_of_range=False)})}
 TORCHAO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]  # torchao 0.18 has no delayed
 BLOCKS = ["ffn", "attention", "layer", "linear"]
 COLUMNS = [
@@ -340,7 +344,8 @@ def candidates(recipes: Sequence[str], torchao: bool) -> List[Tuple[str, str, Op
     """(implementation, recipe, convert) for bf16, every f8dist recipe, every torchao recipe."""
     out: List[Tuple[str, str, Optional[Convert]]] = [("bf16", "-", None)]
     for recipe in recipes:
-        config = Float8LinearConfig.from_recipe_name(recipe)
+        name, options = VARIANTS.get(recipe, (recipe, {}))
+        config = Float8LinearConfig.from_recipe_name(name).replace(**options)
         out.append(("f8dist", recipe, lambda m, c=config: convert_to_float8_training(m, config=c)))
     if torchao:
         from torchao.float8 import Float8LinearConfig as AoConfig
@@ -402,7 +407,7 @@ def run(blocks: Sequence[str], recipes: Sequence[str], *, small: bool, torchao: 
             module = copy.deepcopy(base)
             if convert is not None:
                 module = convert(module)
-            acc = measure(module, (x, rope), grad, delayed=recipe == "delayed",
+            acc = measure(module, (x, rope), grad, delayed=recipe.startswith("delayed"),
                           run_compiled=run_compiled)
             results[(block, impl, recipe)] = acc
             log(f"# {block} {impl} {recipe}: {acc.bytes} bytes, {acc.kernels} kernels, "

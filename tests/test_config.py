@@ -74,6 +74,8 @@ def test_bad_dtype_and_types_are_rejected():
         Float8LinearConfig(cast_config_input="dynamic")
     with pytest.raises(ValueError, match="history_len"):
         DelayedScalingConfig(history_len=0)
+    with pytest.raises(ValueError, match="rescale_out_of_range"):
+        DelayedScalingConfig(rescale_out_of_range="no")
 
 
 def test_fsdp_float8_all_gather_needs_tensorwise_weight():

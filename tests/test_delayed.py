@@ -22,7 +22,7 @@ from f8dist import (
     sync_float8_amax_and_scale_history,
 )
 from f8dist import cast as f8cast
-from f8dist.config import E4M3, E5M2, Operand
+from f8dist.config import E4M3, E5M2, DelayedScalingConfig, Operand
 from f8dist.debug import Float8StatsLogger
 from f8dist.delayed import delayed_scaling_counters, shared_scale
 from f8dist.numerics import sqnr
@@ -30,6 +30,7 @@ from tests.floors import exact_gemm_db
 from f8dist.scaling import amax_to_scale
 
 DELAYED = Float8LinearConfig.from_recipe_name("delayed")
+COUNTED = DELAYED.replace(delayed_scaling_config=DelayedScalingConfig(rescale_out_of_range=False))
 BUFFERS = ("fp8_amax_{}", "fp8_amax_history_{}", "fp8_scale_{}")
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -303,12 +304,13 @@ def test_evaluation_never_enters_the_history():
     assert y_ref is not None
 
 
+@pytest.mark.parametrize("config", [DELAYED, COUNTED], ids=["rescaled", "counted"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
-def test_non_finite_input(bad):
-    """The bad step's output is non-finite (nothing clamped into a finite number), its amax stays
-    out of the history (counted), and the next clean step is healthy."""
+def test_non_finite_input(bad, config):
+    """The bad step's output is non-finite (nothing clamped into a finite number, re-scaled or
+    not), its amax stays out of the history (counted), and the next clean step is healthy."""
     data = batches(6)
-    model = float8_model(bias=False)
+    model = float8_model(config, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, t in data[:3]:
         train_step(model, opt, x, t)
@@ -350,6 +352,49 @@ def test_activation_drop_is_rescaled():
         assert sqnr(ref, y) > 20
     counts = delayed_scaling_counters(model)
     assert counts["0"]["input"]["out_of_range_steps"] == 1  # the step of the drop only
+    assert counts["0"]["weight"]["out_of_range_steps"] == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_counted_equals_rescaled_while_in_range(compiled):
+    """rescale_out_of_range=False changes nothing while every step is in range: outputs,
+    gradients and histories bit-identical to the default, eager and compiled (inductor, where
+    the cheaper graph is the point: [Note: the price of re-scaling])."""
+    data = batches(4)
+    models = [float8_model(DELAYED), float8_model(COUNTED)]
+    if compiled:
+        torch._dynamo.reset()
+        models = [torch.compile(m, fullgraph=True) for m in models]
+    (o1, g1, b1), (o2, g2, b2) = (train(m, data) for m in models)
+    for a, b in zip(o1 + [g for gs in g1 for g in gs], o2 + [g for gs in g2 for g in gs]):
+        assert torch.equal(a, b)
+    for h1, h2 in zip(b1, b2):
+        assert_buffers_equal(h1, h2)
+
+
+def test_counted_drop_keeps_the_history_scale():
+    """rescale_out_of_range=False ([Note: the price of re-scaling]): the step of the drop casts
+    with the history's scale (the input flushes to zero), it is counted, and the restarted
+    history serves the next steps. Layer 2 sees the drop one step later (its input was all zero,
+    which is never out of range), so it is counted one step later."""
+    data = batches(7)
+    model = float8_model(COUNTED, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, t in data[:3]:
+        train_step(model, opt, x, t)
+    for step, (x, t) in enumerate(data[3:]):
+        x = x * 1e-6
+        with torch.no_grad():
+            expected = high_precision(model, x)
+            scale = model[0].fp8_scale_input.clone()
+        y = train_step(model, opt, x, t * 1e-6)
+        if step == 0:  # under half e4m3's smallest subnormal (2**-9): every input casts to 0
+            assert scale * x.abs().max() < 2.0**-10 and not y.any()
+        if step >= 2:
+            assert sqnr(expected, y) > 20
+    counts = delayed_scaling_counters(model)
+    assert counts["0"]["input"]["out_of_range_steps"] == 1
+    assert counts["2"]["input"]["out_of_range_steps"] == 1
     assert counts["0"]["weight"]["out_of_range_steps"] == 0
 
 
