@@ -16,8 +16,14 @@ over the scheduler nodes of a graph (a fused kernel, or an extern kernel such as
 of every buffer the node reads or writes, where a buffer fused away inside a kernel costs nothing.
 It is the minimum traffic of the kernels inductor chose ("best-case optimization, worst-case
 inputs"), not a measurement, so it is deterministic and the same on every machine of a device type
-(CPU kernels fuse differently from Triton's). The kernel count is ``generated_kernel_count``.
-Caches are off and autotuning is off, so every run lowers and counts afresh.
+with the same torch (CPU kernels fuse differently from Triton's, and torch 2.11's inductor lowers
+the same FFN differently from 2.13's). The kernel count is ``generated_kernel_count``.
+Caches are off and autotuning is off, so every run lowers and counts afresh. One exception: the
+first float8 candidate compiled in a process can come out a few kB different from the same
+candidate compiled later (at ``--small``, tensorwise 1,415,204 bytes first and 1,411,108 after
+another recipe: inductor fused the cast of the input shared by w1 and w3 differently). The FX
+graphs inductor receives are identical both times (checked with aot_eager), so this is inductor's
+process state, not f8dist's. A given list of candidates always gives the same figures.
 
 Counting needs the lowered graphs, not their kernels: by default the generated code is written
 but neither compiled (C++ compilation of the CPU kernels takes minutes) nor run, and each graph
