@@ -44,7 +44,6 @@ import argparse
 import collections
 import contextlib
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -57,7 +56,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 
-from bench_common import report
+from bench_common import report, torchao_converter
 from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
 from f8dist.config import DelayedScalingConfig
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, TransformerBlock, precompute_rope
@@ -353,14 +352,11 @@ def candidates(recipes: Sequence[str], torchao: bool) -> List[Tuple[str, str, Op
         name, options = VARIANTS.get(recipe, (recipe, {}))
         config = Float8LinearConfig.from_recipe_name(name).replace(**options)
         out.append(("f8dist", recipe, lambda m, c=config: convert_to_float8_training(m, config=c)))
-    if torchao:
-        from torchao.float8 import Float8LinearConfig as AoConfig
-        from torchao.float8 import convert_to_float8_training as ao_convert
-
+    ao_convert = torchao_converter() if torchao else None
+    if ao_convert is not None:
         for recipe in recipes:
             if recipe in TORCHAO_RECIPES:
-                config = AoConfig.from_recipe_name(recipe)
-                out.append(("torchao", recipe, lambda m, c=config: ao_convert(m, config=c)))
+                out.append(("torchao", recipe, lambda m, r=recipe: ao_convert(m, r)))
     return out
 
 
@@ -487,8 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str, str], Acc
     parser.add_argument("--json", default=None, help="write every breakdown to this file")
     opts = parser.parse_args(argv)
 
-    torchao = not opts.no_torchao and importlib.util.find_spec("torchao") is not None
-    results = run(opts.blocks, opts.recipes, small=opts.small, torchao=torchao,
+    results = run(opts.blocks, opts.recipes, small=opts.small, torchao=not opts.no_torchao,
                   device=opts.device, run_compiled=opts.run_compiled, tokens=opts.tokens,
                   log=lambda s: print(s, file=sys.stderr, flush=True))
     args = model_args(opts.small)

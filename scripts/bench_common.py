@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -101,6 +102,17 @@ def shapes_from_args(args: argparse.Namespace) -> List[GemmShape]:
     if args.shapes == "llama70b":
         return llama2_70b_shapes(tokens=args.tokens, tp=args.tp)
     return CPU_SHAPES
+
+
+def torchao_converter() -> Optional[Callable]:
+    """``convert(model, recipe)`` with torchao.float8, or None when torchao is absent (it is only
+    ever a side-by-side column, never required)."""
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    from torchao.float8 import Float8LinearConfig as AoConfig
+    from torchao.float8 import convert_to_float8_training as ao_convert
+
+    return lambda model, recipe: ao_convert(model, config=AoConfig.from_recipe_name(recipe))
 
 
 def median_times(

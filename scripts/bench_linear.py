@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 
 import torch
 import torch.nn as nn
 
-from bench_common import GemmShape, add_common_args, median_times, report, shapes_from_args
+from bench_common import (
+    GemmShape, add_common_args, median_times, report, shapes_from_args, torchao_converter,
+)
 from f8dist import Float8LinearConfig, convert_to_float8_training
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -31,16 +32,6 @@ COLUMNS = [
     "bf16_ms", "f8dist_ms", "torchao_ms",
     "f8dist_speedup", "torchao_speedup", "f8dist_vs_torchao",
 ]
-
-
-def _torchao_convert():
-    """torchao.float8's converter and config class, or None when torchao is absent."""
-    if importlib.util.find_spec("torchao") is None:
-        return None
-    from torchao.float8 import Float8LinearConfig as AoConfig
-    from torchao.float8 import convert_to_float8_training as ao_convert
-
-    return lambda model, recipe: ao_convert(model, config=AoConfig.from_recipe_name(recipe))
 
 
 def fwd_bwd(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
@@ -80,7 +71,7 @@ def main(argv=None) -> list:
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao even if installed")
     args = parser.parse_args(argv)
     shapes = shapes_from_args(args)
-    ao_convert = None if args.no_torchao else _torchao_convert()
+    ao_convert = None if args.no_torchao else torchao_converter()
     torch.manual_seed(0)
 
     rows = []

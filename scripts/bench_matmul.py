@@ -40,8 +40,9 @@ def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
         )
 
     candidates = {"bf16": lambda: torch.mm(a, b), "tensorwise": scaled(one, one)}
-    if _runs(scaled(row_a, col_b)):  # the CPU's _scaled_mm has per-row scales from torch 2.13
-        candidates["rowwise"] = scaled(row_a, col_b)
+    rowwise = scaled(row_a, col_b)
+    if _runs(rowwise):  # the CPU's _scaled_mm has per-row scales from torch 2.13
+        candidates["rowwise"] = rowwise
     return candidates
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,12 +18,15 @@ import torch.distributed as dist
 __all__ = ["exit_cleanly", "one_gpu_per_rank", "shutdown_process_group"]
 
 
-def one_gpu_per_rank() -> bool:
+def one_gpu_per_rank(ranks: Optional[int] = None) -> bool:
     """CUDA (with nccl) where every local rank has a GPU of its own; else the CPU (with gloo): nccl
-    cannot put two ranks on one GPU."""
-    gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if 0 < gpus < ranks and os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{ranks} ranks on {gpus} GPU(s): running on the CPU with gloo", flush=True)
+    cannot put two ranks on one GPU. ``ranks``: the local ranks of a program about to be
+    launched; by default those of this torchrun program (which says when it falls back)."""
+    gpus = torch.cuda.device_count()
+    if ranks is None:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if 0 < gpus < ranks and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"{ranks} ranks on {gpus} GPU(s): running on the CPU with gloo", flush=True)
     return gpus >= ranks
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-import torch
+
+from scripts.teardown import one_gpu_per_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROGRAM_DIR = Path(__file__).resolve().parent
@@ -44,7 +45,7 @@ def run_torchrun(program: str, nproc: int, *args, timeout: float = 180) -> Optio
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["OMP_NUM_THREADS"] = "1"
         env[ERROR_DIR_ENV] = str(error_dir)
-        if torch.cuda.device_count() < nproc:  # nccl needs a GPU per rank: gloo on the CPU
+        if not one_gpu_per_rank(nproc):  # gloo on the CPU: no rank may take a GPU (fully_shard)
             env["CUDA_VISIBLE_DEVICES"] = ""
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
