@@ -20,7 +20,7 @@ import torch
 
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.placement import like, local_part, reduce_partial
-from f8dist.scaling import amax_to_scale, saturated_cast, tensor_amax
+from f8dist.scaling import amax_to_scale, in_memory, saturated_cast, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -54,13 +54,14 @@ def _fits(fp8: Float8Tensor, spec: CastSpec) -> bool:
 
 
 def cast_to_float8(
-    t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None
+    t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *, store: bool = False
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
     ``scale`` given: use it (a delayed scale from an amax history, a precomputed FSDP scale);
     else compute it from the amax of the logical ``t``: of the whole tensor (tensorwise) or over
-    ``spec.axis`` (axiswise). Not differentiable: see :class:`ToFloat8` for that.
+    ``spec.axis`` (axiswise). ``store``: the bytes serve two gemms, so a compiled graph stores them
+    once and takes the other layout from them. Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
 
@@ -81,6 +82,7 @@ def cast_to_float8(
         )
     axis = spec.axiswise_dim(t.dim())
     if scale is None:
+        t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] in f8dist/scaling.py
         amax = logical_amax(t, axis)  # [] or t.shape with 1 at axis
         scale = amax_to_scale(amax, spec.dtype, round_to_power_of_2=spec.round_scales_to_power_of_2)
     elif axis is not None:
@@ -91,6 +93,8 @@ def cast_to_float8(
         local_part(t), scale_local, spec.dtype,
         keep_non_finite=spec.scaling_type is ScalingType.DELAYED,
     )
+    if store:  # bytes that serve two gemms: [Note: a cast that waits for its amax]
+        data = in_memory(data)
     out = like(t, Float8Tensor(data, scale_local, t.dtype, axis, spec.mm_config))
 
     if cast_observers:

@@ -321,6 +321,8 @@ class CastSpecs:
     # backward's grad_weight gemm takes the forward's float8 input (see [Note: what the matmul
     # keeps for backward] in f8dist/linear.py) instead of the high-precision one
     save_float8_input: bool = False
+    # backward casts grad_output once for both of its gemms (tensorwise: the same bytes)
+    cast_grad_output_once: bool = False
 
     def __getitem__(self, cell: Tuple[Gemm, Operand]) -> CastSpec:
         gemm, operand = cell
@@ -334,6 +336,15 @@ class CastSpecs:
 
 
 _CELLS = tuple(_CONTRACTION_AXIS)
+
+
+def _same_bytes(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
+    """Whether ``operand`` casts to the same float8 bytes in gemms ``a`` and ``b``: a tensorwise
+    cast with the same dtype, scaling and rounding (only the gemm options may differ)."""
+    sa, sb = specs[a, operand], specs[b, operand]
+    return sa.enabled and not sa.axiswise and dataclasses.replace(
+        sb, gemm=sa.gemm, axis=sa.axis, mm_config=sa.mm_config
+    ) == sa
 
 
 class Float8LinearRecipeName(enum.Enum):
@@ -475,14 +486,14 @@ class Float8LinearConfig:
     def cast_specs(self, fqn: str = "") -> CastSpecs:
         """All six cast specs of the linear ``fqn``."""
         specs = CastSpecs(tuple(self.cast_spec(g, op, fqn) for g, op in _CELLS))
-        fwd, gw = specs[Gemm.OUTPUT, Operand.INPUT], specs[Gemm.GRAD_WEIGHT, Operand.INPUT]
-        # a tensorwise float8 input is the same bytes in both gemms (only the gemm options differ)
-        same_bytes = fwd.enabled and not fwd.axiswise and dataclasses.replace(
-            gw, gemm=fwd.gemm, axis=fwd.axis, mm_config=fwd.mm_config
-        ) == fwd
         return dataclasses.replace(
             specs,
-            save_float8_input=same_bytes or self.axiswise_requantize_input_for_grad_weight,
+            save_float8_input=(
+                _same_bytes(specs, Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT)
+                or self.axiswise_requantize_input_for_grad_weight
+            ),
+            cast_grad_output_once=_same_bytes(
+                specs, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
         )
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

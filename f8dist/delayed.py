@@ -119,7 +119,7 @@ import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.placement import all_reduce, is_dtensor, local_part, reduce_over_shards
-from f8dist.scaling import amax_to_scale, fp8_max, tensor_amax
+from f8dist.scaling import amax_to_scale, fp8_max, in_memory, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -350,7 +350,10 @@ def _scale(
     local = local_part(hp)
     if isinstance(local, Float8Tensor):
         return first.buffer("scale", op)
-    amax = tensor_amax(local.detach())  # [], this rank's part: what the sync reduces
+    local = local.detach()
+    if first.rescale or not first.synced:  # the cast may wait for this amax
+        local = in_memory(local)  # [Note: a cast that waits for its amax] in f8dist/scaling.py
+    amax = tensor_amax(local)  # [], this rank's part: what the sync reduces
     seen, decides = amax, not communicated  # [], what this cast's scale follows; may it re-scale
     if not first.synced and (record or communicated):  # [Note: first step]
         seen, decides = first._group_amax(op, amax), True

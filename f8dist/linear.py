@@ -83,7 +83,8 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, input, weight, specs: CastSpecs, scales: Scales, delayed: Delayed):
         x = input
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
-            x = cast_to_float8(input, specs[OUTPUT, INPUT], (scales or {}).get((OUTPUT, INPUT)))
+            x = cast_to_float8(
+                input, specs[OUTPUT, INPUT], (scales or {}).get((OUTPUT, INPUT)), store=True)
         out = _mm(OUTPUT, x, weight, specs, scales)  # [M, N]
         ctx.save_for_backward(x, weight)
         ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
@@ -97,6 +98,10 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
             state, record = ctx.delayed
             scales = {**scales, **state.grad_output_scales(grad_output, record)}
+        if specs.cast_grad_output_once:  # the same bytes serve both gemms (tensorwise)
+            spec = specs[GRAD_INPUT, GRAD_OUTPUT]
+            grad_output = cast_to_float8(
+                grad_output, spec, (scales or {}).get((GRAD_INPUT, GRAD_OUTPUT)), store=True)
         grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales)  # [M, K]
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
         return grad_input, grad_weight.to(weight.dtype), None, None, None

@@ -27,6 +27,30 @@ f8dist/delayed.py), or, where it keeps the history's scale, casts ``keep_non_fin
 NaN element to NaN, in the same pass (``x - x`` is 0 for a finite ``x``, NaN otherwise), so the
 output's rows and columns that touch it turn non-finite, as in high precision.
 
+[Note: a cast that waits for its amax]
+A dynamically scaled cast reads its tensor twice: once for the amax, and once for the cast, which
+needs the amax of the whole tensor first (so does a delayed cast that may re-scale). Inductor
+inlines a cheap pointwise tensor into every pass that reads it rather than storing it, so both
+passes recompute it from its inputs. In SwiGLU's backward that is expensive: the gradients of the
+gate and up projections are expressions of three [tokens, hidden] tensors, and inductor's CPU
+backend stores the reused ``sigmoid`` in float32, so each pass reads 10 bytes per element, where a
+stored bf16 gradient costs one write of 2 and reads of 2. :func:`in_memory` makes inductor store
+the tensor: an ``as_strided`` view with the tensor's own size and strides is the identity, but
+inductor's ``as_strided`` lowering realizes the tensor it views, for all of its users. The amax
+pass can then fuse into the producer's kernel.
+
+The same holds for float8 bytes that serve two gemms (a tensorwise input in forward and in the
+grad_weight gemm, a tensorwise grad_output in both backward gemms: ``cast_to_float8(...,
+store=True)``). Unstored, the transposed copy the second gemm needs re-casts from the
+high-precision tensor (2 bytes read per element) instead of reading the float8 bytes (1).
+
+Measured with scripts/bench_bytes.py on the CPU (docs/performance.md): every recipe of a LLaMA
+block moves fewer bytes; the attention half alone moves a little more (its norm output, cheap to
+recompute, is now stored). Triton recomputes ``sigmoid`` rather than storing it, and the H100
+figures were taken before these views, so off the CPU the choice stays inductor's until measured
+there (``PARTS=bytes bash scripts/gpu_check.sh``). A delayed cast that does not re-scale needs no
+amax before it: its amax is recorded in the cast's own pass, and its tensor stays inlined.
+
 This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes
 to reduce over (``[Note: amax]`` in f8dist/placement.py).
@@ -43,6 +67,7 @@ __all__ = [
     "FP8_MAX",
     "fp8_max",
     "tensor_amax",
+    "in_memory",
     "amax_to_scale",
     "round_scale_down_to_power_of_2",
     "saturated_cast",
@@ -84,6 +109,17 @@ def tensor_amax(x: torch.Tensor, dim: Dim = None) -> torch.Tensor:
     else:
         amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)  # x.shape with 1 at dim
     return amax.to(torch.float32)
+
+
+def in_memory(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, as a view that makes a compiled graph store ``x`` once instead of recomputing
+    it in every pass that reads it: for a tensor whose cast waits for its amax ([Note: a cast that
+    waits for its amax]). Eagerly a free view; a tensor subclass (a DTensor, a parameter) and a
+    tensor off the CPU come back as they are.
+    """
+    if type(x) is not torch.Tensor or x.device.type != "cpu":
+        return x
+    return x.as_strided(x.size(), x.stride())
 
 
 def round_scale_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from f8dist.scaling import (
     amax_to_scale,
     dequantize,
     fp8_max,
+    in_memory,
     round_scale_down_to_power_of_2,
     saturated_cast,
     tensor_amax,
@@ -91,6 +92,22 @@ def test_compiled_scales_equal_eager():
     compiled = torch.compile(scales, fullgraph=True)
     for e, c in zip(scales(x), compiled(x)):
         assert torch.equal(e, c)
+
+
+def test_in_memory_is_the_tensor_itself():
+    """[Note: a cast that waits for its amax]: a view with the tensor's own size, strides and
+    offset (the same storage), on the CPU; anything else comes back as it is."""
+    base = torch.randn(6, 8)
+    for x in (base, base.t(), base[2:, 1:5], torch.empty(0, 8)):
+        v = in_memory(x)
+        assert v is not x and v._base is not None
+        assert (v.shape, v.stride(), v.storage_offset(), v.data_ptr()) == (
+            x.shape, x.stride(), x.storage_offset(), x.data_ptr())
+        assert torch.equal(v, x)
+    p = torch.nn.Parameter(base)
+    assert in_memory(p) is p
+    meta = base.to("meta")  # off the CPU: inductor decides (the Note)
+    assert in_memory(meta) is meta
 
 
 def test_empty_tensor_has_amax_zero():

@@ -56,8 +56,10 @@ def format_table(stats: Mapping[CastSite, CastStats], *, title: str = "float8 ca
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     keys = {(site.fqn, site.gemm, site.operand) for site in stats}
-    if any((f, "grad_weight", "input") not in keys for f, g, o in keys if g == "grad_weight"):
-        lines.append("(no grad_weight/input row: that gemm reuses the output/input float8 bytes)")
+    sources = {"input": "output", "grad_output": "grad_input"}  # where a reused cast was recorded
+    if any((f, "grad_weight", o) not in keys for f, g, o in keys if sources.get(o) == g):
+        lines.append("(a missing grad_weight row: that gemm reuses the float8 bytes of the "
+                     "output/input or grad_input/grad_output cast, or runs in high precision)")
     return "\n".join(lines)
 
 

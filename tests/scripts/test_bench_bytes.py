@@ -19,11 +19,11 @@ import bench_bytes  # noqa: E402
 # f8dist bytes / bf16 bytes and generated kernels of the --small FFN block, as measured when the
 # test was written (scripts/bench_bytes.py --small --blocks ffn); lower them as casts get cheaper.
 FFN_BOUNDS = {
-    "tensorwise": (1.779, 40),
-    "rowwise": (1.704, 80),
-    "rowwise_with_gw_hp": (1.512, 68),
-    "delayed": (1.678, 71),
-    "delayed_counted": (1.420, 70),  # rescale_out_of_range=False
+    "tensorwise": (1.537, 45),
+    "rowwise": (1.599, 93),
+    "rowwise_with_gw_hp": (1.419, 70),
+    "delayed": (1.538, 75),
+    "delayed_counted": (1.364, 71),  # rescale_out_of_range=False
 }
 
 
@@ -79,6 +79,23 @@ def test_delayed_casts_without_rescaling_move_fewer_bytes(ffn):
     counted, rescaled = (ffn[("ffn", "f8dist", r)].bytes for r in ("delayed_counted", "delayed"))
     tensorwise = ffn[("ffn", "f8dist", "tensorwise")].bytes
     assert counted < 0.9 * rescaled and counted < tensorwise
+
+
+def test_casts_that_wait_for_their_amax_read_stored_tensors(ffn, monkeypatch):
+    """[Note: a cast that waits for its amax] in f8dist/scaling.py: without the ``in_memory``
+    views, inductor recomputes SwiGLU's gradients in every pass of their casts (any torch)."""
+    import f8dist.cast
+    import f8dist.delayed
+
+    def inlined(x):
+        return x
+
+    monkeypatch.setattr(f8dist.cast, "in_memory", inlined)
+    monkeypatch.setattr(f8dist.delayed, "in_memory", inlined)
+    without = bench_bytes.run(["ffn"], ["tensorwise"], small=True, torchao=False)[
+        ("ffn", "f8dist", "tensorwise")]
+    stored = ffn[("ffn", "f8dist", "tensorwise")]
+    assert stored.bytes < 0.95 * without.bytes, (stored.bytes, without.bytes)
 
 
 def test_ffn_float8_gemms_read_float8(ffn):
