@@ -87,3 +87,25 @@ def test_fsdp_float8_all_gather_needs_tensorwise_weight():
 def test_unknown_gemm_or_operand():
     with pytest.raises(ValueError, match="no operand"):
         Float8LinearConfig().cast_config("grad_input", "input")
+
+
+@pytest.mark.parametrize("name, once", [
+    ("tensorwise", True), ("rowwise", False), ("rowwise_with_gw_hp", False),
+])
+def test_an_operand_is_cast_once_where_both_its_gemms_take_the_same_bytes(name, once):
+    """CastSpecs.save_float8_input / cast_grad_output_once: a tensorwise operand cast alike in its
+    two gemms is cast once (only the gemm options, e.g. pad_k, may differ)."""
+    specs = Float8LinearConfig.from_recipe_name(name).cast_specs("w1")
+    assert specs.save_float8_input is once
+    assert specs.cast_grad_output_once is once
+
+
+def test_operands_cast_differently_per_gemm_are_cast_per_gemm():
+    e4m3, e5m2 = (CastConfig(target_dtype=d) for d in (torch.float8_e4m3fn, torch.float8_e5m2))
+    config = Float8LinearConfig(cast_config_grad_output_for_grad_weight=e4m3,
+                                cast_config_input_for_grad_weight=e5m2)
+    specs = config.cast_specs()
+    assert not specs.cast_grad_output_once and not specs.save_float8_input
+    same = Float8LinearConfig(cast_config_grad_output_for_grad_weight=e5m2,
+                              cast_config_input_for_grad_weight=e4m3).cast_specs()
+    assert same.cast_grad_output_once and same.save_float8_input
