@@ -57,10 +57,14 @@ def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: 
     if not specs.gemm_in_float8(gemm):
         a, b = high_precision(a), high_precision(b)
         return _gemm_layout(gemm, a, b.to(a.dtype))
-    scales = scales or {}
-    a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)))
-    b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)))
+    a8, b8 = _cast(gemm, left, a, specs, scales), _cast(gemm, right, b, specs, scales)
     return _gemm_layout(gemm, a8, b8)
+
+
+def _cast(gemm: Gemm, operand: Operand, t: torch.Tensor, specs: CastSpecs, scales: Scales,
+          *, store: bool = False) -> torch.Tensor:
+    """``t`` cast as ``operand`` of ``gemm``: its spec, and its delayed scale if there is one."""
+    return cast_to_float8(t, specs[gemm, operand], (scales or {}).get((gemm, operand)), store=store)
 
 
 def _gemm_layout(gemm: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -83,8 +87,7 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, input, weight, specs: CastSpecs, scales: Scales, delayed: Delayed):
         x = input
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
-            x = cast_to_float8(
-                input, specs[OUTPUT, INPUT], (scales or {}).get((OUTPUT, INPUT)), store=True)
+            x = _cast(OUTPUT, INPUT, input, specs, scales, store=True)
         out = _mm(OUTPUT, x, weight, specs, scales)  # [M, N]
         ctx.save_for_backward(x, weight)
         ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
@@ -99,9 +102,7 @@ class _Float8Matmul(torch.autograd.Function):
             state, record = ctx.delayed
             scales = {**scales, **state.grad_output_scales(grad_output, record)}
         if specs.cast_grad_output_once:  # the same bytes serve both gemms (tensorwise)
-            spec = specs[GRAD_INPUT, GRAD_OUTPUT]
-            grad_output = cast_to_float8(
-                grad_output, spec, (scales or {}).get((GRAD_INPUT, GRAD_OUTPUT)), store=True)
+            grad_output = _cast(GRAD_INPUT, GRAD_OUTPUT, grad_output, specs, scales, store=True)
         grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales)  # [M, K]
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
         return grad_input, grad_weight.to(weight.dtype), None, None, None
