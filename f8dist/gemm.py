@@ -27,6 +27,18 @@ gemm gains from float8 anyway, so on the CPU the gemm is ``f8dist::cpu_scaled_mm
 that checks CUDA's constraints above (so CI on the CPU proves them) and computes the exact
 float8 products in a float32 matmul, scaled afterwards. Being one opaque op, it leaves compiled
 graphs with the structure a GPU graph has (one extern gemm kernel reading float8 bytes).
+
+[Note: operands in their kernel layout]
+An axiswise cast whose scales run along the gemm's contraction dim of a column-major operand (the
+weight in grad_input, grad_output and input in grad_weight) reduces over columns of its tensor
+and writes its bytes transposed. Inductor's CPU backend fuses that amax with the cast when the
+cast iterates column by column too, i.e. when it computes the transposed copy as a buffer of its
+own; as the input of the extern gemm kernel, the copy instead follows the view the kernel is
+handed, row by row, and the tensor is read twice (5 bytes an element instead of 3). So an operand
+with per-row or per-column scales is handed over as a stored copy (``in_memory``, [Note: a cast
+that waits for its amax] in f8dist/scaling.py). A tensorwise operand is not: its transposed copy
+fuses into the kernel that casts it, which then writes both layouts. Measured with
+scripts/bench_bytes.py on the CPU (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from f8dist.config import ScaledMMConfig
+from f8dist.scaling import in_memory
 
 __all__ = ["scaled_mm", "check_gemm_shape", "GEMM_ALIGNMENT"]
 
@@ -100,6 +113,13 @@ def _kernel(a, b, scale_a, scale_b, *, out_dtype, use_fast_accum):
     )
 
 
+def _in_kernel_layout(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``data`` row-major; a stored copy for per-row scales ([Note: operands in their kernel
+    layout])."""
+    data = data.contiguous()
+    return in_memory(data) if scale.dim() else data
+
+
 def _round_up(x: int) -> int:
     return (x + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
 
@@ -134,8 +154,8 @@ def scaled_mm(
         if b_scale.dim() == 2 and pad_n:
             b_scale = F.pad(b_scale, (0, pad_n), value=1.0)  # [1, N']
 
-    a_data = a_data.contiguous()  # row-major
-    b_data = b_data.t().contiguous().t()  # column-major
+    a_data = _in_kernel_layout(a_data, a_scale)  # row-major
+    b_data = _in_kernel_layout(b_data.t(), b_scale).t()  # column-major
     a_inv = a_scale.reciprocal().to(torch.float32)
     b_inv = b_scale.reciprocal().to(torch.float32)
 

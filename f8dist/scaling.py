@@ -61,6 +61,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "MAX_SCALE",
@@ -114,10 +115,12 @@ def tensor_amax(x: torch.Tensor, dim: Dim = None) -> torch.Tensor:
 def in_memory(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself, as a view that makes a compiled graph store ``x`` once instead of recomputing
     it in every pass that reads it: for a tensor whose cast waits for its amax ([Note: a cast that
-    waits for its amax]). Eagerly a free view; a tensor subclass (a DTensor, a parameter) and a
-    tensor off the CPU come back as they are.
+    waits for its amax]). Eagerly a free view; a wrapper subclass (a DTensor, a Float8Tensor), a
+    parameter and a tensor off the CPU come back as they are. The stand-ins of plain tensors that
+    tracing uses below dynamo (fake and functional tensors) get the view.
     """
-    if type(x) is not torch.Tensor or x.device.type != "cpu":
+    if (x.device.type != "cpu" or isinstance(x, torch.nn.Parameter)
+            or is_traceable_wrapper_subclass(x)):
         return x
     return x.as_strided(x.size(), x.stride())
 

@@ -20,7 +20,7 @@ import bench_bytes  # noqa: E402
 # test was written (scripts/bench_bytes.py --small --blocks ffn); lower them as casts get cheaper.
 FFN_BOUNDS = {
     "tensorwise": (1.537, 45),
-    "rowwise": (1.599, 93),
+    "rowwise": (1.473, 93),
     "rowwise_with_gw_hp": (1.419, 70),
     "delayed": (1.538, 75),
     "delayed_counted": (1.364, 71),  # rescale_out_of_range=False
@@ -95,6 +95,18 @@ def test_casts_that_wait_for_their_amax_read_stored_tensors(ffn, monkeypatch):
     without = bench_bytes.run(["ffn"], ["tensorwise"], small=True, torchao=False)[
         ("ffn", "f8dist", "tensorwise")]
     stored = ffn[("ffn", "f8dist", "tensorwise")]
+    assert stored.bytes < 0.95 * without.bytes, (stored.bytes, without.bytes)
+
+
+def test_column_scaled_operands_reach_the_gemm_stored(ffn, monkeypatch):
+    """[Note: operands in their kernel layout] in f8dist/gemm.py: handed to the gemm as views,
+    rowwise's column-scaled operands are read twice, once for the amax and once for the cast."""
+    import f8dist.gemm
+
+    monkeypatch.setattr(f8dist.gemm, "in_memory", lambda x: x)
+    without = bench_bytes.run(["ffn"], ["rowwise"], small=True, torchao=False)[
+        ("ffn", "f8dist", "rowwise")]
+    stored = ffn[("ffn", "f8dist", "rowwise")]
     assert stored.bytes < 0.95 * without.bytes, (stored.bytes, without.bytes)
 
 
