@@ -54,13 +54,16 @@ def _fits(fp8: Float8Tensor, spec: CastSpec) -> bool:
 
 
 def cast_to_float8(
-    t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *, store: bool = False
+    t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *,
+    amax: Optional[torch.Tensor] = None, store: bool = False,
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
     ``scale`` given: use it (a delayed scale from an amax history, a precomputed FSDP scale);
     else compute it from the amax of the logical ``t``: of the whole tensor (tensorwise) or over
-    ``spec.axis`` (axiswise). ``store``: the bytes serve two gemms, so a compiled graph stores them
+    ``spec.axis`` (axiswise). ``amax`` given: that amax, already known (the forward's weight amax
+    in backward, [Note: what the matmul keeps for backward] in f8dist/linear.py), shaped as the
+    cast's own would be. ``store``: the bytes serve two gemms, so a compiled graph stores them
     once and takes the other layout from them. Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
@@ -81,9 +84,17 @@ def cast_to_float8(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
         )
     axis = spec.axiswise_dim(t.dim())
+    if scale is not None and amax is not None:
+        raise ValueError(f"{spec.site}: give a cast its scale or its amax, not both")
     if scale is None:
-        t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] in f8dist/scaling.py
-        amax = logical_amax(t, axis)  # [] or t.shape with 1 at axis
+        if amax is None:
+            t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] in f8dist/scaling.py
+            amax = logical_amax(t, axis)  # [] or t.shape with 1 at axis
+        elif amax.dim() != (0 if axis is None else t.dim()):
+            raise ValueError(
+                f"{spec.site}: a given amax must have the shape of the cast's own ([] tensorwise, "
+                f"{t.dim()}-D axiswise), got {tuple(amax.shape)}"
+            )
         scale = amax_to_scale(amax, spec.dtype, round_to_power_of_2=spec.round_scales_to_power_of_2)
     elif axis is not None:
         raise ValueError(f"{spec.site}: a given scale is tensorwise; axiswise casts compute their own")

@@ -323,6 +323,9 @@ class CastSpecs:
     save_float8_input: bool = False
     # backward casts grad_output once for both of its gemms (tensorwise: the same bytes)
     cast_grad_output_once: bool = False
+    # backward's weight cast takes its amax from the forward's weight cast instead of reading the
+    # weight again (see [Note: what the matmul keeps for backward] in f8dist/linear.py)
+    weight_amax_from_forward: bool = False
 
     def __getitem__(self, cell: Tuple[Gemm, Operand]) -> CastSpec:
         gemm, operand = cell
@@ -345,6 +348,14 @@ def _same_bytes(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
     return sa.enabled and not sa.axiswise and dataclasses.replace(
         sb, gemm=sa.gemm, axis=sa.axis, mm_config=sa.mm_config
     ) == sa
+
+
+def _amax_follows(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
+    """Whether ``operand``'s amax in gemm ``b`` follows from its amax in gemm ``a`` (the same
+    tensor): both casts compute their amax, and ``b``'s is tensorwise, the max of ``a``'s amaxes
+    whatever ``a``'s granularity."""
+    sa, sb = specs[a, operand], specs[b, operand]
+    return sa.scaling_type is sb.scaling_type is ScalingType.DYNAMIC and not sb.axiswise
 
 
 class Float8LinearRecipeName(enum.Enum):
@@ -494,6 +505,8 @@ class Float8LinearConfig:
             ),
             cast_grad_output_once=_same_bytes(
                 specs, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
+            weight_amax_from_forward=_amax_follows(
+                specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
         )
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

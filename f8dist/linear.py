@@ -17,6 +17,11 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
 * weight: the high-precision weight (a parameter, alive anyway) and it is re-cast in backward,
   instead of keeping a second float8 copy. A weight that arrives already in float8 (FSDP2 float8
   all-gather) is kept as it is: it is the unsharded parameter FSDP2 manages.
+* weight amax, when backward's weight cast is tensorwise and both casts compute their amax
+  (``CastSpecs.weight_amax_from_forward``: tensorwise, rowwise_with_gw_hp): the max of the
+  forward's amax ([] or [N, 1]), one float32. The weight has not changed since, so it is
+  backward's amax, exact, without reading the weight again (rowwise_with_gw_hp's forward scales
+  per row, its backward per tensor: a full pass over every weight saved).
 * input, when the grad_weight gemm reuses the forward cast (same tensorwise config): the float8
   input, 1 byte per element, and no high-precision copy.
 * input otherwise: the high-precision input (axiswise needs the other axis; a high-precision
@@ -34,12 +39,13 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.cast import cast_to_float8, high_precision
+from f8dist.cast import cast_to_float8, high_precision, logical_amax
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand
 from f8dist.delayed import DelayedScaling, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_gemm_shape
-from f8dist.placement import reduce_partial
+from f8dist.placement import local_part, reduce_partial
+from f8dist.tensor import Float8Tensor
 
 __all__ = ["Float8Linear", "float8_linear_mm"]
 
@@ -50,21 +56,40 @@ Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
 Delayed = Optional[Tuple[DelayedScaling, bool]]
 
 
-def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: Scales):
+def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: Scales,
+        b_amax: Optional[torch.Tensor] = None):
     """One gemm ``a @ b`` of [Note: gemms]: both operands cast as ``specs`` say (``b`` given in
-    its operand layout and transposed as the gemm needs), or both in high precision."""
+    its operand layout and transposed as the gemm needs; ``b_amax``: its amax, when known), or
+    both in high precision."""
     left, right = gemm.operands
     if not specs.gemm_in_float8(gemm):
         a, b = high_precision(a), high_precision(b)
         return _gemm_layout(gemm, a, b.to(a.dtype))
-    a8, b8 = _cast(gemm, left, a, specs, scales), _cast(gemm, right, b, specs, scales)
+    a8 = _cast(gemm, left, a, specs, scales)
+    b8 = _cast(gemm, right, b, specs, scales, amax=b_amax)
     return _gemm_layout(gemm, a8, b8)
 
 
 def _cast(gemm: Gemm, operand: Operand, t: torch.Tensor, specs: CastSpecs, scales: Scales,
-          *, store: bool = False) -> torch.Tensor:
+          *, amax: Optional[torch.Tensor] = None, store: bool = False) -> torch.Tensor:
     """``t`` cast as ``operand`` of ``gemm``: its spec, and its delayed scale if there is one."""
-    return cast_to_float8(t, specs[gemm, operand], (scales or {}).get((gemm, operand)), store=store)
+    scale = (scales or {}).get((gemm, operand))
+    return cast_to_float8(t, specs[gemm, operand], scale, amax=amax, store=store)
+
+
+def _forward_weight_amax(weight: torch.Tensor, specs: CastSpecs) -> Optional[torch.Tensor]:
+    """The forward weight cast's amax when backward's weight cast takes it too
+    ([Note: what the matmul keeps for backward]), else None."""
+    if not specs.weight_amax_from_forward or isinstance(local_part(weight), Float8Tensor):
+        return None
+    return logical_amax(weight, specs[OUTPUT, WEIGHT].axiswise_dim(weight.dim()))  # [] or [N, 1]
+
+
+def _max_of(amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensorwise amax from a cast's amax ([] or per row): backward's weight amax."""
+    if amax is None or amax.dim() == 0:
+        return amax
+    return logical_amax(amax)  # [N, 1] -> []
 
 
 def _gemm_layout(gemm: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -88,14 +113,15 @@ class _Float8Matmul(torch.autograd.Function):
         x = input
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
             x = _cast(OUTPUT, INPUT, input, specs, scales, store=True)
-        out = _mm(OUTPUT, x, weight, specs, scales)  # [M, N]
-        ctx.save_for_backward(x, weight)
+        weight_amax = _forward_weight_amax(weight, specs)  # None, [] or [N, 1]
+        out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
+        ctx.save_for_backward(x, weight, _max_of(weight_amax))  # the amax: [] or None
         ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_input, weight = ctx.saved_tensors
+        saved_input, weight, weight_amax = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
@@ -103,7 +129,7 @@ class _Float8Matmul(torch.autograd.Function):
             scales = {**scales, **state.grad_output_scales(grad_output, record)}
         if specs.cast_grad_output_once:  # the same bytes serve both gemms (tensorwise)
             grad_output = _cast(GRAD_INPUT, GRAD_OUTPUT, grad_output, specs, scales, store=True)
-        grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales)  # [M, K]
+        grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales, weight_amax)  # [M, K]
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
         return grad_input, grad_weight.to(weight.dtype), None, None, None
 

@@ -109,3 +109,21 @@ def test_operands_cast_differently_per_gemm_are_cast_per_gemm():
     same = Float8LinearConfig(cast_config_grad_output_for_grad_weight=e5m2,
                               cast_config_input_for_grad_weight=e4m3).cast_specs()
     assert same.cast_grad_output_once and same.save_float8_input
+
+
+@pytest.mark.parametrize("name, carried", [
+    ("tensorwise", True), ("rowwise", False), ("rowwise_with_gw_hp", True), ("delayed", False),
+])
+def test_backward_takes_the_forward_weight_amax_where_its_cast_is_tensorwise(name, carried):
+    """CastSpecs.weight_amax_from_forward: backward's weight cast is tensorwise and dynamic, as is
+    the forward's amax (of either granularity); rowwise scales the weight per column in backward,
+    delayed takes its scales from a history."""
+    specs = Float8LinearConfig.from_recipe_name(name).cast_specs("w1")
+    assert specs.weight_amax_from_forward is carried
+
+
+def test_no_weight_amax_is_carried_into_a_high_precision_gemm():
+    off = CastConfig(scaling_type=ScalingType.DISABLED)
+    config = Float8LinearConfig(cast_config_grad_output=off, cast_config_weight_for_grad_input=off,
+                                cast_config_grad_output_for_grad_weight=CastConfig())
+    assert not config.cast_specs().weight_amax_from_forward

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -196,10 +197,31 @@ def test_tensorwise_keeps_float8_input_and_no_float8_weight_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = f8(x)
     kinds = sorted((type(t).__name__, t.shape) for t in saved)
-    assert kinds == [("Float8Tensor", (32, 64)), ("Parameter", (32, 64))], kinds
+    assert kinds == [("Float8Tensor", (32, 64)), ("Parameter", (32, 64)), ("Tensor", ())], kinds
     fp8_input = next(t for t in saved if isinstance(t, Float8Tensor))
     assert fp8_input._data.element_size() == 1
     y.sum().backward()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_backward_casts_the_weight_with_the_forward_amax(recipe):
+    """[Note: what the matmul keeps for backward]: the max of the forward's weight amax (per
+    tensor or per row) is kept, one float32, and backward's tensorwise weight cast takes it
+    instead of reading the weight again, with the same gradients to the bit."""
+    _, f8 = _pair(recipe, torch.bfloat16, bias=False)
+    assert f8.specs.weight_amax_from_forward
+    x, grad = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        carried = _run(f8, x, grad)
+    amaxes = [t for t in saved if t.dtype == torch.float32]
+    assert [tuple(t.shape) for t in amaxes] == [()]
+    assert torch.equal(amaxes[0], f8.weight.detach().abs().float().max())
+
+    f8.weight.grad = None
+    f8.specs = dataclasses.replace(f8.specs, weight_amax_from_forward=False)
+    for a, b in zip(carried, _run(f8, x, grad)[:3]):
+        assert torch.equal(a, b)
 
 
 def test_rowwise_keeps_the_high_precision_input():

@@ -59,8 +59,9 @@ def test_float8_keeps_no_more_than_bf16(kind, recipe, sac, bf16_kept):
     assert stats.activation_bytes <= bf16_kept[kind, sac], stats.kept_by_op
     # what SAC keeps beyond bf16 is the amax reductions alone: O(tokens + features) numbers
     assert stats.scale_bytes <= scale_bytes_bound(module), stats.kept_by_op
-    if sac is None:
-        assert stats.scale_bytes == 0
+    if sac is None:  # at most the weight amax backward reuses, one float32 per linear
+        linears = sum(isinstance(m, Float8Linear) for m in module.modules())
+        assert stats.scale_bytes <= 4 * linears, stats.kept_by_op
 
 
 def test_tensorwise_keeps_at_most_0_9_of_bf16_on_swiglu(bf16_kept):
@@ -80,12 +81,13 @@ def test_live_bytes_agree_with_saved_tensors(kind, recipe):
 
 def test_tensorwise_keeps_float8_input_and_no_weight_copy():
     """A tensorwise Float8Linear keeps the float8 input (1 byte per element) and its scale for the
-    grad_weight gemm, no high-precision input, and no float8 copy of the weight."""
+    grad_weight gemm, the weight's amax, no high-precision input, and no float8 copy of the
+    weight."""
     lin = Float8Linear.from_float(nn.Linear(64, 32, bias=False).to(torch.bfloat16))
     x = torch.randn(48, 64, dtype=torch.bfloat16)
     stats = measure_fwd_bwd(lin, x)
     e4m3 = torch.empty((), dtype=torch.float8_e4m3fn).element_size()
-    assert stats.kept_bytes == x.numel() * e4m3 + 4, stats.kept_by_op  # data + float32 scale
+    assert stats.kept_bytes == x.numel() * e4m3 + 4 + 4, stats.kept_by_op  # + scale, amax
     bf16 = measure_fwd_bwd(nn.Linear(64, 32, bias=False).to(torch.bfloat16), x)
     assert bf16.kept_bytes == x.numel() * x.element_size()
 
