@@ -124,13 +124,16 @@ class _Float8Matmul(torch.autograd.Function):
         saved_input, weight, weight_amax = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
+        later = []  # [Note: record after the cast] in f8dist/delayed.py
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
             state, record = ctx.delayed
-            scales = {**scales, **state.grad_output_scales(grad_output, record)}
+            scales = {**scales, **state.grad_output_scales(grad_output, record, later)}
         if specs.cast_grad_output_once:  # the same bytes serve both gemms (tensorwise)
             grad_output = _cast(GRAD_INPUT, GRAD_OUTPUT, grad_output, specs, scales, store=True)
         grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales, weight_amax)  # [M, K]
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
+        for amax_record in later:
+            amax_record()
         return grad_input, grad_weight.to(weight.dtype), None, None, None
 
 
@@ -223,10 +226,13 @@ class Float8Linear(nn.Linear):
         if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
             input = input.to(torch.get_autocast_dtype(input.device.type))
         scales = delayed = None
+        later = []  # [Note: record after the cast] in f8dist/delayed.py
         if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed.py
             delayed = (self.delayed, self.delayed.training())
-            scales = self.delayed.forward_scales(input, self.weight, delayed[1])
+            scales = self.delayed.forward_scales(input, self.weight, delayed[1], later)
         out = float8_linear_mm(input, self.weight, self.specs, scales, delayed)
+        for amax_record in later:
+            amax_record()
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

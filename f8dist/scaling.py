@@ -49,7 +49,8 @@ block moves fewer bytes; the attention half alone moves a little more (its norm 
 recompute, is now stored). Triton recomputes ``sigmoid`` rather than storing it, and the H100
 figures were taken before these views, so off the CPU the choice stays inductor's until measured
 there (``PARTS=bytes bash scripts/gpu_check.sh``). A delayed cast that does not re-scale needs no
-amax before it: its amax is recorded in the cast's own pass, and its tensor stays inlined.
+amax before it: its amax is recorded in the cast's own pass, and its tensor stays inlined
+([Note: record after the cast] in f8dist/delayed.py).
 
 This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes

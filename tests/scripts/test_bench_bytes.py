@@ -23,7 +23,7 @@ FFN_BOUNDS = {
     "rowwise": (1.473, 93),
     "rowwise_with_gw_hp": (1.329, 64),
     "delayed": (1.538, 75),
-    "delayed_counted": (1.364, 71),  # rescale_out_of_range=False
+    "delayed_counted": (1.209, 64),  # rescale_out_of_range=False
 }
 
 
@@ -120,6 +120,20 @@ def test_backward_weight_casts_take_the_forward_amax(ffn, monkeypatch):
         ("ffn", "f8dist", "rowwise_with_gw_hp")]
     carried = ffn[("ffn", "f8dist", "rowwise_with_gw_hp")]
     assert carried.bytes < 0.95 * without.bytes, (carried.bytes, without.bytes)
+
+
+def test_delayed_amax_records_follow_their_casts(ffn, monkeypatch):
+    """[Note: record after the cast] in f8dist/delayed.py: recorded before the cast, an amax that
+    the cast does not wait for is a second pass over its tensor."""
+    import f8dist.delayed
+
+    scale = f8dist.delayed._scale
+    monkeypatch.setattr(f8dist.delayed, "_scale",
+                        lambda *args, later=None, **kwargs: scale(*args, **kwargs))
+    without = bench_bytes.run(["ffn"], ["delayed_counted"], small=True, torchao=False)[
+        ("ffn", "f8dist", "delayed_counted")]
+    after = ffn[("ffn", "f8dist", "delayed_counted")]
+    assert after.bytes < 0.95 * without.bytes, (after.bytes, without.bytes)
 
 
 def test_ffn_float8_gemms_read_float8(ffn):
