@@ -28,6 +28,17 @@ def test_tp_sp_matches_one_device(tp_results, recipe):
     _check_recipe(recipe, tp_results[recipe])
 
 
+def test_tp_backward_takes_the_weight_amax_from_forward(tp_results):
+    """[Note: what the matmul keeps for backward]: a TP-sharded tensorwise weight all-reduces its
+    amax in forward only; computing it again in backward costs one all-reduce per float8 linear,
+    with the same numbers."""
+    carried, recomputed = tp_results["tensorwise"], tp_results["tensorwise+weight_amax_recomputed"]
+    assert carried["float8_linears"] == recomputed["float8_linears"] > 0
+    extra = recomputed["bwd_all_reduce_calls"] - carried["bwd_all_reduce_calls"]
+    assert extra == carried["float8_linears"], (carried, recomputed)
+    _check_recipe("tensorwise+weight_amax_recomputed", recomputed)
+
+
 def test_tp_sp_rowwise_with_gw_hp(tp_results):
     # grad_weight in high precision takes the float8-communicated operands, dequantized: outputs
     # and input grads match one device; weight grads match one device that makes the same wire

@@ -21,6 +21,7 @@ the forward all-reduces are counted (precompute must leave no weight amax all-re
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -97,12 +98,13 @@ def run_model(model, tokens, grad_logits):
 
 def compare(
     args, mesh, recipe: str, wire_reference: bool, *,
-    float8_all_gather: bool = False, precompute: bool = False,
+    float8_all_gather: bool = False, precompute: bool = False, weight_amax_from_forward=True,
 ) -> dict:
     """One float8 recipe: SQNRs against one device and the counted all-gather bytes.
 
     ``float8_all_gather`` (2-D only): FSDP2 all-gathers the weights in float8; ``precompute``
     computes their scales before the forward with ``precompute_float8_dynamic_scale_for_fsdp``.
+    ``weight_amax_from_forward=False``: backward's weight casts compute their own amax.
     """
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
@@ -115,6 +117,10 @@ def compare(
         model = Transformer(ARGS)
     model.init_weights(seed=0)
     convert_to_float8_training(model, config=config)
+    if not weight_amax_from_forward:
+        for m in model.modules():
+            if isinstance(m, Float8Linear):
+                m.specs = dataclasses.replace(m.specs, weight_amax_from_forward=False)
     reference = copy.deepcopy(model)
     if wire_reference:
         add_wire_casts(reference)
@@ -182,6 +188,8 @@ def compare(
         "fwd_all_gather_calls": ag.calls,
         "fwd_all_gather_bytes_per_element": ag.input_bytes / ((2 * ARGS.n_layers + 1) * shard),
         "bwd_all_gather_calls": bag.calls,
+        "bwd_all_reduce_calls": bwd.expect("all_reduce").calls,
+        "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
     }
@@ -352,7 +360,9 @@ def run(args):
                 args, mesh, "tensorwise", wire_reference=False,
                 float8_all_gather=True, precompute=precompute,
             )
-    if args.dp == 1:
+    if args.dp == 1:  # backward's weight amax all-reduces, without the forward's amax
+        results["tensorwise+weight_amax_recomputed"] = compare(
+            args, mesh, "tensorwise", wire_reference=False, weight_amax_from_forward=False)
         results["errors"] = errors(mesh)
         results["padded_shard_sqnr_db"] = padded_shard(mesh)
         results["rowwise_replicated_input"] = rowwise_replicated_input(mesh)
