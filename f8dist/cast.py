@@ -88,7 +88,7 @@ def cast_to_float8(
         raise ValueError(f"{spec.site}: give a cast its scale or its amax, not both")
     if scale is None:
         if amax is None:
-            t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] in f8dist/scaling.py
+            t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] (scaling.py)
             amax = logical_amax(t, axis)  # [] or t.shape with 1 at axis
         elif amax.dim() != (0 if axis is None else t.dim()):
             raise ValueError(

@@ -81,14 +81,14 @@ A cast that may re-scale depends on the amax of its own tensor, so it reads the 
 for the amax, once for the cast, and a producer (SwiGLU, a norm) cannot fuse the cast into its own
 kernel: it writes the high-precision tensor for the cast to read back. A cast with the history's
 scale needs no amax before it; its amax is recorded in the same pass ([Note: record after the
-cast]). In a compiled FFN block the re-scaling rule costs about a fifth of the bytes delayed scaling moves (``scripts/bench_bytes.py``:
-rows ``delayed`` and ``delayed_counted``). No graph expresses "a second pass only when out of
-range" without a host sync per cast (``torch.cond`` decides on the host, and its operands and
-outputs are materialized). ``DelayedScalingConfig(rescale_out_of_range=False)`` takes the cheap
-casts: an out-of-range step casts with the history scale and is only counted (the sync restarts
-the history), as the FSDP2 float8 all-gather's casts always are; a non-finite value still turns
-the output non-finite (a delayed cast maps it to NaN in the same pass, [Note: non-finite values]
-in f8dist/scaling.py).
+cast]). In a compiled FFN block the re-scaling rule costs about a fifth of the bytes delayed scaling
+moves (``scripts/bench_bytes.py``: rows ``delayed`` and ``delayed_counted``). No graph expresses "a
+second pass only when out of range" without a host sync per cast (``torch.cond`` decides on the
+host, and its operands and outputs are materialized).
+``DelayedScalingConfig(rescale_out_of_range=False)`` takes the cheap casts: an out-of-range step
+casts with the history scale and is only counted (the sync restarts the history), as the FSDP2
+float8 all-gather's casts always are; a non-finite value still turns the output non-finite (a
+delayed cast maps it to NaN in the same pass, [Note: non-finite values] in f8dist/scaling.py).
 
 The decision is per rank, on the tensor the rank casts. Bytes that are then communicated must
 share one scale on every rank: the TP styles' casts before an all-gather decide on the logical
