@@ -105,17 +105,21 @@ class _Float8Matmul(torch.autograd.Function):
 
     ``input`` is [M, K] (high precision or float8), ``weight`` is [N, K] (high precision, or a
     float8 tensor from FSDP2's float8 all-gather). ``specs`` are the linear's six cast specs;
-    ``scales`` holds delayed-scaling scales by (gemm, operand), or is None.
+    ``scales`` holds delayed-scaling scales by (gemm, operand), or is None. ``backward``: whether
+    a backward will run (grad mode on, an operand requiring grad); only then is the weight amax
+    kept for it (a reduction, an all-reduce for a TP-sharded weight).
     """
 
     @staticmethod
-    def forward(ctx, input, weight, specs: CastSpecs, scales: Scales, delayed: Delayed):
+    def forward(ctx, input, weight, specs: CastSpecs, scales: Scales, delayed: Delayed,
+                backward: bool):
         x = input
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
             x = _cast(OUTPUT, INPUT, input, specs, scales, store=True)
         weight_amax = _forward_weight_amax(weight, specs)  # None, [] or [N, 1]
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
-        ctx.save_for_backward(x, weight, _max_of(weight_amax))  # the amax: [] or None
+        kept = _max_of(weight_amax) if backward else None  # [] or None
+        ctx.save_for_backward(x, weight, kept)
         ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
         return out
 
@@ -134,7 +138,7 @@ class _Float8Matmul(torch.autograd.Function):
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
         for amax_record in later:
             amax_record()
-        return grad_input, grad_weight.to(weight.dtype), None, None, None
+        return grad_input, grad_weight.to(weight.dtype), None, None, None, None
 
 
 # [Note: autocast]
@@ -163,7 +167,8 @@ def float8_linear_mm(
     which gives backward its grad_output scale."""
     k = input.shape[-1]
     input_2d = input.reshape(-1, k)  # [M, K]
-    out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales, delayed)  # [M, N]
+    backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
+    out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales, delayed, backward)  # [M, N]
     return out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])
 
 

@@ -224,6 +224,21 @@ def test_backward_casts_the_weight_with_the_forward_amax(recipe):
         assert torch.equal(a, b)
 
 
+def test_no_weight_amax_is_reduced_for_a_backward_that_will_not_run(monkeypatch):
+    import f8dist.linear
+
+    _, f8 = _pair("rowwise_with_gw_hp", torch.bfloat16, bias=False)
+    reduced = []
+    max_of = f8dist.linear._max_of
+    monkeypatch.setattr(f8dist.linear, "_max_of", lambda a: reduced.append(a) or max_of(a))
+    x = torch.randn(48, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        f8(x)
+    assert reduced == []
+    f8(x).sum().backward()
+    assert len(reduced) == 1
+
+
 def test_rowwise_keeps_the_high_precision_input():
     _, f8 = _pair("rowwise", torch.float32, bias=False)
     saved = []
