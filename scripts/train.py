@@ -48,6 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import f8dist
+import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
@@ -55,6 +56,7 @@ from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
 _BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
@@ -117,6 +119,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=non_negative, default=10)
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--optim-states", choices=OPTIM_STATES, default="fp32",
+                   help="AdamW's moments: fp32 (torch.optim.AdamW) or 8bit (f8dist.optim.AdamW, "
+                        "about 2 bytes per parameter instead of 8)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="FSDP2 parameter (compute) dtype; master weights and grads reduce in fp32")
     # model size
@@ -242,6 +247,16 @@ def apply_ac(block: nn.Module, mode: str) -> nn.Module:
 
 
 # -- optimization -------------------------------------------------------------------------------
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW (torchtitan's settings): torch's with fp32 moments, or f8dist's with 8-bit moments
+    on each rank's shards ([Note: 8-bit AdamW on shards] in f8dist/optim/adamw.py); both
+    checkpoint the same state dict, so a run can resume with the other."""
+    hyper = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if args.optim_states == "8bit":
+        return f8dist.optim.AdamW(model.parameters(), **hyper)
+    return torch.optim.AdamW(model.parameters(), foreach=True, **hyper)
+
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup to --lr, then cosine decay to 10 % at --steps (a function of the step
@@ -373,8 +388,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
 
     model = build_model(args, mesh, device)
     margs = model.args
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
-                                  betas=(0.9, 0.95), foreach=True)
+    optimizer = build_optimizer(model, args)
     batches = ByteBatches(seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                           dp_rank=dp_rank, dp_size=dp_size)
     accum = args.grad_accum_steps
@@ -391,7 +405,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {margs.n_layers} layers, dim {margs.dim}, {n_params:,} params | "
-              f"float8: {args.float8} | mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
+              f"float8: {args.float8} | optim states: {args.optim_states} | mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
               f"compile: {args.compile} | {device.type} x {world}", flush=True)
 
     peak = bf16_peak_flops(device)

@@ -84,3 +84,23 @@ def test_loss_table_compares_each_recipe_with_bf16():
     table = compare_loss.loss_table(curves, tail=2, title="t")
     assert "| bf16 | 2.0000 |  |" in table
     assert "| tensorwise | 2.1000 | +5.00% |" in table
+
+
+def test_loss_table_compares_8bit_states_with_fp32_states():
+    curves = {"none/fp32": [5.0, 2.0, 2.0], "none/8bit": [5.0, 2.0, 2.02],
+              "tensorwise/fp32": [5.0, 2.2, 2.0], "tensorwise/8bit": [5.0, 2.2, 2.1]}
+    table = compare_loss.loss_table(curves, tail=2, title="t")
+    assert "| bf16, fp32 states | 2.0000 |  |  |" in table
+    assert "| bf16, 8bit states | 2.0100 | +0.50% | +0.50% |" in table
+    assert "| tensorwise, 8bit states | 2.1500 | +7.50% | +2.38% |" in table
+
+
+def test_optim_states_flag_picks_the_optimizer():
+    import torch
+
+    from f8dist.optim import AdamW
+
+    model = torch.nn.Linear(4, 4)
+    assert type(train.build_optimizer(model, train.parse_args([]))) is torch.optim.AdamW
+    eight = train.build_optimizer(model, train.parse_args(["--optim-states", "8bit"]))
+    assert isinstance(eight, AdamW) and eight.defaults["betas"] == (0.9, 0.95)
