@@ -94,6 +94,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+    p.add_argument("--float8-activations-for-backward", action="store_true",
+                   help="keep float8 copies of the activations backward reads (grad_weight inputs, "
+                        "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
@@ -201,7 +204,8 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
 def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     if args.float8 == "none":
         return None
-    config = Float8LinearConfig.from_recipe_name(args.float8)
+    config = Float8LinearConfig.from_recipe_name(args.float8).replace(
+        float8_activations_for_backward=args.float8_activations_for_backward)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
         # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)

@@ -104,3 +104,9 @@ def test_optim_states_flag_picks_the_optimizer():
     assert type(train.build_optimizer(model, train.parse_args([]))) is torch.optim.AdamW
     eight = train.build_optimizer(model, train.parse_args(["--optim-states", "8bit"]))
     assert isinstance(eight, AdamW) and eight.defaults["betas"] == (0.9, 0.95)
+
+
+def test_float8_activations_flag_sets_the_config_field():
+    args = train.parse_args(["--float8", "rowwise", "--float8-activations-for-backward"])
+    assert train.float8_config(args).float8_activations_for_backward
+    assert not train.float8_config(train.parse_args(["--float8", "rowwise"])).float8_activations_for_backward
