@@ -318,7 +318,7 @@ class SavedInput(_Name):
     f8dist/linear.py)."""
 
     HIGH_PRECISION = "high_precision"  # the input; backward casts it, or its gemm reads it as is
-    FORWARD_CAST = "forward_cast"  # the output gemm's float8 input (re-scaled in backward if axiswise)
+    FORWARD_CAST = "forward_cast"  # the output gemm's float8 input (axiswise: re-scaled later)
     GRAD_WEIGHT_CAST = "grad_weight_cast"  # cast in forward as the grad_weight gemm casts it
 
 
@@ -462,8 +462,8 @@ class Float8LinearConfig:
                             f"got {self.float8_activations_for_backward!r}")
         if self.float8_activations_for_backward and self.axiswise_requantize_input_for_grad_weight:
             raise ValueError(
-                "float8_activations_for_backward and axiswise_requantize_input_for_grad_weight both "
-                "decide what the grad_weight gemm reads as its input; set one: "
+                "float8_activations_for_backward and axiswise_requantize_input_for_grad_weight "
+                "both decide what the grad_weight gemm reads as its input; set one: "
                 "float8_activations_for_backward casts the high-precision input along the token "
                 "axis in forward (backward's gradients, bit for bit, 1 byte kept per element), "
                 "axiswise_requantize_input_for_grad_weight keeps the forward's float8 copy and "

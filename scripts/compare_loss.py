@@ -55,7 +55,8 @@ def loss_table(curves: Dict[str, List[float]], tail: int, title: str) -> str:
         row = f"| {label} | {loss:.4f} | {'' if name == bf16 else _delta(loss, base)} |"
         if states:
             fp32 = curves.get(f"{recipe}/fp32")
-            row += f" {'' if kind == 'fp32' or fp32 is None else _delta(loss, final_loss(fp32, tail))} |"
+            versus = "" if kind == "fp32" or fp32 is None else _delta(loss, final_loss(fp32, tail))
+            row += f" {versus} |"
         rows.append(row)
     return "\n".join(rows) + "\n"
 
@@ -74,7 +75,8 @@ def plot(curves: Dict[str, List[float]], steps: List[int], path: str, title: str
     bf16 = next((name for name in ("none", "none/fp32") if name in curves), None)
     for i, (name, losses) in enumerate(curves.items()):
         recipe, _, kind = name.partition("/")
-        label = ("bf16" if recipe == "none" else f"float8 {recipe}") + (f", {kind} states" if kind else "")
+        label = "bf16" if recipe == "none" else f"float8 {recipe}"
+        label += f", {kind} states" if kind else ""
         color = f"C{i}"
         ax.plot(steps, losses, label=label, color=color, lw=1.2)
         if bf16 is not None and name != bf16:

@@ -135,7 +135,8 @@ def swiglu_fit(args, x, device):
     ref, _ = build("ffn", args, device, torch.float32)
     xf = x.float().detach().requires_grad_()
     ref(xf).sum().backward()
-    print(f"{'FFN gradients vs fp32':26} {'f8 act':6} {'SQNR dW min (dB)':>16} {'SQNR dx (dB)':>12}")
+    print(f"{'FFN gradients vs fp32':26} {'f8 act':6} {'SQNR dW min (dB)':>16} "
+          f"{'SQNR dx (dB)':>12}")
     for recipe, on, config in configs():
         dw, dx = _grad_sqnr(ref, xf, convert(ref, config).to(x.dtype), x)
         print(f"{recipe:26} {'on' if on else 'off':6} {dw:16.2f} {dx:12.2f}")

@@ -16,7 +16,7 @@ Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
     e4m3       1      x * s in float8 e4m3 (s a power of 2)     2**17.8, 4 significant bits
     e5m2       1      x * s in float8 e5m2 (s a power of 2)     2**31.8, 3 significant bits
     int8       1      round(x / s), s = amax / 127              127 linear steps
-    sqrt_e4m3  1      sqrt(x) * s in e4m3; x >= 0               2**35.6, 4 significant bits of sqrt(x)
+    sqrt_e4m3  1      sqrt(x) * s in e4m3; x >= 0               2**35.6, 4 bits of sqrt(x)
     log8       1      round(8 log2(x / amax)) + 255; x >= 0     2**31.8, steps of 2**(1/8) (9 %)
     log16      1      round(16 log2(x / amax)) + 255; x >= 0    2**15.9, steps of 2**(1/16) (4.4 %)
 
@@ -24,10 +24,10 @@ Encoding a decoded vector again gives it back, bit for bit, so a checkpoint that
 states (``f8dist.optim.AdamW.state_dict``) resumes exactly. The float8 formats take
 ``f8dist.scaling.amax_to_scale`` of the block's amax rounded down to a power of 2 (a decoded value
 is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that ``127 * s`` is
-exact and a decoded block's amax gives ``s`` again. The log formats keep the block's max as their scale and code 0 for exactly 0; a positive
-value below their range takes the smallest code (it is overestimated, never flushed to 0: for a
-second moment that makes the update smaller, where zero would make it ``m / eps``). A block of
-zeros decodes to zeros in every format.
+exact and a decoded block's amax gives ``s`` again. The log formats keep the block's max as their
+scale and code 0 for exactly 0; a positive value below their range takes the smallest code (it is
+overestimated, never flushed to 0: for a second moment that makes the update smaller, where zero
+would make it ``m / eps``). A block of zeros decodes to zeros in every format.
 
 Which format suits which moment is measured by ``scripts/optim_states_report.py``
 (docs/optim.md): the first moment (signed, an average of gradients) loses least in int8, whose

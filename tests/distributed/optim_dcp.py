@@ -2,7 +2,8 @@
 torch.distributed.checkpoint round trips, against one device and against torch.optim.AdamW.
 
 1. ``fsdp2``, ranks 0 and 1: FSDP2 training with 8-bit states, same data on both ranks, is one
-   device's bit for bit (every shard is whole blocks); ``optimizer.step()`` runs no collective. Saved with DCP at step 3, then 2 more steps.
+   device's bit for bit (every shard is whole blocks); ``optimizer.step()`` runs no
+   collective. Saved with DCP at step 3, then 2 more steps.
 2. ``resume``, ranks 0 and 1: a fresh model and optimizer load step 3 and take the same 2 steps:
    bit for bit the run that never stopped (decoded states re-encode to the same codes).
 3. ``reshard``, 3 ranks: the 2-rank checkpoint loads into FSDP2 on 3 ranks (one rank holds an

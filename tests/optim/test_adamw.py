@@ -94,7 +94,8 @@ def test_state_dict_is_torch_adamw_state_dict():
     torch_opt.load_state_dict(sd)
     back = AdamW(_groups(copy.deepcopy(model)), amsgrad=True)
     back.load_state_dict(torch_opt.state_dict())
-    for p, q in zip(model.parameters(), back.param_groups[0]["params"] + back.param_groups[1]["params"]):
+    loaded = back.param_groups[0]["params"] + back.param_groups[1]["params"]
+    for p, q in zip(model.parameters(), loaded):
         for key, value in optimizer.state[p].items():
             assert torch.equal(back.state[q][key], value), key
     assert back.param_groups[0]["lr"] == 3e-2 and back.param_groups[1]["weight_decay"] == 0.0
