@@ -31,7 +31,7 @@ import torch
 __all__ = [
     "ScalingType", "ScalingGranularity", "Gemm", "Operand", "CastConfig", "CastSpec", "CastSpecs",
     "CastSite", "DelayedScalingConfig", "Float8GemmConfig", "Float8LinearConfig",
-    "Float8LinearRecipeName", "ScaledMMConfig", "E4M3", "E5M2",
+    "Float8LinearRecipeName", "SavedInput", "ScaledMMConfig", "E4M3", "E5M2",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -312,24 +312,42 @@ class CastSite:
         return f"{self.fqn or '<root>'}:{self.gemm}:{self.operand}"
 
 
+class SavedInput(_Name):
+    """What a linear keeps of its input for the grad_weight gemm: the one rule is
+    ``Float8LinearConfig._saved_input`` ([Note: what the matmul keeps for backward] in
+    f8dist/linear.py)."""
+
+    HIGH_PRECISION = "high_precision"  # the input; backward casts it, or its gemm reads it as is
+    FORWARD_CAST = "forward_cast"  # the output gemm's float8 input (axiswise: re-scaled later)
+    GRAD_WEIGHT_CAST = "grad_weight_cast"  # cast in forward as the grad_weight gemm casts it
+
+
 @dataclass(frozen=True)
 class CastSpecs:
     """The six :class:`CastSpec` of one linear, by ``(gemm, operand)``: what Float8Linear
     computes once from its config. Hashable (compile-time constant of the float8 matmul)."""
 
     specs: Tuple[CastSpec, ...]
-    # backward's grad_weight gemm takes the forward's float8 input (see [Note: what the matmul
-    # keeps for backward] in f8dist/linear.py) instead of the high-precision one
-    save_float8_input: bool = False
+    # what the forward keeps of the input for backward's grad_weight gemm (see [Note: what the
+    # matmul keeps for backward] in f8dist/linear.py)
+    saved_input: SavedInput = SavedInput.HIGH_PRECISION
     # backward casts grad_output once for both of its gemms (tensorwise: the same bytes)
     cast_grad_output_once: bool = False
     # backward's weight cast takes its amax from the forward's weight cast instead of reading the
     # weight again (see [Note: what the matmul keeps for backward] in f8dist/linear.py)
     weight_amax_from_forward: bool = False
+    # how the activations that produce this linear's input keep what their backward reads
+    # (SwiGLU's inputs before an FFN's w2, f8dist/swiglu.py); None: in high precision
+    activation: Optional[CastSpec] = None
 
     def __getitem__(self, cell: Tuple[Gemm, Operand]) -> CastSpec:
         gemm, operand = cell
         return self.specs[_CELLS.index((gemm, operand))]
+
+    @property
+    def save_float8_input(self) -> bool:
+        """Whether the forward casts the input once, for the output gemm and for backward."""
+        return self.saved_input is SavedInput.FORWARD_CAST
 
     def gemm_in_float8(self, gemm: Gemm) -> bool:
         return self[gemm, gemm.operands[0]].enabled
@@ -404,6 +422,11 @@ class Float8LinearConfig:
     # re-scale it along the token axis there (less memory, a second rounding), instead of the
     # high-precision input (exact); see [Note: what the matmul keeps for backward] in linear.py
     axiswise_requantize_input_for_grad_weight: bool = False
+    # keep what backward reads only for gradients in float8, cast in forward from high precision:
+    # the grad_weight gemm's float8 input, cast as that gemm casts it (gradients bit for bit those
+    # of casting in backward), and SwiGLU's inputs (f8dist/swiglu.py, activation_spec); see
+    # [Note: what the matmul keeps for backward] in linear.py
+    float8_activations_for_backward: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -434,6 +457,18 @@ class Float8LinearConfig:
                     f"too, or give {_field_name(gemm, off)} a float8 CastConfig"
                 )
 
+        if not isinstance(self.float8_activations_for_backward, bool):
+            raise TypeError("Float8LinearConfig.float8_activations_for_backward must be a bool, "
+                            f"got {self.float8_activations_for_backward!r}")
+        if self.float8_activations_for_backward and self.axiswise_requantize_input_for_grad_weight:
+            raise ValueError(
+                "float8_activations_for_backward and axiswise_requantize_input_for_grad_weight "
+                "both decide what the grad_weight gemm reads as its input; set one: "
+                "float8_activations_for_backward casts the high-precision input along the token "
+                "axis in forward (backward's gradients, bit for bit, 1 byte kept per element), "
+                "axiswise_requantize_input_for_grad_weight keeps the forward's float8 copy and "
+                "re-scales it in backward (no second cast in forward, a second rounding)"
+            )
         if self.axiswise_requantize_input_for_grad_weight:
             fwd = self.cast_config(Gemm.OUTPUT, Operand.INPUT)
             gw = self.cast_config(Gemm.GRAD_WEIGHT, Operand.INPUT)
@@ -499,14 +534,40 @@ class Float8LinearConfig:
         specs = CastSpecs(tuple(self.cast_spec(g, op, fqn) for g, op in _CELLS))
         return dataclasses.replace(
             specs,
-            save_float8_input=(
-                _same_bytes(specs, Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT)
-                or self.axiswise_requantize_input_for_grad_weight
-            ),
+            saved_input=self._saved_input(specs),
             cast_grad_output_once=_same_bytes(
                 specs, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
             weight_amax_from_forward=_amax_follows(
                 specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
+            activation=self.activation_spec(f"{fqn}.activation" if fqn else "activation"),
+        )
+
+    def _saved_input(self, specs: CastSpecs) -> SavedInput:
+        """What a linear keeps of its input for backward: the one rule ([Note: what the matmul
+        keeps for backward] in f8dist/linear.py)."""
+        if not specs.gemm_in_float8(Gemm.GRAD_WEIGHT):
+            return SavedInput.HIGH_PRECISION  # a high-precision gemm reads the values
+        if _same_bytes(specs, Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT):
+            return SavedInput.FORWARD_CAST  # one cast serves both gemms
+        if self.float8_activations_for_backward:
+            return SavedInput.GRAD_WEIGHT_CAST
+        if self.axiswise_requantize_input_for_grad_weight:
+            return SavedInput.FORWARD_CAST  # re-scaled along the token axis in backward
+        return SavedInput.HIGH_PRECISION
+
+    def activation_spec(self, fqn: str = "") -> Optional[CastSpec]:
+        """How an activation that backward reads only to compute gradients is kept, with
+        ``float8_activations_for_backward`` (SwiGLU's inputs, f8dist/swiglu.py); None when off.
+        e4m3, one dynamic scale per channel: the amax of ``[tokens, channels]`` over the tokens,
+        the grad_weight gemm's axis, so a tensor-parallel shard of the channels scales as one
+        device and no collective runs. A linear resolves it once (``CastSpecs.activation``, its
+        FQN + ".activation": no linear's, so telemetry leaves these casts out)."""
+        if not self.float8_activations_for_backward:
+            return None
+        return CastSpec(
+            dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=0,
+            round_scales_to_power_of_2=self.round_scales_to_power_of_2,
+            gemm=Gemm.GRAD_WEIGHT, operand=Operand.INPUT, fqn=fqn,
         )
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

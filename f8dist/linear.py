@@ -22,14 +22,22 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
   forward's amax ([] or [N, 1]), one float32. The weight has not changed since, so it is
   backward's amax, exact, without reading the weight again (rowwise_with_gw_hp's forward scales
   per row, its backward per tensor: a full pass over every weight saved).
-* input, when the grad_weight gemm reuses the forward cast (same tensorwise config): the float8
-  input, 1 byte per element, and no high-precision copy.
-* input otherwise: the high-precision input (axiswise needs the other axis; a high-precision
-  grad_weight gemm needs the values). With ``axiswise_requantize_input_for_grad_weight`` the
-  float8 forward copy is kept and re-scaled along the token axis in backward instead (less memory,
-  a second rounding). With power-of-2 scales (the rowwise default) re-scaling only shifts
-  exponents, so the second rounding changes nothing but e4m3 subnormals. scripts/memory_report.py
-  measures both choices (bytes kept, grad_weight SQNR; docs/performance.md).
+* input: what ``CastSpecs.saved_input`` says, the one rule (``Float8LinearConfig._saved_input``):
+  - FORWARD_CAST, when the grad_weight gemm reuses the forward cast (same tensorwise config): the
+    float8 input, 1 byte per element, and no high-precision copy;
+  - HIGH_PRECISION otherwise by default: the high-precision input (axiswise needs the other axis;
+    a high-precision grad_weight gemm needs the values);
+  - GRAD_WEIGHT_CAST, with ``float8_activations_for_backward``: the input cast in forward as the
+    grad_weight gemm casts it (rowwise: along the token axis), 1 byte per element. Backward then
+    reads those bytes: its gradients are those of casting in backward, bit for bit, and the
+    forward pays a second cast of its input. A high-precision grad_weight gemm keeps the
+    high-precision input (it reads the values, not float8).
+  - FORWARD_CAST with ``axiswise_requantize_input_for_grad_weight``: the float8 forward copy is
+    kept and re-scaled along the token axis in backward instead (no second cast in forward, a
+    second rounding). With power-of-2 scales (the rowwise default) re-scaling only shifts
+    exponents, so the second rounding changes nothing but e4m3 subnormals. The two options are
+    exclusive (the config says so). scripts/memory_report.py measures the choices (bytes kept,
+    grad_weight SQNR; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from f8dist.cast import cast_to_float8, high_precision, logical_amax
-from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
 from f8dist.delayed import DelayedScaling, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_gemm_shape
@@ -119,7 +127,10 @@ class _Float8Matmul(torch.autograd.Function):
         weight_amax = _forward_weight_amax(weight, specs)  # None, [] or [N, 1]
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
         kept = _max_of(weight_amax) if backward else None  # [] or None
-        ctx.save_for_backward(x, weight, kept)
+        saved = x  # [Note: what the matmul keeps for backward]
+        if backward and specs.saved_input is SavedInput.GRAD_WEIGHT_CAST:
+            saved = _cast(GRAD_WEIGHT, INPUT, input, specs, scales)  # [M, K] float8
+        ctx.save_for_backward(saved, weight, kept)
         ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
         return out
 

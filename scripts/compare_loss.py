@@ -9,6 +9,8 @@ Every run goes through ``train.py``'s loop; flags this script does not know are 
         --out-dir loss_tp --steps 100 --tp 2
 
 The "final loss" is the mean of the last ``--tail`` steps (one step's loss is one small batch's).
+``--optim-states fp32,8bit`` trains each recipe with each kind of AdamW state (a run is named
+``recipe/states``, e.g. ``tensorwise/8bit``) and compares each with its recipe's fp32 states too.
 """
 
 from __future__ import annotations
@@ -33,15 +35,29 @@ def final_loss(losses: List[float], tail: int) -> float:
     return sum(tail_losses) / len(tail_losses)
 
 
+def _delta(loss: float, base: Optional[float]) -> str:
+    return "" if base is None else f"{100 * (loss - base) / base:+.2f}%"
+
+
 def loss_table(curves: Dict[str, List[float]], tail: int, title: str) -> str:
-    """Markdown table: each recipe's final loss and its difference from bf16's."""
-    base = final_loss(curves["none"], tail) if "none" in curves else None
-    rows = [f"### {title}", "", f"| recipe | final loss (mean of last {tail} steps) | vs bf16 |",
-            "|---|---|---|"]
-    for recipe, losses in curves.items():
+    """Markdown table: each run's final loss and its difference from bf16's. Runs named
+    ``recipe/states`` (``--optim-states``) also get their difference from ``recipe/fp32``."""
+    bf16 = next((name for name in ("none", "none/fp32") if name in curves), None)
+    base = final_loss(curves[bf16], tail) if bf16 is not None else None
+    states = any("/" in name for name in curves)
+    head = f"| recipe | final loss (mean of last {tail} steps) | vs bf16 |"
+    rows = [f"### {title}", "", head + (" vs fp32 states |" if states else ""),
+            "|---|---|---|" + ("---|" if states else "")]
+    for name, losses in curves.items():
         loss = final_loss(losses, tail)
-        delta = "" if base is None or recipe == "none" else f"{100 * (loss - base) / base:+.2f}%"
-        rows.append(f"| {'bf16' if recipe == 'none' else recipe} | {loss:.4f} | {delta} |")
+        recipe, _, kind = name.partition("/")
+        label = ("bf16" if recipe == "none" else recipe) + (f", {kind} states" if kind else "")
+        row = f"| {label} | {loss:.4f} | {'' if name == bf16 else _delta(loss, base)} |"
+        if states:
+            fp32 = curves.get(f"{recipe}/fp32")
+            versus = "" if kind == "fp32" or fp32 is None else _delta(loss, final_loss(fp32, tail))
+            row += f" {versus} |"
+        rows.append(row)
     return "\n".join(rows) + "\n"
 
 
@@ -56,11 +72,15 @@ def plot(curves: Dict[str, List[float]], steps: List[int], path: str, title: str
         return False
     fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True,
                                    gridspec_kw={"height_ratios": [2, 1]})
-    for i, (recipe, losses) in enumerate(curves.items()):
-        label, color = ("bf16" if recipe == "none" else f"float8 {recipe}"), f"C{i}"
+    bf16 = next((name for name in ("none", "none/fp32") if name in curves), None)
+    for i, (name, losses) in enumerate(curves.items()):
+        recipe, _, kind = name.partition("/")
+        label = "bf16" if recipe == "none" else f"float8 {recipe}"
+        label += f", {kind} states" if kind else ""
+        color = f"C{i}"
         ax.plot(steps, losses, label=label, color=color, lw=1.2)
-        if "none" in curves and recipe != "none":
-            diff.plot(steps, [a - b for a, b in zip(losses, curves["none"])], color=color, lw=1.0)
+        if bf16 is not None and name != bf16:
+            diff.plot(steps, [a - b for a, b in zip(losses, curves[bf16])], color=color, lw=1.0)
     ax.set_ylabel("training loss (nats/byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -81,17 +101,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
                    help="comma-separated --float8 values; 'none' is the bf16 baseline")
     p.add_argument("--out-dir", default="loss_compare")
     p.add_argument("--tail", type=int, default=10)
+    p.add_argument("--optim-states", default=None,
+                   help="comma-separated train.py --optim-states values to cross with the recipes")
     args, train_argv = p.parse_known_args(argv)
     recipes = [r for r in args.recipes.split(",") if r]
     unknown = sorted(set(recipes) - set(train.RECIPES))
     if unknown:
         p.error(f"unknown recipes {unknown}; choose from {list(train.RECIPES)}")
+    kinds = [k for k in (args.optim_states or "").split(",") if k]
+    if sorted(set(kinds) - set(train.OPTIM_STATES)):
+        p.error(f"--optim-states takes {list(train.OPTIM_STATES)}")
 
     curves, steps = {}, []
     for recipe in recipes:
-        run_args = train.parse_args([*train_argv, "--float8", recipe])
-        result = train.train(run_args)
-        curves[recipe], steps = result["losses"], result["steps"]
+        for kind in kinds or [None]:
+            flags = ["--float8", recipe] + (["--optim-states", kind] if kind else [])
+            run_args = train.parse_args([*train_argv, *flags])
+            result = train.train(run_args)
+            curves[recipe if kind is None else f"{recipe}/{kind}"] = result["losses"]
+            steps = result["steps"]
     if dist.get_rank() == 0:
         layout = f"dp={dist.get_world_size() // run_args.tp} tp={run_args.tp}"
         title = f"{run_args.steps} steps, {layout}, seed {run_args.seed}"

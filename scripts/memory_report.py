@@ -1,5 +1,7 @@
-"""Bytes kept for backward and peak bytes of a fwd+bwd: bf16 vs each float8 recipe, plain and
-under ``float8_sac_context_fn``, for a SwiGLU FFN and a LLaMA-style transformer block.
+"""Bytes kept for backward and peak bytes of a fwd+bwd: bf16 vs each float8 recipe, without and
+with ``float8_activations_for_backward`` ("f8 act"), plain, under ``float8_sac_context_fn`` (SAC)
+and under full activation checkpointing (full AC), for a SwiGLU FFN and a LLaMA-style
+transformer block.
 
     PYTHONPATH=. python scripts/memory_report.py                    # CPU, small shapes
     PYTHONPATH=. python scripts/memory_report.py --device cuda --dim 4096 --seq 8192
@@ -9,7 +11,9 @@ it stands for the previous layer's output); scales: the part of kept made by ama
 peak: most bytes alive at once over fwd+bwd (CPU: live storages, see f8dist/testing/memory.py; CUDA:
 also torch.cuda.max_memory_allocated). --compiled adds what torch.compile's partitioner saves for
 backward (f8dist.testing.compiled_saved_bytes; input included, parameters excluded). The last section compares the two axiswise choices for the
-grad_weight input (keep high precision vs requantize the float8 forward copy).
+grad_weight input (keep high precision, cast in forward with f8 act, requantize the float8
+forward copy), and "f8 act" on the FFN's gradients (SQNR against fp32): the SwiGLU inputs it
+keeps in float8 (f8dist/swiglu.py) are the only numerics it changes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import argparse
 import copy
 
 import torch
+
+from torch.utils.checkpoint import noop_context_fn
 
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.testing import compiled_saved_bytes, measure_fwd_bwd
@@ -41,37 +47,49 @@ def convert(module, config):
     return module
 
 
+def configs():
+    """(recipe, f8 act, config) rows: bf16, then each recipe without and with the option."""
+    yield "bf16", False, None
+    for recipe in RECIPES[1:]:
+        for on in (False, True):
+            config = Float8LinearConfig.from_recipe_name(recipe)
+            yield recipe, on, config.replace(float8_activations_for_backward=on)
+
+
 def report(kind, args, x, device, dtype, compiled=False):
     base, extra = build(kind, args, device, dtype)
     cuda = x.is_cuda
-    head = f"{'model':6} {'recipe':19} {'plain kept':>11} {'ratio':>6} {'plain peak':>11} " \
-           f"{'SAC kept':>10} {'scales':>7} {'ratio':>6} {'SAC peak':>10}"
+    head = (f"{'model':6} {'recipe':19} {'f8 act':6} {'plain kept':>11} {'ratio':>6} "
+            f"{'plain peak':>11} {'SAC kept':>10} {'scales':>7} {'ratio':>6} {'SAC peak':>10} "
+            f"{'full AC kept':>12} {'ratio':>6}")
     if cuda:
         head += f" {'cuda peak plain':>15} {'cuda peak SAC':>14}"
     if compiled:
-        head += f" {'compiled plain':>14} {'compiled SAC':>12}"
+        head += f" {'compiled plain':>14} {'ratio':>6} {'compiled SAC':>12}"
     print(head)
     ref = {}
-    for recipe in RECIPES:
-        config = None if recipe == "bf16" else Float8LinearConfig.from_recipe_name(recipe)
+    for recipe, on, config in configs():
         module = convert(base, config)
         plain = measure_fwd_bwd(module, x, *extra)
         sac = measure_fwd_bwd(module, x, *extra, context_fn=float8_sac_context_fn)
+        full = measure_fwd_bwd(module, x, *extra, context_fn=noop_context_fn)
+        saved = [
+            compiled_saved_bytes(module, x, *extra, context_fn=fn)
+            for fn in (None, float8_sac_context_fn)
+        ] if compiled else []
         if recipe == "bf16":
-            ref = {"plain": plain.kept_bytes, "sac": sac.kept_bytes}
+            ref = {"plain": plain.kept_bytes, "sac": sac.kept_bytes, "full": full.kept_bytes,
+                   "compiled": saved[0] if saved else None}
         line = (
-            f"{kind:6} {recipe:19} {plain.kept_bytes:11d} {plain.kept_bytes / ref['plain']:6.3f} "
-            f"{plain.peak_bytes:11d} {sac.kept_bytes:10d} {sac.scale_bytes:7d} "
-            f"{sac.kept_bytes / ref['sac']:6.3f} {sac.peak_bytes:10d}"
+            f"{kind:6} {recipe:19} {'on' if on else 'off':6} {plain.kept_bytes:11d} "
+            f"{plain.kept_bytes / ref['plain']:6.3f} {plain.peak_bytes:11d} {sac.kept_bytes:10d} "
+            f"{sac.scale_bytes:7d} {sac.kept_bytes / ref['sac']:6.3f} {sac.peak_bytes:10d} "
+            f"{full.kept_bytes:12d} {full.kept_bytes / ref['full']:6.3f}"
         )
         if cuda:
             line += f" {plain.cuda_peak_bytes:15d} {sac.cuda_peak_bytes:14d}"
         if compiled:
-            saved = [
-                compiled_saved_bytes(module, x, *extra, context_fn=fn)
-                for fn in (None, float8_sac_context_fn)
-            ]
-            line += f" {saved[0]:14d} {saved[1]:12d}"
+            line += f" {saved[0]:14d} {saved[0] / ref['compiled']:6.3f} {saved[1]:12d}"
         print(line)
 
 
@@ -79,9 +97,18 @@ def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     return (20 * torch.log10(ref.norm() / (ref - x.float()).norm())).item()
 
 
+def _grad_sqnr(ref, xf, module, x):
+    """min SQNR over the weight gradients, and the input gradient's, against the fp32 run."""
+    for p in module.parameters():
+        p.grad = None
+    xi = x.detach().clone().requires_grad_()
+    module(xi).float().sum().backward()
+    dw = min(_sqnr(r.grad, p.grad) for r, p in zip(ref.parameters(), module.parameters()))
+    return dw, _sqnr(xf.grad, xi.grad)
+
+
 def axiswise_choices(args, x, device):
-    """grad SQNR (vs fp32) and kept bytes of rowwise with the high-precision vs the requantized
-    grad_weight input, on the SwiGLU FFN."""
+    """grad SQNR (vs fp32) and kept bytes of rowwise's three grad_weight inputs, on the FFN."""
     ref, _ = build("ffn", args, device, torch.float32)
     xf = x.float().detach().requires_grad_()
     ref(xf).sum().backward()
@@ -91,14 +118,28 @@ def axiswise_choices(args, x, device):
         rowwise = Float8LinearConfig.from_recipe_name("rowwise").replace(
             round_scales_to_power_of_2=pow2
         )
-        for name, requantize in (("high precision (default)", False), ("requantized float8", True)):
-            config = rowwise.replace(axiswise_requantize_input_for_grad_weight=requantize)
-            module = convert(ref, config).to(x.dtype)
-            xi = x.detach().clone().requires_grad_()
-            module(xi).float().sum().backward()
-            dw = min(_sqnr(r.grad, p.grad) for r, p in zip(ref.parameters(), module.parameters()))
+        for name, change in (
+            ("high precision (default)", {}),
+            ("f8 act (SwiGLU too)", {"float8_activations_for_backward": True}),
+            ("requantized float8", {"axiswise_requantize_input_for_grad_weight": True}),
+        ):
+            module = convert(ref, rowwise.replace(**change)).to(x.dtype)
+            dw, dx = _grad_sqnr(ref, xf, module, x)
             kept = measure_fwd_bwd(module, x).kept_bytes
-            print(f"{name:26} {str(pow2):>11} {kept:8d} {dw:16.2f} {_sqnr(xf.grad, xi.grad):12.2f}")
+            print(f"{name:26} {str(pow2):>11} {kept:8d} {dw:16.2f} {dx:12.2f}")
+
+
+def swiglu_fit(args, x, device):
+    """What keeping SwiGLU's inputs in float8 costs: FFN gradient SQNR vs fp32, f8 act off/on
+    (the linears' gradients are the same either way: only the SwiGLU changes)."""
+    ref, _ = build("ffn", args, device, torch.float32)
+    xf = x.float().detach().requires_grad_()
+    ref(xf).sum().backward()
+    print(f"{'FFN gradients vs fp32':26} {'f8 act':6} {'SQNR dW min (dB)':>16} "
+          f"{'SQNR dx (dB)':>12}")
+    for recipe, on, config in configs():
+        dw, dx = _grad_sqnr(ref, xf, convert(ref, config).to(x.dtype), x)
+        print(f"{recipe:26} {'on' if on else 'off':6} {dw:16.2f} {dx:12.2f}")
 
 
 def main():
@@ -122,6 +163,8 @@ def main():
         report(kind, args, x, opts.device, dtype, opts.compiled)
     print()
     axiswise_choices(args, x, opts.device)
+    print()
+    swiglu_fit(args, x, opts.device)
 
 
 if __name__ == "__main__":

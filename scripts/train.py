@@ -9,7 +9,8 @@ world size 1)::
 
 Every rank logs nothing; rank 0 prints one line per ``--log-every`` steps, torchtitan-style::
 
-    step: 20  loss: 2.9120  grad_norm: 0.8312  memory: 0.31GiB  tps: 9,832  [20/60 eta 0:00:21]
+    step: 60  loss: 2.5563  grad_norm: 0.4370  memory: 0.40GiB (params 0.3MiB grads 0.3MiB ...
+    ... optim 0.5MiB act 2.0MiB)  tps: 6,425  [60/60 eta 0:00:00]
 
 The order of model transformations is torchtitan's: float8 conversion, tensor parallel,
 activation checkpointing, torch.compile (per block), FSDP2 (per block, then the root).
@@ -48,13 +49,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import f8dist
+import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
+from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
 _BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
@@ -92,6 +96,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+    p.add_argument("--float8-activations-for-backward", action="store_true",
+                   help="keep float8 copies of the activations backward reads (grad_weight inputs, "
+                        "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
@@ -117,6 +124,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=non_negative, default=10)
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--optim-states", choices=OPTIM_STATES, default="fp32",
+                   help="AdamW's moments: fp32 (torch.optim.AdamW) or 8bit (f8dist.optim.AdamW, "
+                        "about 2 bytes per parameter instead of 8)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="FSDP2 parameter (compute) dtype; master weights and grads reduce in fp32")
     # model size
@@ -196,7 +206,8 @@ def model_args(args: argparse.Namespace) -> ModelArgs:
 def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     if args.float8 == "none":
         return None
-    config = Float8LinearConfig.from_recipe_name(args.float8)
+    config = Float8LinearConfig.from_recipe_name(args.float8).replace(
+        float8_activations_for_backward=args.float8_activations_for_backward)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
         # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)
@@ -242,6 +253,16 @@ def apply_ac(block: nn.Module, mode: str) -> nn.Module:
 
 
 # -- optimization -------------------------------------------------------------------------------
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW (torchtitan's settings): torch's with fp32 moments, or f8dist's with 8-bit moments
+    on each rank's shards ([Note: 8-bit AdamW on shards] in f8dist/optim/adamw.py); both
+    checkpoint the same state dict, so a run can resume with the other."""
+    hyper = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if args.optim_states == "8bit":
+        return f8dist.optim.AdamW(model.parameters(), **hyper)
+    return torch.optim.AdamW(model.parameters(), foreach=True, **hyper)
+
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup to --lr, then cosine decay to 10 % at --steps (a function of the step
@@ -343,10 +364,82 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
 
 # -- logging ------------------------------------------------------------------------------------
 
+# [Note: the memory line]
+# Every logged step prints the peak and its parts on rank 0 (this rank's shards):
+#   peak         CUDA: torch.cuda.max_memory_allocated since the start; CPU: the process's peak RSS
+#   params       the parameters and buffers (FSDP2: the fp32 shards, not the bf16 all-gathered copy)
+#   grads        the gradients after backward (fp32 shards)
+#   optim        every tensor in the optimizer's state (8 bytes per parameter for torch's AdamW,
+#                2.125 for --optim-states 8bit)
+#   act          what the last micro-batch's forward (and loss) keeps for backward: on CUDA the
+#                allocator's growth over the forward; on the CPU the tensors autograd saves
+#                (pack hooks, counted by storage once the forward is done, parameters and buffers
+#                excluded),
+#                which misses what a selective-checkpoint policy caches (--ac sac: its inputs only)
+# docs/performance.md holds the same split per parameter and per token from
+# scripts/memory_budget.py.
+
+
 def memory_gib(device: torch.device) -> float:
+    """The peak of [Note: the memory line], GiB."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device) / 2**30
+        return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS (Linux: KiB)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_nbytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard); non-tensors count 0."""
+    parts = (_local(t) for t in tensors)
+    return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+
+
+def memory_split(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    """params, grads and optim of [Note: the memory line], bytes on this rank."""
+    return {
+        "params": local_nbytes([*model.parameters(), *model.buffers()]),
+        "grads": local_nbytes(p.grad for p in model.parameters()),
+        "optim": local_nbytes(v for state in optimizer.state.values() for v in state.values()),
+    }
+
+
+@contextlib.contextmanager
+def kept_for_backward(device: torch.device, model: nn.Module, out: Dict[str, int]):
+    """``out["act"]``: the bytes the forward inside keeps for backward ([Note: the memory line])."""
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
+        yield
+        out["act"] = max(out.get("act", 0), torch.cuda.memory_allocated(device) - before)
+        return
+    state = [*model.parameters(), *model.buffers()]  # counted as params
+    params = {st.data_ptr() for p in state for st in storages(_local(p))}
+    saved = {}
+
+    def pack(t):
+        # FSDP2's all-gathered weights are Parameters too (freed after forward, not activations)
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            for storage in storages(t):
+                if storage.data_ptr() not in params:
+                    saved[storage.data_ptr()] = storage
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    out["act"] = max(out.get("act", 0), sum(s.nbytes() for s in saved.values()))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f}MiB"
+
+
+def memory_text(device: torch.device, split: Dict[str, int]) -> str:
+    """``memory: 0.41GiB (params 0.5MiB grads 0.5MiB optim 1.1MiB act 2.3MiB)``."""
+    keys = [k for k in ("params", "grads", "optim", "act") if k in split]
+    parts = " ".join(f"{k} {_size(split[k])}" for k in keys)
+    return f"memory: {memory_gib(device):.2f}GiB ({parts})"
 
 
 def bf16_peak_flops(device: torch.device) -> Optional[float]:
@@ -373,8 +466,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
 
     model = build_model(args, mesh, device)
     margs = model.args
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
-                                  betas=(0.9, 0.95), foreach=True)
+    optimizer = build_optimizer(model, args)
     batches = ByteBatches(seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                           dp_rank=dp_rank, dp_size=dp_size)
     accum = args.grad_accum_steps
@@ -391,7 +483,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {margs.n_layers} layers, dim {margs.dim}, {n_params:,} params | "
-              f"float8: {args.float8} | mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
+              f"float8: {args.float8} | optim states: {args.optim_states} | "
+              f"mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
               f"compile: {args.compile} | {device.type} x {world}", flush=True)
 
     peak = bf16_peak_flops(device)
@@ -412,12 +505,16 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         inputs, targets = (t.to(device) for t in next(batches))  # [b, S], [b, S]
+        logged = rank == 0 and (step % args.log_every == 0 or step == args.steps)
+        split: Dict[str, int] = {}  # [Note: the memory line], on logged steps
         # --float8-stats-every N: record this step's float8 casts if step % N == 0
         with stats.step(step) if stats is not None else contextlib.nullcontext():
             loss = 0.0
             for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):  # [b / accum, S]
-                logits = model(x)  # [b / accum, S, V]
-                micro = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1)) / accum
+                measured = kept_for_backward(device, model, split) if logged else None
+                with measured or contextlib.nullcontext():
+                    logits = model(x)  # [b / accum, S, V]
+                    micro = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1)) / accum
                 micro.backward()
                 loss = loss + micro.detach()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
@@ -426,6 +523,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         if args.float8 == "delayed":  # one MAX all-reduce: the step's amaxes into the histories
             f8dist.sync_float8_amax_and_scale_history(model)
         optimizer.step()
+        if logged:
+            split.update(memory_split(model, optimizer))
         optimizer.zero_grad(set_to_none=True)
         if args.float8_all_gather and args.float8 == "tensorwise":
             # one all-reduce for the scales of every float8 weight's next all-gather
@@ -438,11 +537,11 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         losses.append(global_loss)
         tokens_since_log += tokens_per_step
 
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+        if logged:
             now = time.perf_counter()
             tps = tokens_since_log / (now - t_log)
             line = (f"step: {step}  loss: {global_loss:.4f}  grad_norm: {float(grad_norm):.4f}  "
-                    f"memory: {memory_gib(device):.2f}GiB  tps: {tps:,.0f}")
+                    f"{memory_text(device, split)}  tps: {tps:,.0f}")
             if peak is not None:
                 mfu = 100 * margs.flops_per_token(args.seq_len) * tps / peak
                 line += f"  mfu(vs bf16 peak): {mfu:.2f}%"

@@ -127,3 +127,35 @@ def test_no_weight_amax_is_carried_into_a_high_precision_gemm():
     config = Float8LinearConfig(cast_config_grad_output=off, cast_config_weight_for_grad_input=off,
                                 cast_config_grad_output_for_grad_weight=CastConfig())
     assert not config.cast_specs().weight_amax_from_forward
+
+
+@pytest.mark.parametrize("name, saved", [
+    ("tensorwise", "forward_cast"), ("rowwise", "grad_weight_cast"),
+    ("rowwise_with_gw_hp", "high_precision"), ("delayed", "forward_cast"),
+])
+def test_what_a_linear_keeps_of_its_input(name, saved):
+    """One rule (Float8LinearConfig._saved_input) for the grad_weight gemm's input: by default
+    float8 only where one cast serves both gemms; float8_activations_for_backward casts it in
+    forward where backward would cast it; a high-precision gemm reads the input itself."""
+    config = Float8LinearConfig.from_recipe_name(name)
+    on = config.replace(float8_activations_for_backward=True).cast_specs("w")
+    assert on.saved_input == saved
+    assert config.cast_specs("w").saved_input == ("forward_cast" if saved == "forward_cast"
+                                                  else "high_precision")
+    requantized = Float8LinearConfig.from_recipe_name("rowwise").replace(
+        axiswise_requantize_input_for_grad_weight=True)
+    assert requantized.cast_specs().saved_input == "forward_cast"
+    # SwiGLU's saved inputs: e4m3, a scale per channel (over the tokens), for every recipe
+    spec = on.activation
+    assert (spec.dtype, spec.granularity, spec.axis) == (
+        torch.float8_e4m3fn, ScalingGranularity.AXISWISE, 0)
+    assert spec.site.fqn == "w.activation" and config.cast_specs("w").activation is None
+
+
+def test_float8_activations_for_backward_and_requantize_are_exclusive():
+    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
+    with pytest.raises(ValueError, match="set one"):
+        rowwise.replace(float8_activations_for_backward=True,
+                        axiswise_requantize_input_for_grad_weight=True)
+    with pytest.raises(TypeError, match="must be a bool"):
+        rowwise.replace(float8_activations_for_backward=1)

@@ -321,3 +321,27 @@ def test_compile_matches_eager(recipe):
     grad = torch.randn(3, 5, 32, dtype=torch.bfloat16)
     for e, c in zip(_run(f8, x, grad), _run(compiled, x, grad)):
         assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_activations_for_backward_give_the_same_gradients(recipe, compiled):
+    """float8_activations_for_backward casts the grad_weight gemm's input in forward, as backward
+    would: the same gradients, bit for bit; rowwise then keeps 1 byte per input element instead of
+    2 (tensorwise kept float8 already; rowwise_with_gw_hp's high-precision gemm keeps bf16)."""
+    torch._dynamo.reset()
+    _, plain = _pair(recipe, torch.bfloat16)
+    _, kept8 = _pair(recipe, torch.bfloat16, float8_activations_for_backward=True)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)  # any token count: the gemm pads M
+    grad = torch.randn(3, 5, 32, dtype=torch.bfloat16)
+    if compiled:
+        plain, kept8 = (torch.compile(m, fullgraph=True) for m in (plain, kept8))
+    for a, b in zip(_run(plain, x, grad), _run(kept8, x, grad)):
+        assert torch.equal(a, b)
+    if not compiled:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            kept8(x.requires_grad_())
+        inputs = [t for t in saved if t.shape == (15, 64)]
+        want = Float8Tensor if recipe != "rowwise_with_gw_hp" else torch.Tensor
+        assert len(inputs) == 1 and type(inputs[0]) is want, saved

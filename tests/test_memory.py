@@ -16,8 +16,9 @@ ARGS = ModelArgs(dim=64, n_heads=4)  # SwiGLU hidden 176
 TOKENS = (2, 32)
 
 
-def make_model(kind: str, recipe: str):
-    """(module, x, extra forward args) in bf16; ``recipe`` "bf16" leaves it unconverted."""
+def make_model(kind: str, recipe: str, **changes):
+    """(module, x, extra forward args) in bf16; ``recipe`` "bf16" leaves it unconverted;
+    ``changes``: Float8LinearConfig fields set on the recipe's config."""
     torch.manual_seed(0)
     if kind == "ffn":
         module, extra = FeedForward(ARGS.dim, ARGS.ffn_hidden_dim), ()
@@ -26,7 +27,8 @@ def make_model(kind: str, recipe: str):
         extra = (precompute_rope(ARGS.head_dim, ARGS.max_seq_len, ARGS.rope_theta),)
     module = module.to(torch.bfloat16)
     if recipe != "bf16":
-        convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
+        config = Float8LinearConfig.from_recipe_name(recipe).replace(**changes)
+        convert_to_float8_training(module, config=config)
     x = torch.randn(*TOKENS, ARGS.dim, dtype=torch.bfloat16)
     return module, x, extra
 
@@ -98,6 +100,19 @@ def test_peak_counts_backward_allocations():
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     # the weight gradients alone are allocated in backward and all alive at its end
     assert stats.peak_bytes >= stats.kept_bytes + params
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_activations_for_backward_keep_at_most_0_6_of_bf16_in_the_ffn(recipe, bf16_kept):
+    """float8_activations_for_backward: the FFN keeps its linears' grad_weight inputs and its
+    SwiGLU's inputs in float8 (rowwise_with_gw_hp: the SwiGLU's only). In the block the
+    attention's and RMSNorm's saved tensors stay as they are: less than without, more than 0.6x
+    (docs/performance.md)."""
+    for kind, bound in (("ffn", 0.6 * bf16_kept["ffn", None]), ("block", None)):
+        module, x, extra = make_model(kind, recipe, float8_activations_for_backward=True)
+        kept = measure_fwd_bwd(module, x, *extra).kept_bytes
+        without = measure_fwd_bwd(*make_model(kind, recipe)[:2], *extra).kept_bytes
+        assert kept < without and (bound is None or kept <= bound), (kind, kept, without, bound)
 
 
 # -- axiswise: keep the high-precision input (default) or requantize the float8 copy -----------

@@ -84,3 +84,65 @@ def test_loss_table_compares_each_recipe_with_bf16():
     table = compare_loss.loss_table(curves, tail=2, title="t")
     assert "| bf16 | 2.0000 |  |" in table
     assert "| tensorwise | 2.1000 | +5.00% |" in table
+
+
+def test_loss_table_compares_8bit_states_with_fp32_states():
+    curves = {"none/fp32": [5.0, 2.0, 2.0], "none/8bit": [5.0, 2.0, 2.02],
+              "tensorwise/fp32": [5.0, 2.2, 2.0], "tensorwise/8bit": [5.0, 2.2, 2.1]}
+    table = compare_loss.loss_table(curves, tail=2, title="t")
+    assert "| bf16, fp32 states | 2.0000 |  |  |" in table
+    assert "| bf16, 8bit states | 2.0100 | +0.50% | +0.50% |" in table
+    assert "| tensorwise, 8bit states | 2.1500 | +7.50% | +2.38% |" in table
+
+
+def test_optim_states_flag_picks_the_optimizer():
+    import torch
+
+    from f8dist.optim import AdamW
+
+    model = torch.nn.Linear(4, 4)
+    assert type(train.build_optimizer(model, train.parse_args([]))) is torch.optim.AdamW
+    eight = train.build_optimizer(model, train.parse_args(["--optim-states", "8bit"]))
+    assert isinstance(eight, AdamW) and eight.defaults["betas"] == (0.9, 0.95)
+
+
+def test_float8_activations_flag_sets_the_config_field():
+    args = train.parse_args(["--float8", "rowwise", "--float8-activations-for-backward"])
+    assert train.float8_config(args).float8_activations_for_backward
+    off = train.float8_config(train.parse_args(["--float8", "rowwise"]))
+    assert not off.float8_activations_for_backward
+
+
+def test_memory_line_splits_params_grads_optimizer_and_activations():
+    """[Note: the memory line]: parameters, gradients and optimizer state counted from the
+    tensors themselves; activations from what autograd saves (the CPU's count)."""
+    import torch
+
+    from f8dist.models import ModelArgs, Transformer
+    from f8dist.testing import saved_tensor_bytes
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+    model = Transformer(args)
+    n, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    tokens = torch.randint(0, 256, (2, 16))
+    for states in ("fp32", "8bit"):
+        optimizer = train.build_optimizer(model, train.parse_args(["--optim-states", states]))
+        model(tokens).float().sum().backward()
+        optimizer.step()
+        split = train.memory_split(model, optimizer)
+        assert split["params"] == 4 * n + model.rope.numel() * 4
+        assert split["grads"] == 4 * n
+        if states == "fp32":  # two fp32 moments per parameter, a float32 step per tensor
+            assert split["optim"] == 8 * n + 4 * tensors
+        else:  # 2.125 bytes per element of whole blocks of 64
+            assert 2.125 * n < split["optim"] <= 2.125 * (n + 63 * tensors) + 4 * tensors
+        model.zero_grad(set_to_none=True)
+
+    block, x = model.layers["0"], torch.randn(2, 16, 32)
+    with train.kept_for_backward(torch.device("cpu"), model, split):  # its params and buffers out
+        block(x.clone().requires_grad_(), model.rope)
+    assert split["act"] == saved_tensor_bytes(block, x, model.rope) > 0
+    line = train.memory_text(torch.device("cpu"), split)
+    assert line.startswith("memory: ")
+    assert "GiB (params 0.1MiB grads 0.1MiB optim 0.1MiB act " in line, line

@@ -49,9 +49,10 @@ _AMAX_OPS = (aten.amax.default, aten.max.default)
 def storages(t: torch.Tensor) -> List[torch.UntypedStorage]:
     """The storages holding ``t``'s bytes (the inner tensors' for a wrapper subclass such as
     Float8Tensor)."""
-    if is_traceable_wrapper_subclass(t):
+    if is_traceable_wrapper_subclass(t):  # (a DTensor may name a non-tensor too: skipped)
         names, _ = t.__tensor_flatten__()
-        return [s for name in names for s in storages(getattr(t, name))]
+        inner = (getattr(t, name) for name in names)
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in storages(x)]
     if t.device.type == "meta" or t.is_sparse:
         return []
     return [t.untyped_storage()]

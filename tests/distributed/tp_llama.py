@@ -99,18 +99,20 @@ def run_model(model, tokens, grad_logits):
 def compare(
     args, mesh, recipe: str, wire_reference: bool, *,
     float8_all_gather: bool = False, precompute: bool = False, weight_amax_from_forward=True,
+    **config_changes,
 ) -> dict:
     """One float8 recipe: SQNRs against one device and the counted all-gather bytes.
 
     ``float8_all_gather`` (2-D only): FSDP2 all-gathers the weights in float8; ``precompute``
     computes their scales before the forward with ``precompute_float8_dynamic_scale_for_fsdp``.
     ``weight_amax_from_forward=False``: backward's weight casts compute their own amax.
+    ``config_changes``: Float8LinearConfig fields to set on the recipe's config.
     """
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     device = mesh.device_type
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(**config_changes)
     if float8_all_gather:
         config = config.replace(enable_fsdp_float8_all_gather=True)
     with torch.device(device):
@@ -363,6 +365,10 @@ def run(args):
     if args.dp == 1:  # backward's weight amax all-reduces, without the forward's amax
         results["tensorwise+weight_amax_recomputed"] = compare(
             args, mesh, "tensorwise", wire_reference=False, weight_amax_from_forward=False)
+        # float8 activations for backward: the SwiGLU's inputs scaled per channel on each rank's
+        # channels, the grad_weight inputs cast in forward: one device's numbers still
+        results["rowwise+float8_activations"] = compare(
+            args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True)
         results["errors"] = errors(mesh)
         results["padded_shard_sqnr_db"] = padded_shard(mesh)
         results["rowwise_replicated_input"] = rowwise_replicated_input(mesh)

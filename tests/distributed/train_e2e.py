@@ -6,7 +6,9 @@ On whatever mesh ``--train "..."`` asks for, in one launch:
    a checkpoint every ``--every`` steps into ``--ckpt-dir``, and its last save is killed after
    every rank wrote its shards but before DCP's ``.metadata`` (``killed_at_the_last_save``);
 2. train again with ``--resume``: a fresh model, loaded from the newest complete checkpoint;
-3. resume from ``--resume-from``, a checkpoint saved by a run on one rank.
+3. resume from ``--resume-from``, a checkpoint saved by a run on one rank;
+4. with ``--fp32-states-too``: the float8 run again with ``--optim-states fp32`` (for runs whose
+   flags ask for 8-bit states, to compare the two).
 
 Reports the loss curves and compare_loss's markdown table of the first two.
 """
@@ -74,6 +76,7 @@ def _args(parser):
     parser.add_argument("--ckpt-dir", required=True)
     parser.add_argument("--resume-from", required=True,
                         help="a checkpoint directory saved by a run on another number of ranks")
+    parser.add_argument("--fp32-states-too", action="store_true")
 
 
 def run(args):
@@ -94,11 +97,16 @@ def run(args):
         regrouped = train.train(train.parse_args([*argv, "--float8", args.recipe, "--checkpoint-dir",
                                                   args.resume_from, "--resume"]))
 
+    fp32_states = None
+    if args.fp32_states_too:
+        fp32_states = train.train(train.parse_args([*argv, "--float8", args.recipe,
+                                                    "--optim-states", "fp32"]))
+
     table = compare_loss.loss_table({"none": bf16["losses"], args.recipe: fp8["losses"]},
                                     tail=10, title=args.train)
     write_result(args, {"bf16": bf16, "float8": fp8, "resumed": resumed, "table": table,
                         "checkpoints_after_kill": left, "regrouped": regrouped,
-                        "regrouped_log": log.getvalue()})
+                        "regrouped_log": log.getvalue(), "float8_fp32_states": fp32_states})
 
 
 if __name__ == "__main__":
