@@ -135,7 +135,7 @@ from f8dist.tensor import Float8Tensor
 
 __all__ = [
     "DELAYED_BUFFER_PREFIXES", "in_range", "DelayedScaling", "delayed_operands",
-    "shared_scale", "set_amax_group", "sync_float8_amax_and_scale_history",
+    "shared_scale", "delayed_buffers", "ignore_in_ddp", "set_amax_group", "sync_float8_amax_and_scale_history",
     "delayed_scaling_counters", "strip_delayed_scaling_state",
 ]
 
@@ -143,6 +143,7 @@ DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 # [Note: out of range]: the binades below a tensor's max that a delayed cast keeps in normal
 # numbers, and how far above the format's max its max may land
 KEPT_BINADES, SATURATION = 10, 2.0
+_KINDS = ("amax", "amax_history", "scale", "steps")  # the buffers fp8_{kind}_{op}
 _FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
@@ -218,6 +219,7 @@ class DelayedScaling:
             module.register_buffer(f"fp8_amax_history_{op}", torch.zeros(self.history_len, device=device))
             module.register_buffer(f"fp8_scale_{op}", torch.ones((), device=device))
             module.register_buffer(f"fp8_steps_{op}", torch.zeros(6, device=device), persistent=False)
+        self.buffer_names = tuple(f"fp8_{kind}_{op}" for op in operands for kind in _KINDS)
 
     @classmethod
     def attach(cls, module: nn.Module) -> Optional["DelayedScaling"]:
@@ -410,6 +412,24 @@ def shared_scale(owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor
 def _owners(model: nn.Module) -> List[DelayedScaling]:
     owners = [getattr(m, "delayed", None) for m in model.modules()]
     return [o for o in owners if isinstance(o, DelayedScaling)]
+
+
+def delayed_buffers(model: nn.Module) -> List[str]:
+    """The fully qualified names of every delayed-scaling buffer of ``model``: state that the sync
+    keeps equal across ranks, so DDP need not broadcast it ([Note: ranks that disagree] in
+    f8dist/agreement.py)."""
+    return [f"{fqn}.{b}" if fqn else b for fqn, m in model.named_modules()
+            if isinstance(getattr(m, "delayed", None), DelayedScaling) for b in m.delayed.buffer_names]
+
+
+def ignore_in_ddp(model: nn.Module) -> None:
+    """Keep the delayed buffers of ``model`` out of DDP's broadcasts (at construction and each
+    forward): the sync all-reduces them, and a rank whose buffers differ must reach the agreement
+    check instead of a mismatched broadcast. DDP reads the list from the module it wraps."""
+    names = delayed_buffers(model)
+    if names:
+        known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        model._ddp_params_and_buffers_to_ignore = known + [n for n in names if n not in known]
 
 
 def set_amax_group(model: nn.Module, group) -> None:
