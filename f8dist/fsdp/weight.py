@@ -165,7 +165,7 @@ class Float8AllGatherWeight(torch.Tensor):
             # the module's synced amax history: no collective, the shard's amax is recorded for
             # the next sync (on the first step the history is filled from all shards, one
             # all-reduce: [Note: first step] in f8dist/delayed.py)
-            return module.delayed.all_gather_scale(self._tensor)
+            return module.delayed.all_gather_scale(self._tensor, *_sharding_of(self, module, mesh))
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         amax = self._whole_weight_amax(mesh, module)
