@@ -57,7 +57,7 @@ from f8dist.config import Float8LinearConfig
 from f8dist.placement import _whole_mesh_group, is_dtensor
 
 __all__ = [
-    "TIMEOUT_ENV", "agree", "check", "check_before_first_forward", "check_once", "record_style",
+    "TIMEOUT_ENV", "agree", "canonical_name", "check", "check_before_first_forward", "check_once", "record_style",
     "settings", "timeout_s",
 ]
 TIMEOUT_ENV = "F8DIST_AGREEMENT_TIMEOUT_S"
@@ -238,7 +238,7 @@ def settings(model: nn.Module) -> Settings:
     Float8Linear and its config (field by field), and the float8 TP style of each module."""
     out: Settings = {}
     for name, m in model.named_modules():
-        name = ".".join(p for p in name.split(".") if p not in _WRAPPERS) or "<root>"
+        name = canonical_name(name) or "<root>"
         # a Float8Linear's config (the class is not imported here: f8dist.fsdp imports this module)
         config = getattr(m, "config", None)
         if isinstance(m, nn.Linear):
@@ -248,6 +248,12 @@ def settings(model: nn.Module) -> Settings:
         if hasattr(m, "_f8dist_tp_style"):
             out[name, "tp_style"] = m._f8dist_tp_style
     return out
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the parts wrappers add (activation checkpointing, torch.compile, FSDP1):
+    the name ``get_model_state_dict`` and the other ranks use."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
 
 
 def _fields(obj, prefix: str = ""):

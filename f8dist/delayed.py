@@ -119,7 +119,9 @@ scales, so the next step is bit-identical. The two other directions a torchao us
 work:
 
 * a plain ``nn.Linear`` checkpoint (no ``fp8_*`` keys) loads into a float8 model with
-  ``strict=True``; the delayed buffers are reset and the next step is a first step;
+  ``strict=True``; the delayed buffers are reset and the next step is a first step. A DCP
+  checkpoint does so with ``f8dist.checkpoint.Float8LoadPlanner`` ([Note: loading across
+  recipes] in f8dist/checkpoint.py);
 * a float8 checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``, or with
   ``load_state_dict(sd, strict=False)`` (the ``fp8_*`` keys then come back as unexpected keys).
 """
@@ -237,6 +239,15 @@ class DelayedScaling:
         # Python state that changes in the sync only, never in forward or backward (a compiled
         # checkpointed region must not change it)
         self.synced = False
+
+    def restart(self) -> None:
+        """Put every buffer back to its initial value and :meth:`reset`: the next step is a first
+        step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py)."""
+        for op in self.operands:
+            for kind in ("amax", "amax_history", "steps"):
+                self.buffer(kind, op).zero_()
+            self.buffer("scale", op).fill_(1.0)
+        self.reset()
 
     def buffer(self, kind: str, op: Operand) -> torch.Tensor:
         """``fp8_{kind}_{op}`` as a plain tensor. ``parallelize_module`` makes buffers Replicate

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
@@ -349,17 +350,27 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
     }
     if same_ranks:
         state["rng"] = {_rng_key(): torch.get_rng_state()}
-    dcp.load(state, checkpoint_id=checkpoint)
+    planner = Float8LoadPlanner()  # [Note: loading across recipes] in f8dist/checkpoint.py
+    dcp.load(state, checkpoint_id=checkpoint, planner=planner)
     set_model_state_dict(model, state["model"])
+    restarted = planner.restart_missing(model)
+    recipes = ""
+    if restarted:
+        recipes = (f"; delayed-scaling histories restarted for {len(restarted)} linear(s): the "
+                   "checkpoint holds none (saved with another --float8 recipe), so the next step "
+                   "is a first step")
+    elif planner.unused_delayed_state:
+        recipes = "; the checkpoint's delayed-scaling state is not used by this --float8 recipe"
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     batches.load_state_dict({"step": int(state["train"]["batches_step"])})
     step = int(state["train"]["step"])
     if same_ranks:
         torch.set_rng_state(state["rng"][_rng_key()])
-        return step, "RNG states restored"
+        return step, "RNG states restored" + recipes
     torch.manual_seed(hash((seed, step, dist.get_rank())) % 2**63)
     return step, (f"saved on {saved_ranks} rank(s), resumed on {dist.get_world_size()}: model and "
-                  "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank")
+                  "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank"
+                  + recipes)
 
 
 # -- logging ------------------------------------------------------------------------------------
