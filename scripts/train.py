@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -299,8 +300,17 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
 # saving leaves no step-N that --resume would take and fail to load. --resume takes the newest
 # DIR/step-N that holds .metadata, which also skips incomplete directories of older train.py runs.
 # RNG states are saved per rank: a run resumed on another number of ranks re-seeds instead.
+#
+# [Note: verified checkpoints]
+# A file can still be damaged after its save (a disk or copy that truncates it, a file overwritten
+# with garbage); DCP would then fail with a zip or pickle traceback, or load garbage without a
+# word. So rank 0 writes CHECKSUMS (the sha256 of every file of the step) into the step before the
+# rename, and --resume verifies the newest step first: a damaged step is named with the file and
+# what is wrong, and the newest intact one is taken. A step without CHECKSUMS (an older train.py)
+# is taken if DCP can read its .metadata.
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+CHECKSUMS = "checksums.json"
 
 
 def _rng_key() -> str:
@@ -322,18 +332,68 @@ def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int
     dist.barrier()
     dcp.save(state, checkpoint_id=partial)
     if dist.get_rank() == 0:
+        write_checksums(partial)  # [Note: verified checkpoints]
         shutil.rmtree(final, ignore_errors=True)  # this step, saved by an earlier run
         os.rename(partial, final)
+        print(f"saved checkpoint {final}", flush=True)
     dist.barrier()
 
 
-def latest_checkpoint(path: str) -> Optional[str]:
-    """The newest complete checkpoint ``path/step-N`` (one with DCP's ``.metadata``), or None."""
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: str) -> None:
+    """Write ``directory/CHECKSUMS``: the sha256 of each of its files ([Note: verified checkpoints])."""
+    sums = {name: _sha256(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
+            if name != CHECKSUMS and os.path.isfile(os.path.join(directory, name))}
+    with open(os.path.join(directory, CHECKSUMS + ".tmp"), "w") as f:
+        json.dump(sums, f, indent=1)
+    os.replace(os.path.join(directory, CHECKSUMS + ".tmp"), os.path.join(directory, CHECKSUMS))
+
+
+def damage(directory: str) -> Optional[str]:
+    """What is wrong with the checkpoint ``directory``, or None if it is intact."""
+    listed = os.path.join(directory, CHECKSUMS)
+    if not os.path.exists(listed):  # an older train.py: DCP's .metadata must at least read
+        try:
+            dcp.FileSystemReader(directory).read_metadata()
+        except Exception as e:  # noqa: BLE001 (pickle, EOF, ...: all mean unreadable)
+            return f".metadata unreadable ({type(e).__name__}) and no {CHECKSUMS} to check the files"
+        return None
+    try:
+        with open(listed) as f:
+            sums = json.load(f)
+    except ValueError:
+        return f"{CHECKSUMS} unreadable"
+    for name, expected in sums.items():
+        file = os.path.join(directory, name)
+        if not os.path.exists(file):
+            return f"{name} missing"
+        if _sha256(file) != expected:
+            return f"{name} differs from what was saved ({os.path.getsize(file)} bytes now)"
+    return None
+
+
+def latest_checkpoint(path: str, log=print) -> Optional[str]:
+    """The newest complete and intact checkpoint ``path/step-N`` (one with DCP's ``.metadata``
+    whose files match their checksums: [Note: verified checkpoints]), or None; ``log`` names each
+    damaged step passed over."""
     steps = [
         int(m.group(1)) for name in (os.listdir(path) if os.path.isdir(path) else [])
         if (m := _STEP_DIR.fullmatch(name)) and os.path.exists(os.path.join(path, name, ".metadata"))
     ]
-    return os.path.join(path, f"step-{max(steps)}") if steps else None
+    for step in sorted(steps, reverse=True):
+        checkpoint = os.path.join(path, f"step-{step}")
+        wrong = damage(checkpoint)
+        if wrong is None:
+            return checkpoint
+        log(f"checkpoint {checkpoint} is damaged: {wrong}; trying the one before it")
+    return None
 
 
 def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, seed: int):
@@ -483,10 +543,13 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     accum = args.grad_accum_steps
 
     start = 0
-    if args.resume:
-        checkpoint = latest_checkpoint(args.checkpoint_dir)
+    if args.resume:  # rank 0 verifies ([Note: verified checkpoints]); every rank loads its pick
+        found = [latest_checkpoint(args.checkpoint_dir, log=lambda line: print(line, flush=True))
+                 if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        checkpoint = found[0]
         if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no complete step-N checkpoint in {args.checkpoint_dir}")
+            raise FileNotFoundError(f"--resume: no complete, intact step-N checkpoint in {args.checkpoint_dir}")
         start, note = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
         if rank == 0:
             print(f"resumed from {checkpoint} at step {start} ({note})", flush=True)

@@ -69,6 +69,7 @@ def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
         (tmp_path / name / "__0_0.distcp").write_bytes(b"shard")
         if complete:
             (tmp_path / name / ".metadata").write_bytes(b"meta")
+            train.write_checksums(str(tmp_path / name))
     assert train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-10")
     assert train.latest_checkpoint(str(tmp_path / "missing")) is None
 
