@@ -29,6 +29,7 @@ import re
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -125,7 +126,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=positive, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=non_negative, default=10)
-    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--max-norm", type=float, default=1.0,
+                   help="clip gradients to this global norm (inf: no clipping)")
     p.add_argument("--optim-states", choices=OPTIM_STATES, default="fp32",
                    help="AdamW's moments: fp32 (torch.optim.AdamW) or 8bit (f8dist.optim.AdamW, "
                         "about 2 bytes per parameter instead of 8)")
@@ -164,7 +166,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 "recipe and no --compile")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
+        p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
+    if args.tp > 1 and args.seq_len % args.tp:
+        p.error(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp}: sequence "
+                "parallelism shards each sequence over the tp ranks")
+    for flag, path in (("--checkpoint-dir", args.checkpoint_dir),
+                       ("--metrics-file", args.metrics_file and os.path.dirname(args.metrics_file)),
+                       ("--float8-stats-dir", args.float8_stats_every and args.float8_stats_dir)):
+        wrong = _unwritable(path) if path is not None and path is not False else None
+        if wrong:
+            p.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {wrong}")
+    if args.metrics_file and os.path.isdir(args.metrics_file):
+        p.error(f"--metrics-file {args.metrics_file} is a directory; name a file in it")
     return args
+
+
+def _unwritable(directory: str) -> Optional[str]:
+    """Why files cannot be written in ``directory`` (made if missing), or None: checked when the
+    flags are, not at the first save or the end of the run."""
+    existing = os.path.abspath(directory or ".")
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot write in {existing} ({e.strerror})"
+    return None
 
 
 # -- distributed setup --------------------------------------------------------------------------
@@ -633,6 +664,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         stats.close()  # the last table and the PNG plot over steps
     result = {"steps": steps, "losses": losses}
     if rank == 0 and args.metrics_file:
+        os.makedirs(os.path.dirname(args.metrics_file) or ".", exist_ok=True)
         with open(args.metrics_file, "w") as f:
             json.dump({"args": vars(args), **result}, f)
     return result
