@@ -170,7 +170,7 @@ class ScaleRounding(_Name):
 # high-precision tensor (never from float8 twice). Both operands of a gemm must agree on ``inner``
 # (the kernel multiplies block products by one scale pair). A square block, (32, 32) or (128, 128),
 # is the same block in both gemms of an operand, so one float8 weight serves forward and backward
-# (``CastSpecs.weight_cast_once``). Scales are float32 (DeepSeek-V3) or ``float8_e8m0fnu`` (MX, a
+# (``CastSpecs.weight_same_bytes``): a weight that arrives in float8 needs no second cast. Scales are float32 (DeepSeek-V3) or ``float8_e8m0fnu`` (MX, a
 # power of 2 per byte, rounded as ``scale_rounding`` says). A block cut short by the tensor's edge
 # is zero-padded, which changes neither its amax nor any product: the token dim M may be anything;
 # the layer's own dims K and N must divide into blocks (or pad_inner_dim).
@@ -445,9 +445,9 @@ class CastSpecs:
     # backward's weight cast takes its amax from the forward's weight cast instead of reading the
     # weight again (see [Note: what the matmul keeps for backward] in f8dist/linear.py)
     weight_amax_from_forward: bool = False
-    # the forward's float8 weight serves the grad_input gemm too (square blocks: the same bytes,
-    # [Note: block scales]), kept for backward instead of casting the weight again
-    weight_cast_once: bool = False
+    # the weight casts to the same float8 bytes for the output and grad_input gemms (tensorwise,
+    # or square blocks: [Note: block scales]), so a float8 weight serves both as it is
+    weight_same_bytes: bool = False
     # how the activations that produce this linear's input keep what their backward reads
     # (SwiGLU's inputs before an FFN's w2, f8dist/swiglu.py); None: in high precision
     activation: Optional[CastSpec] = None
@@ -693,8 +693,7 @@ class Float8LinearConfig:
                 specs, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
             weight_amax_from_forward=_amax_follows(
                 specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
-            weight_cast_once=specs[Gemm.OUTPUT, Operand.WEIGHT].blockwise and _same_bytes(
-                specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
+            weight_same_bytes=_same_bytes(specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
             activation=self.activation_spec(f"{fqn}.activation" if fqn else "activation"),
         )
 

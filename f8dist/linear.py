@@ -15,9 +15,10 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
 
 [Note: what the matmul keeps for backward]
 * weight: the high-precision weight (a parameter, alive anyway) and it is re-cast in backward,
-  instead of keeping a second float8 copy. With square weight blocks (``CastSpecs.weight_cast_once``,
-  [Note: block scales] in f8dist/config.py) both gemms take the same bytes: the forward's float8
-  weight is kept instead (1 byte per element, the backward cast saved). A weight that arrives already in float8 (FSDP2 float8
+  instead of keeping a second float8 copy. With square weight blocks
+  (``CastSpecs.weight_same_bytes``, [Note: block scales] in f8dist/config.py) the backward cast
+  gives the forward's bytes again; keeping them instead would hold a float8 copy of every weight
+  until backward (under FSDP2, of every unsharded weight), more than bf16 keeps. A weight that arrives already in float8 (FSDP2 float8
   all-gather) is kept as it is: it is the unsharded parameter FSDP2 manages.
 * weight amax, when backward's weight cast is tensorwise and both casts compute their amax
   (``CastSpecs.weight_amax_from_forward``: tensorwise, rowwise_with_gw_hp): the max of the
@@ -127,9 +128,6 @@ class _Float8Matmul(torch.autograd.Function):
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
             x = _cast(OUTPUT, INPUT, input, specs, scales, store=True)
         weight_amax = _forward_weight_amax(weight, specs)  # None, [] or [N, 1]
-        ctx.weight_dtype = weight.dtype
-        if specs.weight_cast_once:  # square blocks: one float8 weight for both of its gemms
-            weight = _cast(OUTPUT, WEIGHT, weight, specs, scales, store=True)  # [N, K] float8
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
         kept = _max_of(weight_amax) if backward else None  # [] or None
         saved = x  # [Note: what the matmul keeps for backward]
@@ -154,7 +152,7 @@ class _Float8Matmul(torch.autograd.Function):
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
         for amax_record in later:
             amax_record()
-        return grad_input, grad_weight.to(ctx.weight_dtype), None, None, None, None
+        return grad_input, grad_weight.to(weight.dtype), None, None, None, None
 
 
 # [Note: autocast]

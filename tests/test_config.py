@@ -215,4 +215,4 @@ def test_block_recipes_block_along_each_gemms_contraction_dim(name, block, scale
     weight = {"mxfp8_square_weights": (32, 32), "blockwise": (128, 128)}.get(name)
     if weight:  # square: the same block in both of the weight's gemms
         assert specs["output", "weight"].block_shape(2) == weight == specs["grad_input", "weight"].block_shape(2)
-    assert specs.weight_cast_once == (weight is not None)
+    assert specs.weight_same_bytes == (weight is not None)

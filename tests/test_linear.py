@@ -422,20 +422,24 @@ def test_block_scaled_layer_dims_must_divide_into_blocks():
         assert sqnr(r, a) > GRAD_FLOOR and sqnr(e, a) > exact_gemm_db()
 
 
-@pytest.mark.parametrize("recipe, weight_casts", [("mxfp8", 2), ("mxfp8_square_weights", 1)])
-def test_square_weight_blocks_cast_the_weight_once(recipe, weight_casts):
+@pytest.mark.parametrize("recipe, same", [("mxfp8", False), ("mxfp8_square_weights", True)])
+def test_square_weight_blocks_give_both_gemms_the_same_weight_bytes(recipe, same):
     # [Note: block scales]: a 32x32 block is the same block in both of the weight's gemms, so the
-    # forward's float8 weight serves the grad_input gemm (kept for backward, not cast again)
+    # forward's float8 weight is what backward's cast gives (and a float8 weight serves both)
     from f8dist.cast import cast_observers
 
     _, f8 = _block_pair(recipe, torch.float32)
-    sites = []
-    cast_observers.append(lambda site, hp, fp8: sites.append(site))
+    with torch.no_grad():
+        f8.weight.mul_(torch.logspace(-2, 2, 128))  # magnitudes along K: 1x32 and 32x1 blocks differ
+    weights = []
+    cast_observers.append(lambda site, hp, fp8: weights.append(fp8) if site.operand == "weight" else None)
     try:
         _run(f8, torch.randn(32, 128), torch.randn(32, 128))
     finally:
         cast_observers.pop()
-    assert sum(s.operand == "weight" for s in sites) == weight_casts, sites
+    fwd, bwd = weights  # [N, K] each: the output gemm's and the grad_input gemm's
+    assert torch.equal(fwd._data.view(torch.uint8), bwd._data.view(torch.uint8)) == same
+    assert (fwd._block == bwd._block) == same and f8.specs.weight_same_bytes == same
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
