@@ -259,6 +259,21 @@ class DelayedScaling:
         # checkpointed region must not change it)
         self.synced = False
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Fresh buffers (amax and history 0, scale 1, no records): after a plain checkpoint,
+        ``reset_parameters`` and ``to_empty`` from the meta device (whose memory is garbage)."""
+        self.reset()
+        for op in self.operands:
+            self.buffer("amax", op).zero_()
+            self.buffer("amax_history", op).zero_()
+            self.buffer("scale", op).fill_(1.0)
+            self.buffer("steps", op).zero_()
+
+    def on_meta(self) -> bool:
+        """Whether the buffers are on the meta device (no values)."""
+        return any(self.buffer("scale", op).is_meta for op in self.operands)
+
     def buffer(self, kind: str, op: Operand) -> torch.Tensor:
         """``fp8_{kind}_{op}`` as a plain tensor. ``parallelize_module`` makes buffers Replicate
         DTensors; their local tensor is the whole buffer, and writing it writes the DTensor."""
@@ -590,10 +605,7 @@ def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, mis
         return
     absent = set(keys)
     missing_keys[:] = [k for k in missing_keys if k not in absent]
-    for op in owner.operands:
-        owner.buffer("amax", op).zero_()
-        owner.buffer("amax_history", op).zero_()
-        owner.buffer("scale", op).fill_(1.0)
+    owner.reset_buffers()
 
 
 def strip_delayed_scaling_state(state_dict: dict) -> dict:

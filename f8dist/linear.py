@@ -262,10 +262,20 @@ class Float8Linear(nn.Linear):
         if self.config.enable_fsdp_float8_all_gather:  # assign=True put a plain weight in place
             wrap_weight_for_float8_all_gather(self)
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "delayed", None) is not None:  # None while nn.Linear.__init__ runs
+            self.delayed.reset_buffers()
+
     def _apply(self, fn, recurse=True):
-        if getattr(self, "delayed", None) is not None:  # its buffers stay float32
-            fn = self.delayed.float32_apply(fn)
-        return super()._apply(fn, recurse)
+        delayed = getattr(self, "delayed", None)
+        if delayed is None:
+            return super()._apply(fn, recurse)
+        from_meta = delayed.on_meta()
+        super()._apply(delayed.float32_apply(fn), recurse)  # its buffers stay float32
+        if from_meta and not delayed.on_meta():  # to_empty from meta: garbage memory otherwise
+            delayed.reset_buffers()
+        return self
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"
