@@ -136,6 +136,12 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if torch.is_grad_enabled():  # backward(create_graph=True): its result would be differentiated
+            raise RuntimeError(
+                "Float8Linear does not support double backward (backward with create_graph=True, "
+                "e.g. a gradient penalty): its float8 gemms' backward is not differentiable. Keep "
+                "the layers you differentiate twice in high precision (module_filter_fn)."
+            )
         saved_input, weight, weight_amax = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
@@ -239,6 +245,11 @@ class Float8Linear(nn.Linear):
         self.specs: CastSpecs = self._config.cast_specs(fqn)  # the six casts, resolved once
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not input.is_floating_point():  # nn.Linear raises too; a float8 cast would not
+            raise TypeError(
+                f"Float8Linear {self.fqn or '<root>'}: input must be a floating-point tensor, got "
+                f"{input.dtype}; convert it first (e.g. input.float()), as nn.Linear needs too."
+            )
         if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
             input = input.to(torch.get_autocast_dtype(input.device.type))
         scales = delayed = None

@@ -370,3 +370,25 @@ def test_float8_activations_for_backward_give_the_same_gradients(recipe, compile
         inputs = [t for t in saved if t.shape == (15, 64)]
         want = Float8Tensor if recipe != "rowwise_with_gw_hp" else torch.Tensor
         assert len(inputs) == 1 and type(inputs[0]) is want, saved
+
+
+# -- issue 23 item 8: clear errors -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_an_integer_input_raises_what_to_change(dtype):
+    # it silently returned garbage (the cast to float8 accepts integers)
+    _, f8 = _pair("tensorwise", torch.float32)
+    with pytest.raises(TypeError, match=r"lin: input must be a floating-point tensor.*float\(\)"):
+        f8(torch.ones(4, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("recipe", RECIPES + ["delayed"])
+def test_double_backward_says_it_is_unsupported(recipe):
+    # a gradient penalty: differentiating the input gradient again
+    _, f8 = _pair(recipe, torch.float32)
+    x = torch.randn(16, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="does not support double backward.*module_filter_fn"):
+        (gx,) = torch.autograd.grad(f8(x).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+    (gx,) = torch.autograd.grad(f8(x).square().sum(), x)  # a single backward still works
+    assert gx.shape == x.shape
