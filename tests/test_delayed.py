@@ -619,3 +619,31 @@ def test_reset_parameters_resets_the_delayed_state():
     model[2].reset_parameters()
     assert_buffers_equal(delayed_buffers(float8_model()), delayed_buffers(model))
     assert not model[0].delayed.synced
+
+
+def test_a_forgotten_sync_warns_once_naming_the_fix():
+    # issue 23 item 16: without the sync delayed scaling silently ran as dynamic scaling
+    import warnings
+
+    from f8dist import delayed as delayed_module
+
+    model = float8_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, t in data:
+            train_step(model, opt, x, t, sync=None)
+    missing = [w for w in caught if "without sync_float8_amax_and_scale_history" in str(w.message)]
+    assert len(missing) == 1
+    assert "f8dist.sync_float8_amax_and_scale_history(model) once per optimizer step" in str(
+        missing[0].message)
+
+    synced = float8_model()  # with the sync: no warning
+    opt = torch.optim.SGD(synced.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, t in data:
+            train_step(synced, opt, x, t)
+    assert not [w for w in caught if "without sync" in str(w.message)]
+    assert synced[0].delayed not in delayed_module._pending
