@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from f8dist import agreement
 from f8dist.config import Float8LinearConfig
+from f8dist.delayed import ignore_in_ddp
 from f8dist.gemm import GEMM_ALIGNMENT
 from f8dist.linear import Float8Linear
 from f8dist.placement import is_dtensor
@@ -114,7 +115,8 @@ def convert_to_float8_training(
                 new.register_module(child_name, child)
         if parent is not None:
             setattr(parent, name, new)
-    agreement.check_before_first_forward(out)  # [Note: ranks that disagree]
+    ignore_in_ddp(out)  # [Note: ranks that disagree]
+    agreement.check_before_first_forward(out)
     if skipped_subclasses:
         logger.warning(
             "f8dist: kept %d nn.Linear subclass(es) in high precision because they override "
