@@ -189,7 +189,18 @@ def float8_linear_mm(
     input_2d = input.reshape(-1, k)  # [M, K]
     backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
     out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales, delayed, backward)  # [M, N]
-    return out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])
+    if input.dim() == 2:
+        return out_2d
+    # [Note: an output that is no view]
+    return torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))  # [..., N]
+
+
+# [Note: an output that is no view]
+# nn.Linear's output is never a view (aten::matmul folds the leading dims back with _unsafe_view,
+# which autograd does not track as one); a reshape of the gemm's [M, N] output would be, and
+# FSDP2 warns about a module that returns a view ("can cause backward to fail or produce wrong
+# gradients": an in-place op on it would rebase its autograd history). No other tensor aliases
+# the gemm's output, so the same _unsafe_view is safe here.
 
 
 class Float8Linear(nn.Linear):

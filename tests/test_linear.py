@@ -497,3 +497,18 @@ def test_double_backward_says_it_is_unsupported(recipe):
         gx.square().sum().backward()
     (gx,) = torch.autograd.grad(f8(x).square().sum(), x)  # a single backward still works
     assert gx.shape == x.shape
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_output_is_no_view(compiled):
+    # issue 23 item 17: FSDP2 warns about a module that returns a view ([Note: an output that is
+    # no view]); nn.Linear's N-D output is none
+    _, f8 = _pair("tensorwise", torch.float32, bias=False)
+    if compiled:
+        torch._dynamo.reset()
+        f8 = torch.compile(f8, fullgraph=True)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    y = f8(x)
+    assert y._base is None and y.shape == (2, 8, 32)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
