@@ -54,6 +54,7 @@ import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.checkpoint import Float8LoadPlanner
+from f8dist.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
@@ -308,16 +309,21 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global norm over all ranks. Gradients of one model can live on different
-    meshes (FSDP's dp mesh, or dp x tp), so each mesh's norm is reduced on its own first."""
-    by_mesh = defaultdict(list)
+    meshes (FSDP's dp mesh, or dp x tp) with different placements: the squares of each sharding's
+    local gradients are summed over the mesh axes that shard them, one all-reduce each (DTensor's
+    norm would reduce a 2-D partial norm with one all-reduce per mesh axis, and warns so)."""
+    by_sharding, by_mesh = defaultdict(list), defaultdict(list)
     for p in params:
         if p.grad is not None:
-            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+            dt = isinstance(p.grad, DTensor)
+            by_sharding[(p.grad.device_mesh, tuple(p.grad.placements)) if dt else None].append(p.grad)
+            by_mesh[p.grad.device_mesh if dt else None].append(p)
+    squares = []
+    for sharding, grads in by_sharding.items():
+        local = [g.to_local() if sharding else g for g in grads]
+        sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
+        squares.append(sq if sharding is None else reduce_over_shards(sq, *sharding, "sum"))
+    total = torch.stack(squares).sum().sqrt()
     for group in by_mesh.values():  # foreach ops take one mesh at a time
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
