@@ -10,8 +10,9 @@ the module is cast to::
     fp8_amax_{op}          []             max amax recorded since the last sync
     fp8_amax_history_{op}  [history_len]  amax of the latest steps, newest first
     fp8_scale_{op}         []             scale = amax_to_scale(max(history))
-    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded by an own cast
-                                          (0/1), amax and out of range of shared casts; steps out
+    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded (0: not at all,
+                                          0.5: by shared casts only, 1: by an own cast), amax and
+                                          out of range of shared casts; steps out
                                           of range, steps with a non-finite amax (not in state_dict)
 
 One optimizer step::
@@ -101,6 +102,32 @@ adds in forward and backward after the first step); the FSDP2 float8 all-gather 
 the history's scale (deciding would cost an all-reduce per weight, and an optimizer step does not
 move a weight's amax out of range of the previous step's) and an out-of-range step there is only
 counted.
+
+[Note: no data]
+A step may bring an operand no data: a sync before any forward, a layer that did not run in the
+step (a skipped branch), a weight whose FSDP2 all-gather was skipped
+(FSDP2 keeps the root's parameters unsharded after a forward without backward). Its pending amax
+is then 0, which as a history entry would mean "the tensor was all zeros" and, once it is the
+history's max, give the scale of amax 0 (2**126 with power-of-2 scales): every value saturates.
+So each record marks the step as recorded (``fp8_steps_{op}``, own or shared), the sync sends an
+unrecorded amax as -1 (a MAX all-reduce keeps any rank's data), and an operand no rank recorded
+keeps its history and scale; an owner stays in its first step until a sync sees data for it.
+A genuine all-zero tensor is data (amax 0).
+
+[Note: eval forwards under FSDP2]
+An evaluation forward (``eval()`` or no grad) casts with the history's scales and records
+nothing, so it never moves training state; with one exception, the FSDP2 float8 all-gather of a
+weight. FSDP2 skips the all-gather of parameters that are still unsharded: the root's after any
+forward without a backward (``reshard_after_forward`` applies to the other units only). The
+training forward after an evaluation one then computes with the weight the evaluation gathered,
+and records nothing for it: the weight's history would miss the step ([Note: no data] keeps it
+sane, not equal to one device's). So an evaluation all-gather records its shard's amax aside, as a
+shared cast does ([Note: delayed casts in the float8 styles] in f8dist/tp/style.py): the sync
+takes it only for a step in which no training all-gather recorded its own, i.e. when the training
+forward computed with the evaluation's weight, whose amax then is the step's. ``fp8_amax`` and
+every other ``state_dict`` buffer stay as they were. The all-gathered Float8Tensor keeps a copy of
+the scale, never the ``fp8_scale`` buffer itself, which the sync updates in place while the
+tensor may still be in use.
 
 [Note: record after the cast]
 A cast with the history's scale (after the first sync, without re-scaling) does not wait for its
@@ -289,11 +316,13 @@ class DelayedScaling:
     def all_gather_scale(self, shard: torch.Tensor, mesh, placements) -> torch.Tensor:
         """The weight scale of the FSDP2 float8 all-gather, which casts this rank's ``shard`` of
         the weight sharded over ``mesh`` with ``placements`` before the forward (on the first step
-        from the amax of all shards). FSDP2 all-gathers under ``no_grad``, so the amax is recorded
-        in ``train()`` mode whatever the grad mode: a weight's amax is the same in an evaluation
-        forward as in the next training one."""
-        return _scale([self], Operand.WEIGHT, shard, self.module.training, communicated=True,
-                      sharding=(mesh, placements))
+        from the amax of all shards).
+
+        FSDP2 all-gathers under ``no_grad``, so the amax is recorded in ``train()`` mode whatever
+        the grad mode; in ``eval()`` mode it is recorded aside, for a training forward that
+        computes with the weight this all-gather made ([Note: eval forwards under FSDP2])."""
+        return _scale([self], Operand.WEIGHT, shard, True, communicated=True,
+                      own=self.module.training, sharding=(mesh, placements))
 
     def _cells(self, op: Operand, scale: torch.Tensor) -> Scales:
         return {(g, op): scale for g in self.cells[op]}
@@ -326,8 +355,8 @@ class DelayedScaling:
         if out_of_range is not None:
             flag = steps[_FLAG if own else _SHARED_FLAG]
             flag.copy_(torch.maximum(flag, out_of_range))
-        if own:
-            steps[_OWN].fill_(1.0)
+        recorded = steps[_OWN]  # [Note: no data]
+        recorded.copy_(torch.clamp(recorded, min=1.0 if own else 0.5))
 
     def _out_of_range(self, op: Operand, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """[Note: out of range], or a non-finite ``amax``; never an all-zero tensor."""
@@ -350,14 +379,15 @@ def _inf_for_nan(amax: torch.Tensor) -> torch.Tensor:
 
 def _scale(
     owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor, record: bool,
-    communicated: bool = False, later: Optional[Records] = None, sharding=None,
+    communicated: bool = False, later: Optional[Records] = None, own: bool = True, sharding=None,
 ) -> torch.Tensor:
     """The scale of one delayed cast of ``hp`` (its local part is cast) made for ``owners``
     (several when one cast feeds several linears), from ``owners[0]``'s history; the amax is
-    recorded into every owner when ``record``.
+    recorded into every owner when ``record`` (into ``owners[0]`` aside unless ``own``).
 
     Until the first sync ([Note: first step]) a training cast and a cast whose bytes are
-    ``communicated`` follow the amax of the logical tensor: the scale comes from it (amax init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
+    ``communicated`` follow the amax of the logical tensor: the scale comes from it (amax init),
+    or it decides whether scale 1.0 is out of range. After it, the history's scale,
     re-scaled when out of range ([Note: out of range]). Every rank must pick the same scale for
     bytes it communicates: a communicated DTensor decides on its logical amax (a scalar
     all-reduce over the axes sharding it), a communicated shard that is no DTensor (the FSDP2
@@ -387,7 +417,7 @@ def _scale(
         scale = first.buffer("scale", op)
         out_of_range = first._out_of_range(op, seen, scale)
     if record:
-        first._record(op, amax, out_of_range)
+        first._record(op, amax, out_of_range, own=own)
         for o in owners[1:]:
             o._record(op, amax, out_of_range, own=False)
     if out_of_range is None or not first.rescale:  # [Note: the price of re-scaling]
@@ -499,12 +529,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
     steps = torch.stack([o.buffer("steps", op) for o, op in entries])  # [E, 6]
-    own = steps[:, _OWN] > 0  # [E]; else the step's shared-cast records, if any
+    own = steps[:, _OWN] >= 1  # [E]; else the step's shared-cast records, if any
     amaxes = torch.where(own, torch.stack([o.buffer("amax", op) for o, op in entries]),
                          steps[:, _SHARED_AMAX])  # [E]
+    amaxes = torch.where(steps[:, _OWN] > 0, _inf_for_nan(amaxes), -1.0)  # [E]; [Note: no data]
     flags = torch.where(own, steps[:, _FLAG], steps[:, _SHARED_FLAG])  # [E]
-    reduced = all_reduce(torch.cat([_inf_for_nan(amaxes), flags]), "max", group)  # [2E]
+    reduced = all_reduce(torch.cat([amaxes, flags]), "max", group)  # [2E]
     amaxes, finite = reduced[: len(entries)], torch.isfinite(reduced[: len(entries)])  # [E]
+    seen = amaxes >= 0  # [E]: some rank of the group recorded data in this step
     out_of_range = (reduced[len(entries):] > 0) & finite  # [E]; a non-finite amax is counted apart
     # the first step's amax (amax init) and that of a step out of range fill the whole history
     restart = out_of_range | torch.tensor(
@@ -516,12 +548,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
         groups.setdefault((o.history_len, o.operands[op], o.round_pow2), []).append(i)
     for (_, dtype, round_pow2), idx in groups.items():
         histories = torch.stack([entries[i][0].buffer("amax_history", entries[i][1]) for i in idx])  # [G, L]
-        amax, ok = amaxes[idx], finite[idx]  # [G]
+        amax, ok = amaxes[idx], finite[idx] & seen[idx]  # [G]
         rolled = torch.roll(histories, 1, dims=1)  # [G, L]
         rolled[:, 0] = amax
         new_hist = torch.where(restart[idx, None], amax[:, None].expand_as(rolled), rolled)
-        new_hist = torch.where(ok[:, None], new_hist, histories)  # non-finite: kept out
-        scales = amax_to_scale(new_hist.amax(dim=1), dtype, round_to_power_of_2=round_pow2)  # [G]
+        new_hist = torch.where(ok[:, None], new_hist, histories)  # non-finite or no data: kept out
+        old = torch.stack([entries[i][0].buffer("scale", entries[i][1]) for i in idx])  # [G]
+        scales = torch.where(seen[idx], amax_to_scale(
+            new_hist.amax(dim=1), dtype, round_to_power_of_2=round_pow2), old)  # [G]
         for j, i in enumerate(idx):
             o, op = entries[i]
             o.buffer("amax_history", op).copy_(new_hist[j])
@@ -532,8 +566,19 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     for i, (o, op) in enumerate(entries):
         o.buffer("amax", op).zero_()
         o.buffer("steps", op).copy_(new_steps[i])
+    _mark_synced(owners, entries, seen)
+
+
+def _mark_synced(owners: List[DelayedScaling], entries, seen: torch.Tensor) -> None:
+    """[Note: no data]: an owner leaves its first step once a sync saw data for it. Read on the
+    host only while some owner has not (eagerly; a compiled sync marks every owner)."""
+    if all(o.synced for o in owners) or torch.compiler.is_compiling():
+        for o in owners:
+            o.synced = True
+        return
+    with_data = {id(o) for (o, _), s in zip(entries, seen.tolist()) if s}
     for o in owners:
-        o.synced = True
+        o.synced = o.synced or id(o) in with_data
 
 
 def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, int]]]:

@@ -6,6 +6,9 @@ Scenarios in one process group, each against the same float8 model run unsharded
 * ``fsdp``: FSDP2 with the default config (first-step amax init), float8 all-gather of the
   delayed weights off and on, different data per rank; the reference sees the global batch, on
   the first step as the ranks' micro-batches accumulated (each casts from its own amax).
+* ``fsdp_eval``: FSDP2 float8 all-gather with an evaluation forward after every step, every
+  linear in the root unit (which FSDP2 leaves unsharded after a forward without backward), with
+  and without ``reshard_after_forward``: the evaluation moves no training state.
 * ``fsdp_init_off``: the same with ``enable_amax_init=False`` and float8 all-gather (scale 1.0 on
   the first step, decided against the amax of the whole weight and the global batch).
 * ``tp``: PyTorch's ColwiseParallel / RowwiseParallel on Float8Linear, same data on every rank;
@@ -68,8 +71,18 @@ def _check_buffers(step, model, ref, worst):
         worst[0] = max(worst[0], rel)
 
 
-def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_bytes=0, micro_batches=1):
+def _evaluate(model, x):
+    """An evaluation forward, as a training loop makes between steps."""
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+
+
+def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_bytes=0,
+           evaluate=False, micro_batches=1):
     """STEPS steps of model and ref; returns per-step collective counts and the figures.
+    ``evaluate``: an evaluation forward of both after every step.
 
     ``activation_all_reduce_bytes``: what the parallelism itself all-reduces per step (TP's
     row-wise output); anything beyond it after the first step would be an amax collective.
@@ -109,6 +122,9 @@ def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_by
             assert extra % 4 == 0, fwd_bwd
         per_step.append({"fwd_bwd": fwd_bwd.as_dict(), "sync": sync.as_dict() if sync else None})
         _check_buffers(step, model, ref, worst)
+        if evaluate:  # after the check: state_dict() makes FSDP2 reshard
+            _evaluate(ref, x)
+            _evaluate(model, x_local)
     dbs = {
         k: sqnr(v_ref, _full(v))
         for (k, v), v_ref in zip(model.state_dict().items(), ref.state_dict().values())
@@ -128,12 +144,14 @@ def _models(config, sizes, seed=0):
     return convert_to_float8_training(plain, config=config), ref
 
 
-def run_fsdp(rank, world, config):
+def run_fsdp(rank, world, config, evaluate=False, reshard_after_forward=True):
+    """``evaluate``: an evaluation forward after every step, with every linear in the root unit,
+    whose parameters FSDP2 keeps unsharded after it (issue 23 item 7)."""
     model, ref = _models(config, (32, 64, 32, 16))
     for layer in model:
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, nn.Linear) and not evaluate:
             fully_shard(layer)
-    fully_shard(model)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     agreement.check_once(model)  # the one-time rank check, outside the counted steps
     g = torch.Generator().manual_seed(1)
 
@@ -148,7 +166,8 @@ def run_fsdp(rank, world, config):
     def loss(y, t):
         return nn.functional.mse_loss(y, t, reduction="sum") / (t.numel() * world)
 
-    return _train(model, ref, batch, loss, LR * world, floor_db=120, micro_batches=world)
+    return _train(model, ref, batch, loss, LR * world, floor_db=120, evaluate=evaluate,
+                  micro_batches=world)
 
 
 def run_tp(world):
@@ -209,6 +228,11 @@ def run(args):
         result["fsdp"] = run_fsdp(rank, world, DELAYED)
         result["fsdp_fp8_all_gather"] = run_fsdp(
             rank, world, DELAYED.replace(enable_fsdp_float8_all_gather=True))
+    if "fsdp_eval" in args.scenarios:
+        ag = DELAYED.replace(enable_fsdp_float8_all_gather=True)
+        for reshard in (True, False):
+            result[f"fsdp_eval_reshard_{reshard}"] = run_fsdp(
+                rank, world, ag, evaluate=True, reshard_after_forward=reshard)
     if "fsdp_init_off" in args.scenarios:
         result["fsdp_init_off"] = run_fsdp(rank, world, DELAYED.replace(
             enable_amax_init=False, enable_fsdp_float8_all_gather=True))
@@ -220,7 +244,7 @@ def run(args):
 
 
 def _args(parser):
-    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_init_off", "tp", "mismatch"])
+    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_eval", "fsdp_init_off", "tp", "mismatch"])
     parser.add_argument("--compile-sync", action="store_true")
 
 

@@ -4,7 +4,8 @@ checks run inside tests/distributed/delayed_sync.py, the figures are re-checked 
 
 from tests.distributed.harness import run_torchrun
 
-FSDP = ("fsdp", "fsdp_fp8_all_gather", "fsdp_init_off")
+FSDP = ("fsdp", "fsdp_fp8_all_gather", "fsdp_init_off", "fsdp_eval_reshard_True",
+        "fsdp_eval_reshard_False")
 
 
 def test_delayed_sync_fsdp_and_tp_match_one_device():
