@@ -379,15 +379,15 @@ def _inf_for_nan(amax: torch.Tensor) -> torch.Tensor:
 
 def _scale(
     owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor, record: bool,
-    communicated: bool = False, later: Optional[Records] = None, own: bool = True, sharding=None,
+    communicated: bool = False, later: Optional[Records] = None, own: bool = True,
+    sharding=None,
 ) -> torch.Tensor:
     """The scale of one delayed cast of ``hp`` (its local part is cast) made for ``owners``
     (several when one cast feeds several linears), from ``owners[0]``'s history; the amax is
     recorded into every owner when ``record`` (into ``owners[0]`` aside unless ``own``).
 
     Until the first sync ([Note: first step]) a training cast and a cast whose bytes are
-    ``communicated`` follow the amax of the logical tensor: the scale comes from it (amax init),
-    or it decides whether scale 1.0 is out of range. After it, the history's scale,
+    ``communicated`` follow the amax of the logical tensor: the scale comes from it (amax init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
     re-scaled when out of range ([Note: out of range]). Every rank must pick the same scale for
     bytes it communicates: a communicated DTensor decides on its logical amax (a scalar
     all-reduce over the axes sharding it), a communicated shard that is no DTensor (the FSDP2
@@ -401,7 +401,8 @@ def _scale(
         return first.buffer("scale", op)
     if later is not None and first.synced and not first.rescale:  # [Note: record after the cast]
         if record:
-            later.append(lambda: _scale(owners, op, hp, record, communicated))
+            later.append(lambda: _scale(owners, op, hp, record, communicated, own=own,
+                                         sharding=sharding))
         return first.buffer("scale", op)
     local = local.detach()
     if first.rescale or not first.synced:  # the cast may wait for this amax

@@ -166,7 +166,9 @@ class Float8AllGatherWeight(torch.Tensor):
             # the next sync (on the first step the history is filled from all shards, one
             # all-reduce: [Note: first step] in f8dist/delayed.py)
             # a copy: the sync updates the buffer in place ([Note: eval forwards under FSDP2])
-            return module.delayed.all_gather_scale(self._tensor, *_sharding_of(self, module, mesh)).clone()
+            return module.delayed.all_gather_scale(
+                self._tensor, *_sharding_of(self, module, mesh)
+            ).clone()
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         amax = self._whole_weight_amax(mesh, module)
