@@ -339,7 +339,8 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
 # word. So rank 0 writes CHECKSUMS (the sha256 of every file of the step) into the step before the
 # rename, and --resume verifies the newest step first: a damaged step is named with the file and
 # what is wrong, and the newest intact one is taken. A step without CHECKSUMS (an older train.py)
-# is taken if DCP can read its .metadata.
+# is taken if DCP can read its .metadata. The price: rank 0 reads the step back once per save and
+# once per --resume (the script assumes one file system shared by the ranks, as the rename does).
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 CHECKSUMS = "checksums.json"
