@@ -20,9 +20,7 @@ import torch
 
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.placement import is_dtensor, like, local_part, reduce_partial
-from f8dist.scaling import (
-    amax_to_scale, block_amax, block_scale, expand_blocks, in_memory, saturated_cast, tensor_amax,
-)
+from f8dist.scaling import amax_to_scale, block_cast, in_memory, saturated_cast, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -136,13 +134,13 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
         raise ValueError(f"{spec.site}: a blockwise cast computes its own scales, give none")
     block = spec.block_shape(t.dim())
     t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] (scaling.py)
-    scale = block_scale(  # [ceil(R / rows), ceil(C / cols)]
-        block_amax(t, block), spec.dtype, scale_dtype=spec.scale_dtype,
-        rounding=spec.scale_rounding, round_to_power_of_2=spec.round_scales_to_power_of_2,
+    data, scale = block_cast(  # [R, C] float8, [ceil(R / rows), ceil(C / cols)] float32
+        t, block, spec.dtype, scale_dtype=spec.scale_dtype, rounding=spec.scale_rounding,
+        round_to_power_of_2=spec.round_scales_to_power_of_2,
     )
-    data = saturated_cast(t, expand_blocks(scale, block, t.shape), spec.dtype)  # [R, C]
     if store:
         data = in_memory(data)
+    scale = scale.to(spec.scale_dtype)  # stored (e8m0: 1 byte per block), exact
     out = Float8Tensor(data, scale, t.dtype, None, spec.mm_config, block)
     return _observed(spec, t, out)
 

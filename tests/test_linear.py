@@ -377,7 +377,7 @@ def test_block_recipes_emulation_matches_the_kernel(recipe):
         assert sqnr(b, a) > exact_gemm_db()
 
 
-@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])  # the others: the same casts, fewer
 def test_block_recipes_compile_matches_eager(recipe):
     torch._dynamo.reset()
     _, f8 = _block_pair(recipe, torch.bfloat16)
