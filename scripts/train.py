@@ -57,7 +57,11 @@ from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
-RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
+           "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise")
+# block-scaled recipes: single process and FSDP2 (weights all-gathered in high precision); their
+# casts of DTensors (tensor parallel) are not supported yet
+BLOCK_RECIPES = RECIPES[5:]
 OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
@@ -162,6 +166,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 "recipe and no --compile")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if args.float8 in BLOCK_RECIPES and args.tp > 1:
+        p.error(f"--float8 {args.float8} has block scales, which tensor parallel does not support "
+                "yet: use --tp 1 (FSDP2) or a tensorwise or rowwise recipe")
+    if args.float8 != "none":  # the model's linears must take the recipe: convert it on meta
+        try:
+            with torch.device("meta"):
+                convert_float8(Transformer(model_args(args)), float8_config(args),
+                               skip_incompatible=False)
+        except ValueError as e:
+            p.error(f"--float8 {args.float8}: {e}".replace("\n", " "))
     return args
 
 
@@ -215,14 +229,19 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     return config
 
 
+def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> None:
+    # the output layer (logits over the vocabulary) stays in high precision
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output",
+                               **kwargs)
+
+
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
     margs = model_args(args)
     model = Transformer(margs)
     model.init_weights(seed=args.seed)  # same weights on every rank before sharding
     config = float8_config(args)
     if config is not None:
-        # the output layer (logits over the vocabulary) stays in high precision
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
+        convert_float8(model, config)
     if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
         parallelize_llama(model, mesh["tp"], float8=config is not None)
     for name, block in list(model.layers.items()):
