@@ -34,3 +34,25 @@ def test_an_amax_of_the_wrong_shape_or_with_a_scale_is_rejected():
         cast_to_float8(x, CastSpec(granularity=AXISWISE), amax=x.abs().max())
     with pytest.raises(ValueError, match="not both"):
         cast_to_float8(x, CastSpec(), torch.tensor(1.0), amax=x.abs().max())
+
+
+def test_block_casts_of_dtensors_raise_what_is_unsupported():
+    """Block scales on DTensors (TP/SP styles, FSDP2 float8 all-gather) are not implemented: a
+    clear error, never a silently tensorwise-treated grid of scales ([Note: block scales])."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from f8dist import Float8LinearConfig
+
+    spec = Float8LinearConfig.from_recipe_name("mxfp8").cast_spec("output", "input", "lin")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        x = DTensor.from_local(torch.randn(4, 64), mesh, [Shard(0)])
+        with pytest.raises(NotImplementedError, match="lin:output:input: block-scaled casts of "
+                                                      "DTensors .* not supported yet"):
+            cast_to_float8(x, spec)
+    finally:
+        dist.destroy_process_group()
