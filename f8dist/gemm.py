@@ -16,8 +16,12 @@ these rules on every device, so a program that runs on the CPU runs on a GPU too
   The padding is the copy that puts an operand in the layout the kernel wants (which the
   grad_weight gemm's operands, transposed views, need anyway), so an aligned gemm pays nothing.
 * an empty gemm (M, K or N = 0): zeros, without a kernel.
-* axiswise scales with a float32 output: run the gemm with unit scales in float32 and apply the
-  scales to the float32 result. Exact, since a scale only multiplies the whole dot product.
+* axiswise scales with an output other than bfloat16 (float32; float16, from an fp16 model or an
+  fp16 autocast): CUDA's per-row kernel (``f8f8bf16_rowwise`` in torch 2.11-2.13) writes
+  bfloat16 only. Run the gemm with unit scales (the tensorwise kernel, which takes any output
+  dtype) in float32, apply the scales to the float32 result and cast to ``out_dtype``. Exact up
+  to that last rounding, since a scale only multiplies the whole dot product; torchao instead
+  takes the bfloat16 output and casts it, which rounds an fp16 result to bf16's 8 bits first.
 
 [Note: the CPU kernel]
 On the CPU, ``torch._scaled_mm`` is oneDNN's float8 matmul, which on CPUs without float8
@@ -70,6 +74,9 @@ from f8dist.scaling import expand_blocks, in_memory
 __all__ = ["scaled_mm", "check_gemm_shape", "check_block_shape", "GEMM_ALIGNMENT"]
 
 GEMM_ALIGNMENT = 16
+# the output dtypes of CUDA's per-row scaled gemm; others go through float32 ([Note: scaled_mm
+# constraints])
+_ROWWISE_OUT_DTYPES = (torch.bfloat16,)
 
 
 def check_gemm_shape(
@@ -208,7 +215,7 @@ def _check_cuda_constraints(a, b, scale_a, scale_b, out_dtype) -> None:
         (scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32, "scales must be float32"),
         (rowwise and (tuple(scale_a.shape), tuple(scale_b.shape)) != ((m, 1), (1, n)),
          f"per-row scales must be [M, 1] and [1, N], got {tuple(scale_a.shape)}, {tuple(scale_b.shape)}"),
-        (rowwise and out_dtype != torch.bfloat16, "per-row scales need a bfloat16 output"),
+        (rowwise and out_dtype not in _ROWWISE_OUT_DTYPES, "per-row scales need a bfloat16 output"),
     ) if bad]
     if problems:
         raise RuntimeError(f"torch._scaled_mm on CUDA would reject this gemm: {'; '.join(problems)}")
@@ -280,11 +287,11 @@ def scaled_mm(
     if axiswise and b_inv.dim() == 0:
         b_inv = b_inv.expand(1, b_data.shape[1])
 
-    if axiswise and out_dtype == torch.float32:  # [Note: scaled_mm constraints]
+    if axiswise and out_dtype not in _ROWWISE_OUT_DTYPES:  # [Note: scaled_mm constraints]
         one = torch.ones((), dtype=torch.float32, device=a_data.device)
         out = _kernel(a_data, b_data, one, one, out_dtype=torch.float32,
                       use_fast_accum=cfg.use_fast_accum)  # [M, N']
-        out = out * a_inv * b_inv
+        out = (out * a_inv * b_inv).to(out_dtype)
     else:
         out = _kernel(a_data, b_data, a_inv.contiguous(), b_inv.contiguous(), out_dtype=out_dtype,
                       use_fast_accum=cfg.use_fast_accum)  # [M, N']

@@ -267,6 +267,8 @@ class Float8Linear(nn.Linear):
                                       unexpected_keys, error_msgs)
         if self.delayed is not None:  # see [Note: delayed checkpoints] in f8dist/delayed.py
             load_delayed_state(self.delayed, state_dict, prefix, missing_keys)
+        if self.config.enable_fsdp_float8_all_gather:  # assign=True put a plain weight in place
+            wrap_weight_for_float8_all_gather(self)
 
     def _apply(self, fn, recurse=True):
         if getattr(self, "delayed", None) is not None:  # its buffers stay float32

@@ -123,6 +123,17 @@ def test_fp32_rowwise_applies_scales_to_a_fp32_result():
     assert sqnr(emu, out.bfloat16()) < 70  # what a bf16 output would have cost
 
 
+def test_fp16_rowwise_is_rounded_once_to_fp16():
+    # issue 23 item 1: CUDA's per-row kernel writes bf16 only; an fp16 rowwise gemm goes through
+    # float32 and is rounded once, to fp16 (not to bf16 first)
+    a, b, fa, fb = _operands(32, 64, 48, torch.float16, True, ScaledMMConfig())
+    out = scaled_mm(fa, fb)
+    exact = (fa._data.float() / fa._scale) @ (fb._data.float() / fb._scale)  # [32, 48] float32
+    assert out.dtype == torch.float16 and out.shape == (32, 48)
+    assert sqnr(exact, out) > sqnr(exact, exact.half()) - 1  # exact products, one rounding
+    assert sqnr(exact, out) > sqnr(exact, exact.bfloat16()) + 15
+
+
 @pytest.mark.parametrize(
     "case, words",
     [

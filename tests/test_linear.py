@@ -55,7 +55,21 @@ def test_sqnr_of_the_three_gemms(recipe, dtype):
     _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad))
 
 
-def _autocast_results(recipe, param_dtype, compile=False):
+@pytest.mark.parametrize("dtype, compile", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float16, False), (torch.float16, True)])
+@pytest.mark.parametrize("recipe", RECIPES + ["delayed"])
+def test_every_recipe_trains_every_model_dtype(recipe, dtype, compile):
+    # issue 23 item 1: fp16 models with the rowwise recipes raised (CUDA's per-row kernel writes
+    # bf16 only); every recipe takes fp32, bf16 and fp16 models, fp16 compiled too
+    ref, f8 = _pair(recipe, dtype)
+    if compile:
+        torch._dynamo.reset()
+        f8 = torch.compile(f8, fullgraph=True)
+    x, grad = torch.randn(2, 16, 64, dtype=dtype), torch.randn(2, 16, 32, dtype=dtype)
+    _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad), bias_floor=40.0)
+
+
+def _autocast_results(recipe, param_dtype, compile=False, autocast_dtype=torch.bfloat16):
     """(nn.Linear, Float8Linear) results under the default device's bf16 autocast, backward run
     inside the autocast region in eager mode (CPU autograd runs on the calling thread: autocast
     is on), after it when compiled."""
@@ -64,11 +78,11 @@ def _autocast_results(recipe, param_dtype, compile=False):
         torch._dynamo.reset()
         f8 = torch.compile(f8, fullgraph=True)
     x = torch.randn(2, 16, 64, dtype=param_dtype)
-    grad = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    grad = torch.randn(2, 16, 32, dtype=autocast_dtype)
     results = []
     for mod in (ref, f8):
         xx = x.clone().requires_grad_()
-        with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
+        with torch.autocast(torch.get_default_device().type, dtype=autocast_dtype):
             y = mod(xx)
             if not compile:
                 y.backward(grad)
@@ -87,6 +101,17 @@ def test_autocast(recipe, param_dtype):
     assert results[0].dtype == torch.bfloat16
     assert all(g.dtype == param_dtype for g in results[1:])
     _assert_close(recipe, ref_results, results)
+
+
+@pytest.mark.parametrize("recipe, compile", [(r, False) for r in RECIPES + ["delayed"]]
+                         + [("rowwise", True)])
+def test_fp16_autocast_over_fp32_weights(recipe, compile):
+    # issue 23 item 1: fp16 autocast with the rowwise recipes raised
+    ref_results, results = _autocast_results(recipe, torch.float32, compile=compile,
+                                             autocast_dtype=torch.float16)
+    assert results[0].dtype == torch.float16
+    assert all(g.dtype == torch.float32 for g in results[1:])
+    _assert_close(recipe, ref_results, results, bias_floor=40.0)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
