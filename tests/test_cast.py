@@ -5,6 +5,7 @@ import torch
 
 from f8dist.cast import cast_to_float8
 from f8dist.config import CastSpec, ScalingGranularity
+from tests.floors import on_cpu
 
 AXISWISE = ScalingGranularity.AXISWISE
 
@@ -36,6 +37,7 @@ def test_an_amax_of_the_wrong_shape_or_with_a_scale_is_rejected():
         cast_to_float8(x, CastSpec(), torch.tensor(1.0), amax=x.abs().max())
 
 
+@on_cpu  # a CPU mesh
 def test_block_casts_of_dtensors_raise_what_is_unsupported():
     """Block scales on DTensors (TP/SP styles, FSDP2 float8 all-gather) are not implemented: a
     clear error, never a silently tensorwise-treated grid of scales ([Note: block scales])."""
