@@ -62,9 +62,11 @@ from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
            "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise")
-# block-scaled recipes: single process and FSDP2 (weights all-gathered in high precision); their
-# casts of DTensors (tensor parallel) are not supported yet
+# block-scaled recipes: single process and FSDP2 (square weight blocks may all-gather in float8);
+# their casts of DTensors (tensor parallel) are not supported yet
 BLOCK_RECIPES = RECIPES[5:]
+# the recipes whose one float8 weight serves both of its gemms: FSDP2 can all-gather it in float8
+FLOAT8_ALL_GATHER = ("tensorwise", "delayed", "mxfp8_square_weights", "blockwise")
 OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
@@ -102,7 +104,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--float8", choices=RECIPES, default="tensorwise",
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
-                   help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+                   help="FSDP2 all-gathers weights in float8 (tensorwise, delayed, "
+                        "mxfp8_square_weights and blockwise recipes)")
     p.add_argument("--float8-activations-for-backward", action="store_true",
                    help="keep float8 copies of the activations backward reads (grad_weight inputs, "
                         "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
@@ -168,8 +171,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.float8_stats_every and (args.float8 == "none" or args.compile):
         p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
                 "recipe and no --compile")
-    if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
-        p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if args.float8_all_gather and args.float8 not in FLOAT8_ALL_GATHER:
+        p.error("--float8-all-gather needs a tensorwise weight cast or square weight blocks: "
+                f"--float8 {' or '.join(FLOAT8_ALL_GATHER)}")
     if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
         p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
     if args.tp > 1 and args.seq_len % args.tp:

@@ -22,6 +22,7 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 @pytest.mark.parametrize("argv, match", [
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
+    (["--float8", "mxfp8", "--float8-all-gather"], "square weight blocks"),
     (["--float8", "fp8"], "invalid choice"),
     (["--float8", "blockwise"], "(64 -> 64)"),  # 128x128 weight blocks need --dim 128
     (["--float8", "mxfp8", "--dim", "48"], "in_features=48 (block 32)"),
