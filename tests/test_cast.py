@@ -38,9 +38,9 @@ def test_an_amax_of_the_wrong_shape_or_with_a_scale_is_rejected():
 
 
 @on_cpu  # a CPU mesh
-def test_block_casts_of_dtensors_raise_what_is_unsupported():
-    """Block scales on DTensors (TP/SP styles, FSDP2 float8 all-gather) are not implemented: a
-    clear error, never a silently tensorwise-treated grid of scales ([Note: block scales])."""
+def test_block_casts_of_dtensors_need_shards_on_block_boundaries():
+    """[Note: shards on block boundaries]: a DTensor whose shards hold whole blocks casts its
+    local shard (no collective); one whose shards would split a block raises, naming the fix."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -52,9 +52,16 @@ def test_block_casts_of_dtensors_raise_what_is_unsupported():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        x = DTensor.from_local(torch.randn(4, 64), mesh, [Shard(0)])
-        with pytest.raises(NotImplementedError, match="lin:output:input: block-scaled casts of "
-                                                      "DTensors .* not supported yet"):
-            cast_to_float8(x, spec)
+        local = torch.randn(4, 64)
+        for placement in (Shard(0), Shard(1)):  # 1x32 blocks: rows, and 64 columns per rank
+            fp8 = cast_to_float8(DTensor.from_local(local, mesh, [placement]), spec)
+            assert fp8.placements == (placement,)
+            alone = cast_to_float8(local, spec)
+            assert torch.equal(fp8.to_local()._data.view(torch.uint8), alone._data.view(torch.uint8))
+        split = DTensor.from_local(torch.randn(4, 48), mesh, [Shard(1)])  # 48 columns per rank
+        with pytest.raises(NotImplementedError, match="lin:output:input: a block-scaled cast of a "
+                                                      "DTensor needs shards on block boundaries.*"
+                                                      "splits its 32-wide blocks"):
+            cast_to_float8(split, spec)
     finally:
         dist.destroy_process_group()

@@ -35,7 +35,9 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from f8dist.cast import cast_to_float8
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
-from f8dist.placement import is_dtensor, like, local_part, reduce_over_shards
+from f8dist.placement import (
+    blocks_split_by_shards, is_dtensor, like, local_part, reduce_over_shards,
+)
 from f8dist.scaling import amax_to_scale, tensor_amax
 from f8dist.tensor import Float8Tensor, wrapper_like
 
@@ -129,7 +131,7 @@ class Float8AllGatherWeight(torch.Tensor):
             )
         spec = _weight_spec(module, self._config)
         if spec.blockwise:
-            return _block_pre_all_gather(shard, outer_size, mesh, spec)
+            return _block_pre_all_gather(self, outer_size, mesh, module, spec)
         scale = self._scale_for_all_gather(mesh, module, spec)
         # the shard is cast as part of the logical weight, so that observers (f8dist.debug) reduce
         # its statistics over the shards ([Note: statistics of the logical tensor])
@@ -193,18 +195,21 @@ class Float8AllGatherWeight(torch.Tensor):
 # float8 (the config says so): the one gathered copy serves the output and grad_input gemms.
 
 
-def _block_pre_all_gather(shard: torch.Tensor, outer_size, mesh, spec):
-    rows_per_block = spec.block_shape(2)[0]
-    padded_rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to chunk 0's size
-    if padded_rows % rows_per_block:
+def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
+    from torch.distributed.tensor import Shard
+
+    block = spec.block_shape(2)
+    rows_per_block, padded_rows = block[0], -(-outer_size[0] // mesh.size())  # FSDP2's chunk
+    split = blocks_split_by_shards(outer_size, block, [mesh.size()], [Shard(0)])
+    if split:  # [Note: shards on block boundaries] in f8dist/placement.py
         raise ValueError(
-            f"{spec.site}: FSDP2 shards this [{outer_size[0]}, {outer_size[1]}] weight into "
-            f"{padded_rows} rows per rank over {mesh.size()} ranks, which splits its "
-            f"{rows_per_block}-row blocks; the float8 all-gather of block-scaled weights needs "
-            f"ceil(rows / ranks) to be a multiple of {rows_per_block}: change the number of "
-            "ranks or the layer's size, or set enable_fsdp_float8_all_gather=False"
+            f"{spec.site}: the float8 all-gather of a block-scaled weight needs shards on block "
+            f"boundaries, got {split}: change the number of ranks or the layer's size, or set "
+            "enable_fsdp_float8_all_gather=False"
         )
-    fp8 = cast_to_float8(shard, spec)  # [rows, K] float8, [rows / br, K / bc] scales
+    # cast as part of the logical weight (telemetry reduces its statistics over the shards)
+    shard = weight._tensor  # [rows, K]
+    fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
     data = fp8._data.view(torch.uint8)
     scale = fp8._scale.contiguous().view(torch.uint8)  # [rows / br, scale bytes per block row]
     data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0]))  # [padded_rows, K]

@@ -15,5 +15,5 @@ def test_fsdp_block_scaled_all_gather_parity_bytes_and_split_blocks():
     # 1 byte per element plus 1 e8m0 byte per 32x32 block, against bf16's 2 bytes per element
     assert b["fp8_all_gather_output_bytes"] == (128 * 64 + 64 * 128) * (1 + 1 / 1024)
     assert b["ratio"] <= 0.52, b
-    assert "splits its 32-row blocks" in r["split_error"]
+    assert "splits its 32-wide blocks" in r["split_error"]
     assert "enable_fsdp_float8_all_gather=False" in r["split_error"]
