@@ -62,7 +62,13 @@ from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
-RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
+           "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise")
+# block-scaled recipes: single process and FSDP2 (square weight blocks may all-gather in float8);
+# their casts of DTensors (tensor parallel) are not supported yet
+BLOCK_RECIPES = RECIPES[5:]
+# the recipes whose one float8 weight serves both of its gemms: FSDP2 can all-gather it in float8
+FLOAT8_ALL_GATHER = ("tensorwise", "delayed", "mxfp8_square_weights", "blockwise")
 OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
@@ -100,7 +106,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--float8", choices=RECIPES, default="tensorwise",
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
-                   help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+                   help="FSDP2 all-gathers weights in float8 (tensorwise, delayed, "
+                        "mxfp8_square_weights and blockwise recipes)")
     p.add_argument("--float8-activations-for-backward", action="store_true",
                    help="keep float8 copies of the activations backward reads (grad_weight inputs, "
                         "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
@@ -166,8 +173,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.float8_stats_every and (args.float8 == "none" or args.compile):
         p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
                 "recipe and no --compile")
-    if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
-        p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if args.float8_all_gather and args.float8 not in FLOAT8_ALL_GATHER:
+        p.error("--float8-all-gather needs a tensorwise weight cast or square weight blocks: "
+                f"--float8 {' or '.join(FLOAT8_ALL_GATHER)}")
     if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
         p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
     if args.tp > 1 and args.seq_len % args.tp:
@@ -181,6 +189,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {wrong}")
     if args.metrics_file and os.path.isdir(args.metrics_file):
         p.error(f"--metrics-file {args.metrics_file} is a directory; name a file in it")
+    if args.float8 in BLOCK_RECIPES and args.tp > 1:
+        p.error(f"--float8 {args.float8} has block scales, which tensor parallel does not support "
+                "yet: use --tp 1 (FSDP2) or a tensorwise or rowwise recipe")
+    if args.float8 != "none":  # the model's linears must take the recipe: convert it on meta
+        try:
+            with torch.device("meta"):
+                convert_float8(Transformer(model_args(args)), float8_config(args),
+                               skip_incompatible=False)
+        except ValueError as e:
+            p.error(f"--float8 {args.float8}: {e}".replace("\n", " "))
     return args
 
 
@@ -250,14 +268,19 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     return config
 
 
+def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> None:
+    # the output layer (logits over the vocabulary) stays in high precision
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output",
+                               **kwargs)
+
+
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
     margs = model_args(args)
     model = Transformer(margs)
     model.init_weights(seed=args.seed)  # same weights on every rank before sharding
     config = float8_config(args)
     if config is not None:
-        # the output layer (logits over the vocabulary) stays in high precision
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
+        convert_float8(model, config)
     if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
         parallelize_llama(model, mesh["tp"], float8=config is not None)
     for name, block in list(model.layers.items()):

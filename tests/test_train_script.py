@@ -22,7 +22,10 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 @pytest.mark.parametrize("argv, match", [
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
+    (["--float8", "mxfp8", "--float8-all-gather"], "square weight blocks"),
     (["--float8", "fp8"], "invalid choice"),
+    (["--float8", "blockwise"], "(64 -> 64)"),  # 128x128 weight blocks need --dim 128
+    (["--float8", "mxfp8", "--dim", "48"], "in_features=48 (block 32)"),
     (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
     (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),  # was % 0
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),  # saved nothing
@@ -52,6 +55,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "3"], "--tp 3 must divide the number of ranks (4)"),
     (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
+    (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,

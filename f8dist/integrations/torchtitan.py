@@ -63,11 +63,14 @@ __all__ = [
     "llama3_debugmodel_float8_rowwise_with_gw_hp",
     "llama3_debugmodel_float8_delayed",
     "llama3_debugmodel_float8_tensorwise_fsdp_all_gather",
+    "llama3_debugmodel_float8_mxfp8",
+    "llama3_debugmodel_float8_blockwise",
 ]
 
 logger = logging.getLogger(__name__)
 
-RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
+                     "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
 
 # the filter_fqns entry torchtitan users know from torchao ("auto_filter_small_kn"), served by
 # f8dist.auto_filter_for_recipe
@@ -142,8 +145,10 @@ class Float8LinearConverter(QuantizationConverter):
     Pass its Config to a model's ``model_registry(..., converters=[...])``; wrap the resulting
     ``ModelSpec`` with :func:`with_float8_hooks` so delayed scaling and the FSDP precompute run.
 
-    * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"
-      (``f8dist.Float8LinearConfig.from_recipe_name``).
+    * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", or the
+      block-scaled "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights" and "blockwise"
+      (``f8dist.Float8LinearConfig.from_recipe_name``; block scales: single device and FSDP2,
+      no tensor parallel yet).
     * ``filter_fqns``: linears whose FQN contains one of these stay high precision (one string
       is one FQN);
       "auto_filter_small_kn" adds f8dist's auto filter (``docs/auto_filter.md``) for
@@ -151,8 +156,8 @@ class Float8LinearConverter(QuantizationConverter):
     * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (tensorwise and
       delayed recipes); ``precompute_float8_dynamic_scale_for_fsdp``: their scales in one
       all-reduce after each optimizer step (dynamic tensorwise only).
-    * ``pad_inner_dim``: pad dims that are not multiples of 16 instead of keeping those
-      linears in high precision.
+    * ``pad_inner_dim``: pad dims that are not multiples of 16 (or of the recipe's blocks)
+      instead of keeping those linears in high precision.
 
     Only plain ``Linear.Config``\\ s are converted; subclasses (e.g. ``ScaledBiasRowwiseLinear``)
     have their own forward and stay as they are.
@@ -176,8 +181,8 @@ class Float8LinearConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         # validates the combination (e.g. float8 all-gather needs a tensorwise weight cast)
-        _float8_config(config.recipe_name, config.enable_fsdp_float8_all_gather,
-                       config.pad_inner_dim)
+        self.float8_config = _float8_config(
+            config.recipe_name, config.enable_fsdp_float8_all_gather, config.pad_inner_dim)
         if config.precompute_float8_dynamic_scale_for_fsdp:
             if not config.enable_fsdp_float8_all_gather:
                 raise ValueError(
@@ -205,7 +210,7 @@ class Float8LinearConverter(QuantizationConverter):
         for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
             if type(linear) is not Linear.Config or not self.filter_fn(linear, fqn):
                 continue
-            if not (cfg.pad_inner_dim or convert.is_float8_compatible(linear)):
+            if not (cfg.pad_inner_dim or convert.is_float8_compatible(linear, self.float8_config)):
                 kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features})")
                 continue
             new = Float8Linear.Config(
@@ -225,7 +230,8 @@ class Float8LinearConverter(QuantizationConverter):
         if kept:
             logger.warning(
                 "f8dist: kept %d linear(s) in high precision because their dims are not "
-                "multiples of 16: %s. Set pad_inner_dim=True to pad them instead.",
+                "multiples of 16 (or of the recipe's blocks): %s. Set pad_inner_dim=True to pad "
+                "them instead.",
                 len(kept), ", ".join(kept),
             )
         return model_config
@@ -364,3 +370,14 @@ def llama3_debugmodel_float8_tensorwise_fsdp_all_gather():
         enable_fsdp_float8_all_gather=True,
         precompute_float8_dynamic_scale_for_fsdp=True,
     )
+
+
+def llama3_debugmodel_float8_mxfp8():
+    """llama3 debug model, MXFP8: 1x32 blocks with e8m0 scales (weights all-gathered in bf16)."""
+    return _llama3_debugmodel_float8(recipe_name="mxfp8")
+
+
+def llama3_debugmodel_float8_blockwise():
+    """llama3 debug model, DeepSeek-V3 blockwise float8: 1x128 activations and gradients, 128x128
+    weights, float32 scales (weights all-gathered in bf16)."""
+    return _llama3_debugmodel_float8(recipe_name="blockwise")

@@ -43,6 +43,7 @@ from f8dist.numerics import sqnr  # noqa: E402
 from tests.distributed.harness import REPO_ROOT, run_torchrun  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/config.py)
 N_LINEARS = 6 * 5  # debugmodel: 6 blocks of wqkv, wo, w1, w2, w3 (lm_head filtered)
 
 
@@ -80,7 +81,7 @@ def _float8_configs(model_config):
             if isinstance(c, tt.Float8Linear.Config)}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES + BLOCK_RECIPES)
 def test_model_registry_converts_the_linears_it_is_asked_to(recipe):
     spec = model_registry("debugmodel", converters=[_converter(recipe)])
     plain = {fqn for fqn, _, _, _ in model_registry("debugmodel").model.traverse(Linear.Config)}
@@ -145,7 +146,7 @@ def test_meta_build_and_init_weights(recipe, reference):
         assert delayed_keys == []
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES + BLOCK_RECIPES)
 def test_forward_and_backward_near_the_plain_model(recipe, reference):
     _, ref_out, ref_grad = reference
     model = _build(_two_blocks(model_registry("debugmodel", converters=[_converter(recipe)])))
@@ -235,6 +236,11 @@ def test_dims_not_multiple_of_16_and_a_root_linear(caplog):
     assert isinstance(padded, tt.Float8Linear.Config) and padded.pad_inner_dim
     lin = padded.build()
     assert lin(torch.randn(16, 24)).shape == (16, 32)
+    # 96 is a multiple of 16 and 32, not of DeepSeek's 128x128 weight blocks
+    block = Linear.Config(in_features=128, out_features=96)
+    assert tt.Float8LinearConverter(_converter("blockwise")).convert(block) is block
+    assert isinstance(tt.Float8LinearConverter(_converter("mxfp8")).convert(block),
+                      tt.Float8Linear.Config)
 
 
 def test_bad_configs_say_what_to_change():
@@ -255,6 +261,8 @@ CONFIGS = {
     "llama3_debugmodel_float8_rowwise_with_gw_hp": ("rowwise_with_gw_hp", False),
     "llama3_debugmodel_float8_delayed": ("delayed", False),
     "llama3_debugmodel_float8_tensorwise_fsdp_all_gather": ("tensorwise", True),
+    "llama3_debugmodel_float8_mxfp8": ("mxfp8", False),
+    "llama3_debugmodel_float8_blockwise": ("blockwise", False),
 }
 
 
