@@ -11,6 +11,7 @@ import torch.nn as nn
 from f8dist import agreement
 from f8dist.config import Float8LinearConfig
 from f8dist.gemm import GEMM_ALIGNMENT
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts, is_float8_grouped_compatible
 from f8dist.linear import Float8Linear
 
 __all__ = ["convert_to_float8_training", "is_float8_compatible"]
@@ -33,7 +34,11 @@ def convert_to_float8_training(
     skip_incompatible: bool = True,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` (that ``module_filter_fn(mod, fqn)`` accepts) with
-    a :class:`Float8Linear` sharing its parameters. Returns ``module`` (or the new module if
+    a :class:`Float8Linear` sharing its parameters, and every
+    :class:`~f8dist.grouped.GroupedExperts` (a mixture-of-experts layer's experts) with a
+    :class:`~f8dist.grouped.Float8GroupedExperts` whose grouped gemms run in float8 through the
+    same cast table ([Note: grouped gemms] in f8dist/grouped.py). A router is no nn.Linear (see
+    f8dist/models/moe.py) and stays in high precision. Returns ``module`` (or the new module if
     ``module`` itself is a linear).
 
     Linears whose ``in_features`` or ``out_features`` is not a multiple of 16 cannot run
@@ -63,13 +68,20 @@ def convert_to_float8_training(
             new = plan(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:
                 swaps.append((mod, name, child, new))
-        if type(mod) is not nn.Linear and not isinstance(mod, Float8Linear):
+        grouped = isinstance(mod, GroupedExperts)  # [Note: grouped gemms] in f8dist/grouped.py
+        if type(mod) is not nn.Linear and not isinstance(mod, Float8Linear) and not grouped:
             return mod
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             return mod
-        if isinstance(mod, Float8Linear):
+        if isinstance(mod, (Float8Linear, Float8GroupedExperts)):
             _check_same_config(mod, config, fqn)
             return mod
+        if grouped:
+            if not is_float8_grouped_compatible(mod) and not config.emulate:
+                if skip_incompatible:
+                    skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim})")
+                    return mod
+            return Float8GroupedExperts.from_float(mod, config, fqn=fqn)
         if not is_float8_compatible(mod) and not config.pad_inner_dim and not config.emulate:
             if skip_incompatible:
                 skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features})")
@@ -95,7 +107,7 @@ def convert_to_float8_training(
     return out
 
 
-def _check_same_config(mod: Float8Linear, config: Float8LinearConfig, fqn: str) -> None:
+def _check_same_config(mod, config: Float8LinearConfig, fqn: str) -> None:
     differ = [
         f.name for f in dataclasses.fields(config)
         if getattr(mod.config, f.name) != getattr(config, f.name)

@@ -154,3 +154,14 @@ def test_tiny_magnitudes_compiled():
     compiled = torch.compile(_roundtrip, fullgraph=True)
     assert sqnr(x, compiled(x, E4M3, True)) > 25
     assert torch.equal(compiled(x, E4M3, True), _roundtrip(x, E4M3, True))
+
+
+def test_group_amax_per_column_of_each_token_group():
+    from f8dist.scaling import group_amax, group_ids
+    x = torch.randn(10, 3)
+    offsets = torch.tensor([4, 4, 9], dtype=torch.int32)  # group 1 empty, row 9 in none
+    assert group_ids(offsets, 10).tolist() == [0] * 4 + [2] * 5 + [3]
+    amax = group_amax(x, offsets)
+    assert amax.shape == (3, 3) and amax.dtype == torch.float32
+    assert torch.equal(amax[0], x[:4].abs().amax(0)) and torch.equal(amax[1], torch.zeros(3))
+    assert torch.equal(amax[2], x[4:9].abs().amax(0))
