@@ -148,6 +148,19 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     return _Float8GroupedMM.apply(x, w, offsets.to(torch.int32), specs)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, w, scale: float):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as 3-D weights, ``w2(silu(w1(x)) * w3(x))`` per expert:
     ``w1``, ``w3`` [E, hidden, dim], ``w2`` [E, dim, hidden] (torchtitan's names and layout).
@@ -169,10 +182,15 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        # multiplies the weights' gradients (EP x FSDP2: [Note: EP x FSDP2] in
+        # f8dist/models/moe_parallel.py)
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x`` [M, dim] sorted by expert, ``offsets`` [local experts] -> [M, dim]."""
         w1, w2, w3 = (local_part(w) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         h = F.silu(self._mm("w1", x, w1, offsets)) * self._mm("w3", x, w3, offsets)  # [M, H]
         return self._mm("w2", h, w2, offsets)  # [M, dim]
 

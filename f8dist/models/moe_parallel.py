@@ -12,8 +12,10 @@ On a 2-D mesh ``(dp_shard, ep)`` the experts are sharded over ``ep`` on dim 0 an
 ``dp_shard`` by FSDP2 on dim 1 (a mesh of its own, ``dp_shard`` only: an expert's gradient is
 already the sum over the EP ranks' tokens); every other parameter is sharded by FSDP2 over the
 flattened ``(dp_shard, ep)`` mesh, as in torchtitan. FSDP2's gradient of an expert weight is the
-mean over the dp_shard ranks only, so the experts' gradients are divided by the EP degree
-(``expert_grad_divide``) to be the mean over all data-parallel ranks, as the other parameters'.
+mean over the dp_shard ranks only, so the experts' gradients are divided by the EP degree too
+(``GroupedExperts.grad_scale``, in backward before the reduce-scatter: FSDP2's own
+``set_gradient_divide_factor`` needs ReduceOp.PREMUL_SUM, which gloo lacks) to be the mean over
+all data-parallel ranks, as the other parameters'.
 """
 
 from __future__ import annotations
@@ -72,10 +74,9 @@ def fully_shard_moe(model: nn.Module, mesh: DeviceMesh, *, ep_dim: str = "ep",
     for block in model.layers.values():
         moe: Optional[MoE] = getattr(block, "moe", None)
         if moe is not None:
+            moe.experts.grad_scale = 1.0 / ep  # [Note: EP x FSDP2]
             fully_shard(moe.experts, mesh=dp_mesh, shard_placement_fn=lambda p: Shard(1),
                         **kwargs)
-            if ep > 1:
-                moe.experts.set_gradient_divide_factor(float(dp_mesh.size() * ep))
         fully_shard(block, mesh=flat, **kwargs)
     fully_shard(model, mesh=flat, **kwargs)
     return model
