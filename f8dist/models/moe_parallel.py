@@ -62,15 +62,23 @@ def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: b
 
 
 def fully_shard_moe(model: nn.Module, mesh: DeviceMesh, *, ep_dim: str = "ep",
-                    dp_dim: str = "dp_shard", **kwargs) -> nn.Module:
+                    dp_dim: str = "dp_shard", dp_mesh: Optional[DeviceMesh] = None,
+                    **kwargs) -> nn.Module:
     """FSDP2 for an expert-parallel model on the 2-D ``mesh`` ([Note: EP x FSDP2]): experts over
-    ``mesh[dp_dim]`` on dim 1, everything else over the flattened mesh, one FSDP unit per
-    block. ``kwargs`` go to every ``fully_shard`` (e.g. ``mp_policy``)."""
+    ``mesh[dp_dim]`` on dim 1, everything else over ``dp_mesh`` (default: the flattened mesh),
+    one FSDP unit per block. ``kwargs`` go to every ``fully_shard`` (e.g. ``mp_policy``).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        >>> fully_shard_moe(parallelize_moe(model, mesh["ep"]), mesh)
+    """
     from torch.distributed.fsdp import fully_shard
 
-    dp_mesh = mesh[dp_dim]
     ep = mesh[ep_dim].size()
-    flat = mesh._flatten("dp_ep") if mesh.ndim > 1 else mesh
+    flat = dp_mesh if dp_mesh is not None else mesh._flatten("dp_ep")
+    dp_mesh = mesh[dp_dim]
     for block in model.layers.values():
         moe: Optional[MoE] = getattr(block, "moe", None)
         if moe is not None:

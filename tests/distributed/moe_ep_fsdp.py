@@ -9,6 +9,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -56,7 +57,11 @@ def run(args):
     # constraints] in f8dist/grouped_gemm.py): the ranks' bf16 partial sums, summed in float32,
     # against one device's bf16 sum; every other gradient is a float32 sum in another order
     assert all(v > (45 if ".experts." in k else 100) for k, v in floors.items()), floors
-    write_result(args, {"world": world, "min_sqnr_db": worst, "sqnr_db": floors})
+    # what a DCP checkpoint holds: plain tensors (DTensor shards of them), no float8 subclass
+    state = get_model_state_dict(model)
+    kinds = {type(v.to_local() if isinstance(v, DTensor) else v).__name__ for v in state.values()}
+    write_result(args, {"world": world, "min_sqnr_db": worst, "sqnr_db": floors,
+                        "state_dict_local_types": sorted(kinds)})
 
 
 if __name__ == "__main__":
