@@ -54,7 +54,8 @@ def run(args):
     mine = slice(start, start + sizes[rank])
     num_experts = 4 * world
     results = {"world": world}
-    for recipe in (None, "rowwise", "tensorwise", "rowwise_with_gw_hp"):
+    for recipe in args.recipes.split(","):
+        recipe = None if recipe == "bf16" else recipe
         ref = _reference(recipe, num_experts)
         ep_layers = {fd: parallelize_moe(copy.deepcopy(ref), mesh, float8_dispatch=fd)
                      for fd in (True, False)}
@@ -97,5 +98,9 @@ def run(args):
     write_result(args, results)
 
 
+def _args(parser):
+    parser.add_argument("--recipes", default="bf16,rowwise,tensorwise,rowwise_with_gw_hp")
+
+
 if __name__ == "__main__":
-    main(run)
+    main(run, _args)
