@@ -40,7 +40,8 @@ from f8dist.gemm import GEMM_ALIGNMENT
 from f8dist.grouped_gemm import scaled_grouped_mm
 from f8dist.placement import local_part
 
-__all__ = ["GroupedExperts", "Float8GroupedExperts", "float8_grouped_mm", "grouped_mm"]
+__all__ = ["GroupedExperts", "Float8GroupedExperts", "float8_grouped_mm", "grouped_mm",
+           "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens"]
 
 OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
 INPUT, WEIGHT, GRAD_OUTPUT = Operand
@@ -148,6 +149,14 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     return _Float8GroupedMM.apply(x, w, offsets.to(torch.int32), specs)
 
 
+def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   offsets: torch.Tensor, mm) -> torch.Tensor:
+    """``w2(silu(w1(x)) * w3(x))`` per expert: x [M, dim], w1, w3 [E, H, dim], w2 [E, dim, H];
+    ``mm(name, x, w, offsets)`` is the grouped gemm of weight ``name``."""
+    h = F.silu(mm("w1", x, w1, offsets)) * mm("w3", x, w3, offsets)  # [M, H]
+    return mm("w2", h, w2, offsets)  # [M, dim]
+
+
 class _ScaleGrad(torch.autograd.Function):
     """The identity, whose backward multiplies the gradient by ``scale``."""
 
@@ -188,11 +197,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x`` [M, dim] sorted by expert, ``offsets`` [local experts] -> [M, dim]."""
-        w1, w2, w3 = (local_part(w) for w in (self.w1, self.w2, self.w3))
+        weights = (local_part(w) for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
-            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        h = F.silu(self._mm("w1", x, w1, offsets)) * self._mm("w3", x, w3, offsets)  # [M, H]
-        return self._mm("w2", h, w2, offsets)  # [M, dim]
+            weights = (_ScaleGrad.apply(w, self.grad_scale) for w in weights)
+        return swiglu_experts(x, *weights, offsets, self._mm)
 
     def _mm(self, name: str, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor):
         return grouped_mm(x, w, offsets)
@@ -203,6 +211,25 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
+
+
+def grouped_specs(config: Float8LinearConfig, fqn: str) -> Dict[str, CastSpecs]:
+    """The casts of each expert weight's gemms, by weight name (FQNs ``fqn.w1`` ...)."""
+    return {name: config.grouped_cast_specs(f"{fqn}.{name}" if fqn else name) for name in WEIGHTS}
+
+
+def token_spec(specs: Dict[str, CastSpecs]) -> Optional[CastSpec]:
+    """The per-token cast of the tokens when the up projections take one ([Note: one cast of
+    the tokens]); None otherwise (high precision, or tensorwise: per-group scales)."""
+    spec = specs["w1"][OUTPUT, INPUT]
+    return spec if spec.enabled and spec.axiswise else None
+
+
+def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
+    """The tokens cast once for both up projections when they cast per token ([Note: one cast
+    of the tokens]; differentiable), else ``x``."""
+    spec = token_spec(specs)
+    return x if spec is None else ToFloat8.apply(x, spec, None)
 
 
 def is_float8_grouped_compatible(mod: GroupedExperts) -> bool:
@@ -240,10 +267,7 @@ class Float8GroupedExperts(GroupedExperts):
     @fqn.setter
     def fqn(self, fqn: str) -> None:
         self._fqn = fqn
-        self.specs: Dict[str, CastSpecs] = {  # the casts of each weight's gemms, resolved once
-            name: self.config.grouped_cast_specs(f"{fqn}.{name}" if fqn else name)
-            for name in WEIGHTS
-        }
+        self.specs = grouped_specs(self.config, fqn)  # resolved once
 
     @classmethod
     def from_float(cls, mod: GroupedExperts, config: Optional[Float8LinearConfig] = None,
@@ -257,17 +281,13 @@ class Float8GroupedExperts(GroupedExperts):
 
     @property
     def token_spec(self) -> Optional[CastSpec]:
-        """The per-token cast of the tokens when the up projections take one ([Note: one cast
-        of the tokens]); None otherwise (high precision, or tensorwise: per-group scales)."""
-        spec = self.specs["w1"][OUTPUT, INPUT]
-        return spec if spec.enabled and spec.axiswise else None
+        """The per-token cast of the tokens ([Note: one cast of the tokens]), or None."""
+        return token_spec(self.specs)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):  # [Note: autocast] in f8dist/linear.py
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if self.token_spec is not None:
-            x = ToFloat8.apply(x, self.token_spec, None)  # [Note: one cast of the tokens]
-        return super().forward(x, offsets)
+        return super().forward(cast_tokens(x, self.specs), offsets)
 
     def _mm(self, name: str, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor):
         return float8_grouped_mm(x, w, offsets, self.specs[name])

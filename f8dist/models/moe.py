@@ -38,8 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from f8dist.cast import ToFloat8
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts, cast_tokens
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
 
 __all__ = ["MoEArgs", "MoE", "MoETransformer", "TokenChoiceRouter"]
@@ -164,14 +163,13 @@ class MoE(nn.Module):
     def _experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for tokens sorted by expert, here or on the ranks that hold
         them."""
-        spec = self.experts.token_spec if isinstance(self.experts, Float8GroupedExperts) else None
         if self.ep_group is None:
             offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
             return self.experts(tokens, offsets)
         from f8dist.dispatch import expert_parallel  # a distributed import, when EP is used
 
-        if spec is not None and self.float8_dispatch:  # [Note: float8 dispatch]
-            tokens = ToFloat8.apply(tokens, spec, None)
+        if isinstance(self.experts, Float8GroupedExperts) and self.float8_dispatch:
+            tokens = cast_tokens(tokens, self.experts.specs)  # [Note: float8 dispatch]
         return expert_parallel(self.experts, tokens, counts, self.ep_group)
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
