@@ -36,3 +36,17 @@ def test_one_process_registers_no_hook():
     before = dict(nn.modules.module._global_forward_pre_hooks)
     _model()
     assert nn.modules.module._global_forward_pre_hooks == before
+
+
+def test_settings_cover_experts_and_the_float8_dispatch():
+    from f8dist.models.moe import MoE, MoEArgs
+
+    moe = MoE(32, 64, MoEArgs(num_experts=4, top_k=2))
+    plain = agreement.settings(moe)
+    assert plain["experts", "float8"] == "False" and plain["<root>", "float8_dispatch"] == "True"
+    convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    converted = agreement.settings(moe)
+    assert converted["experts", "float8"] == "True"
+    assert converted["experts", "round_scales_to_power_of_2"] == "True"
+    moe.float8_dispatch = False
+    assert agreement.settings(moe)["<root>", "float8_dispatch"] == "False"
