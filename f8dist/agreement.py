@@ -1,44 +1,54 @@
 """Ranks that shard one float8 model must cast alike: a check, once, before its first step.
 
 [Note: ranks that disagree]
-Ranks that shard a model (FSDP2, tensor parallel) run its collectives in lockstep, and f8dist's
-settings decide which collectives run: a float8 all-gather sends 1 byte per element where a plain
-one sends 2 or 4, a delayed cast syncs amax histories that a dynamic one does not keep, a
-tensorwise cast all-reduces an amax that a rowwise one takes per row, a float8 TP style all-gathers
-float8 where PyTorch's sends high precision. Ranks whose settings differ (a flag or environment
-variable read differently on one node) hang in mismatched collectives until the process-group
-timeout, or train silently with different numerics per rank.
+Ranks that train one float8 model (FSDP2, tensor parallel, DDP) run its collectives in lockstep,
+and f8dist's settings decide which collectives run: a float8 all-gather sends 1 byte per element
+where a plain one sends 2 or 4, a delayed cast syncs amax histories that a dynamic one does not
+keep, a tensorwise cast all-reduces an amax that a rowwise one takes per row, a float8 TP style
+all-gathers float8 where PyTorch's sends high precision. Ranks whose settings differ (a flag or
+environment variable read differently on one node, a rank that never converts) hang in mismatched
+collectives until the process-group timeout, or train silently with different numerics per rank.
 
 So ``convert_to_float8_training`` registers the model, and before its first forward the ranks
-that shard it compare their :func:`settings` (each linear's float8 config, field by field, and
-the float8 TP style applied to each module) in one all-gather of a fixed-size fingerprint: a hash
-of the settings and their length, 16 bytes per rank. Every rank runs that same collective
-whatever its settings, so the check cannot hang on the disagreement it looks for. Equal
-fingerprints end the check. Otherwise every rank has seen the difference: they exchange their
-settings (``all_gather_object``) and all raise the same error, naming the differing fields, the
-ranks and the modules.
+that train it compare their :func:`settings` (each linear's float8 config, field by field, and
+the float8 TP style applied to each module) through the c10d store, not a collective: a collective
+that one rank never joins is the hang this check exists to prevent. Each rank sets a hash of its
+settings under a key of the group and round; the group's first rank waits for all of them, at most
+``F8DIST_AGREEMENT_TIMEOUT_S`` seconds (default 60), and sets the verdict the others wait for:
+
+* equal hashes: every rank goes on (no collective, no byte on the process group's wire);
+* different hashes: one rank per distinct hash sets its settings, and every rank raises the same
+  error naming the differing fields, the ranks and the modules;
+* a rank missing at the timeout (it never converted, runs another program, or is stuck in a
+  collective the others never join): every rank that checked raises an error naming it.
 
 The check runs from a global forward pre-hook, which runs before a module's own hooks, i.e. before
-FSDP2's pre-forward all-gather; the hook is removed once no registered model is left unchecked.
-``precompute_float8_dynamic_scale_for_fsdp`` checks too, as it may run before the first forward.
-Tensor parallelism needs a check before sharding as well: ``parallelize_module`` broadcasts the
-buffers of delayed scaling, which ranks that disagree do not all have. ``parallelize_llama``
-checks over the tp mesh first (every rank calls it, with float8 styles or without); a custom plan
-calls :func:`check` before ``parallelize_module``. The styles themselves do not check: a rank
-that applies PyTorch's styles instead would never join.
-The group is the largest device mesh among the model's DTensor parameters; a model without DTensor
-parameters (one device, DDP) is not checked, and a model converted without an initialized process
-group of several ranks registers nothing (no hook, no cost). A rank that never converts cannot be
-checked: convert on every rank, after ``init_process_group``.
+FSDP2's pre-forward all-gather and DDP's buffer broadcast; the hook is removed once no registered
+model is left unchecked. ``precompute_float8_dynamic_scale_for_fsdp`` checks too, as it may run
+before the first forward. The group is DDP's process group when the forward is DDP's, else the
+largest device mesh among the model's DTensor parameters; a model with neither (one device, or
+independent models per rank) is not checked, and a model converted without an initialized process
+group of several ranks registers nothing (no hook, no cost).
+
+Sharding must not hang before the first forward either. ``parallelize_module`` replicates a
+module's buffers with one broadcast each, and only delayed linears have buffers; the float8 TP
+styles make the delayed buffers Replicate DTensors in place (every rank holds the same initial
+values: no broadcast), and ``convert_to_float8_training`` lists them in
+``_ddp_params_and_buffers_to_ignore`` (the sync keeps them equal across ranks), so ranks that
+disagree reach the check. ``parallelize_llama`` also checks over the tp mesh before sharding; with
+PyTorch's own styles on a delayed model, call :func:`check` before ``parallelize_module``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import hashlib
+import json
+import os
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,7 +57,11 @@ from f8dist.config import Float8LinearConfig
 from f8dist.grouped import GroupedExperts
 from f8dist.placement import _whole_mesh_group, is_dtensor
 
-__all__ = ["agree", "check", "check_before_first_forward", "check_once", "record_style", "settings"]
+__all__ = [
+    "TIMEOUT_ENV", "agree", "canonical_name", "check", "check_before_first_forward", "check_once", "record_style",
+    "settings", "timeout_s",
+]
+TIMEOUT_ENV = "F8DIST_AGREEMENT_TIMEOUT_S"
 
 Settings = Dict[Tuple[str, str], str]  # (module, field) -> value
 
@@ -55,6 +69,7 @@ _unchecked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _hook = None
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")  # not in names
 _SHOWN = 5  # differences named in the error
+_rounds: Dict[str, int] = {}  # group name -> checks made over it: the store keys of the next one
 
 
 def check_before_first_forward(model: nn.Module) -> None:
@@ -78,12 +93,17 @@ def record_style(module: nn.Module, style) -> None:
 def _before_forward(module: nn.Module, args) -> None:
     if torch.compiler.is_compiling():  # a traced hook must not run collectives
         return
-    check_once(getattr(module, "_orig_mod", module))  # torch.compile(model) wraps the model
+    module = getattr(module, "_orig_mod", module)  # torch.compile(model) wraps the model
+    group = getattr(module, "process_group", None)  # DDP's; its forward runs before the model's
+    if group is not None and isinstance(getattr(module, "module", None), nn.Module):
+        check_once(getattr(module.module, "_orig_mod", module.module), group)
+    else:
+        check_once(module)
 
 
-def check_once(model: nn.Module) -> None:
-    """:func:`check` ``model`` over the largest mesh its DTensor parameters live on, if it is
-    registered and not yet checked (no collective otherwise).
+def check_once(model: nn.Module, group=None) -> None:
+    """:func:`check` ``model`` over ``group`` (default: the largest mesh its DTensor parameters
+    live on), if it is registered and not yet checked (nothing to do otherwise).
 
     Example::
 
@@ -99,6 +119,9 @@ def check_once(model: nn.Module) -> None:
     if not _unchecked and _hook is not None:
         _hook.remove()
         _hook = None
+    if group is not None:
+        _check_group(model, group)
+        return
     meshes = {p.device_mesh for p in model.parameters() if is_dtensor(p)}
     if meshes:
         check(model, max(meshes, key=lambda m: m.size()))
@@ -121,37 +144,94 @@ def check(model: nn.Module, mesh) -> None:
     if mesh.size() == 1 or not dist.is_initialized():
         return
     group = _whole_mesh_group(mesh)
+    _check_group(model, group.get_group() if group is not None else dist.group.WORLD)
+
+
+def _check_group(model: nn.Module, group) -> None:
     agree(
-        settings(model), group.get_group() if group is not None else dist.group.WORLD,
-        what=f"the ranks sharding {type(model).__name__} disagree on its float8 settings",
+        settings(model), group,
+        what=f"the ranks training {type(model).__name__} disagree on its float8 settings",
         fix="Give every rank the same convert_to_float8_training config and module_filter_fn and "
-        "the same parallel styles.",
+        "the same parallel styles, and convert on every rank.",
     )
 
 
 def agree(mine: Settings, group, *, what: str, fix: str) -> None:
-    """Compare ``mine`` across the ranks of ``group`` (every one of them calls it) in one
-    fixed-size all-gather; raise a RuntimeError ``what``, the differences and ``fix`` if they
-    differ ([Note: ranks that disagree])."""
+    """Compare ``mine`` across the ranks of ``group`` (every one of them calls it) through the
+    c10d store; raise a RuntimeError ``what``, the differences and ``fix`` if they differ, or
+    naming the ranks that did not check within :func:`timeout_s` ([Note: ranks that disagree]).
+    Several checks over one group compare in the order each rank makes them."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
-    ranks = dist.get_process_group_ranks(group)
-    text = "\n".join(f"{k}={v}" for k, v in sorted(mine.items()))
-    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    fingerprint = torch.tensor([digest, len(text)], device=device)  # [2] int64
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.13
-    gathered = funcol.wait_tensor(gather(fingerprint, 0, group))  # [ranks * 2]
-    if bool((gathered.view(-1, 2) == fingerprint).all()):
+    if dist.get_backend(group) == "fake":  # every rank simulated in this process
         return
-    everyone: List[Settings] = [{} for _ in ranks]
-    dist.all_gather_object(everyone, mine, group=group)
-    raise RuntimeError(
-        f"f8dist: {what} (checked before its first step; they would hang in mismatched "
-        "collectives or train with different numerics per rank):\n"
-        + _differences(everyone, ranks) + "\n" + fix
-    )
+    ranks = dist.get_process_group_ranks(group)
+    me, leader = dist.get_rank(), ranks[0]
+    name = getattr(group, "group_name", None) or dist.distributed_c10d._get_process_group_name(group)
+    _rounds[name] = _rounds.get(name, -1) + 1
+    prefix = f"f8dist/agreement/{name}/{_rounds[name]}/"
+    store = dist.distributed_c10d._get_default_store()
+    text = json.dumps(sorted([m, f, v] for (m, f), v in mine.items()))
+    store.set(f"{prefix}hash/{me}", hashlib.sha256(text.encode()).hexdigest())
+    seconds = timeout_s()
+    late = (f"did not check its float8 settings within {seconds:g} s ({TIMEOUT_ENV}); did it "
+            "convert the model with convert_to_float8_training (and run the same program)?")
+    head = f"f8dist: {what} (checked before its first step; they would hang in mismatched " \
+           "collectives or train with different numerics per rank):\n"
+    if me != leader:
+        verdict = _get(store, f"{prefix}verdict", seconds)
+        if verdict is None:
+            raise RuntimeError(f"{head}  rank {leader}, which compares the ranks, {late}\n{fix}")
+        if verdict.startswith("send "):
+            if str(me) in verdict[5:].split(","):
+                store.set(f"{prefix}settings/{me}", text)
+            verdict = _get(store, f"{prefix}error", seconds) or f"{head}  rank {leader} {late}\n{fix}"
+        if verdict != "ok":
+            raise RuntimeError(verdict)
+        return
+    hashes = {r: _get(store, f"{prefix}hash/{r}", seconds) for r in ranks}
+    missing = [r for r, h in hashes.items() if h is None]
+    if missing:
+        error = f"{head}  rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} {late}\n{fix}"
+        store.set(f"{prefix}verdict", error)
+        raise RuntimeError(error)
+    sender = {h: r for r, h in reversed(list(hashes.items()))}  # one rank per distinct hash
+    if len(sender) == 1:
+        store.set(f"{prefix}verdict", "ok")
+        return
+    store.set(f"{prefix}verdict", "send " + ",".join(str(r) for r in sender.values() if r != me))
+    texts = {me: text}
+    for r in sender.values():
+        texts[r] = texts.get(r) or _get(store, f"{prefix}settings/{r}", seconds) or "[]"
+    by_hash = {h: {(m, f): v for m, f, v in json.loads(texts[r])} for h, r in sender.items()}
+    error = head + _differences([by_hash[hashes[r]] for r in ranks], ranks) + "\n" + fix
+    store.set(f"{prefix}error", error)
+    raise RuntimeError(error)
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for the others in a check: ``F8DIST_AGREEMENT_TIMEOUT_S`` (60)."""
+    raw = os.environ.get(TIMEOUT_ENV, "60")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds, e.g. 60")
+    return seconds
+
+
+def _get(store, key: str, seconds: float) -> Optional[str]:
+    """The value of ``key`` once some rank set it, or None after ``seconds``."""
+    import torch.distributed as dist
+
+    try:
+        store.wait([key], datetime.timedelta(seconds=seconds))
+    except (dist.DistStoreError, RuntimeError) as e:
+        if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+            raise
+        return None
+    return store.get(key).decode()
 
 
 def settings(model: nn.Module) -> Settings:
@@ -160,7 +240,7 @@ def settings(model: nn.Module) -> Settings:
     module, and whether each MoE layer dispatches float8 tokens."""
     out: Settings = {}
     for name, m in model.named_modules():
-        name = ".".join(p for p in name.split(".") if p not in _WRAPPERS) or "<root>"
+        name = canonical_name(name) or "<root>"
         # a Float8Linear's config (the class is not imported here: f8dist.fsdp imports this module)
         config = getattr(m, "config", None)
         if isinstance(m, (nn.Linear, GroupedExperts)):  # a linear, or an MoE layer's experts
@@ -172,6 +252,12 @@ def settings(model: nn.Module) -> Settings:
         if hasattr(m, "_f8dist_tp_style"):
             out[name, "tp_style"] = m._f8dist_tp_style
     return out
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the parts wrappers add (activation checkpointing, torch.compile, FSDP1):
+    the name ``get_model_state_dict`` and the other ranks use."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
 
 
 def _fields(obj, prefix: str = ""):

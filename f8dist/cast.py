@@ -19,9 +19,10 @@ from typing import Callable, List, Optional
 import torch
 
 from f8dist.config import CastSite, CastSpec, ScalingType
-from f8dist.placement import like, local_part, reduce_partial
+from f8dist.placement import is_dtensor, like, local_part, reduce_partial
 from f8dist.scaling import (
-    amax_to_scale, group_amax, group_ids, in_memory, saturated_cast, tensor_amax,
+    amax_to_scale, block_amax, block_scale, expand_blocks, group_amax, group_ids, in_memory,
+    saturated_cast, tensor_amax,
 )
 from f8dist.tensor import Float8Tensor
 
@@ -54,7 +55,9 @@ def _fits(fp8: Float8Tensor, spec: CastSpec, offsets: Optional[torch.Tensor] = N
     """Whether float8 bytes are what casting their value with ``spec`` would give."""
     if offsets is not None and _grouped_axis(spec, fp8.dim()) != fp8.dim() - 1:
         return False  # per-group scales: their bytes depend on the groups
-    return fp8._data.dtype == spec.dtype and fp8._axiswise_dim == spec.axiswise_dim(fp8.dim())
+    block = spec.block_shape(fp8.dim())
+    return (fp8._data.dtype == spec.dtype and fp8._axiswise_dim == spec.axiswise_dim(fp8.dim())
+            and fp8._block == block and (block is None or fp8._scale.dtype == spec.scale_dtype))
 
 
 def _grouped_axis(spec: CastSpec, ndim: int) -> Optional[int]:
@@ -111,6 +114,8 @@ def cast_to_float8(
         t = high_precision(t)
     if not spec.enabled:
         raise ValueError(f"{spec.site}: its CastSpec says ScalingType.DISABLED; nothing to cast")
+    if spec.blockwise:
+        return _cast_blocks(t, spec, scale, amax, store)
     if spec.scaling_type is ScalingType.DELAYED and scale is None:
         raise RuntimeError(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
@@ -144,11 +149,38 @@ def cast_to_float8(
     if store:  # bytes that serve two gemms: [Note: a cast that waits for its amax]
         data = in_memory(data)
     out = like(t, Float8Tensor(data, scale_local, t.dtype, axis, spec.mm_config))
+    return _observed(spec, t, out)
 
+
+def _observed(spec: CastSpec, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if cast_observers:
         for observer in cast_observers:
             observer(spec.site, t, out)
     return out
+
+
+def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> torch.Tensor:
+    """A blockwise cast ([Note: block scales] in f8dist/config.py): each block scaled by its own
+    amax, so no collective; single-device tensors only for now."""
+    if is_dtensor(t):
+        raise NotImplementedError(
+            f"{spec.site}: block-scaled casts of DTensors (FSDP2 float8 all-gather, tensor or "
+            "sequence parallel) are not supported yet; use a tensorwise or rowwise recipe for "
+            "distributed layers, or keep this layer in high precision (module_filter_fn)"
+        )
+    if scale is not None or amax is not None:
+        raise ValueError(f"{spec.site}: a blockwise cast computes its own scales, give none")
+    block = spec.block_shape(t.dim())
+    t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] (scaling.py)
+    scale = block_scale(  # [ceil(R / rows), ceil(C / cols)]
+        block_amax(t, block), spec.dtype, scale_dtype=spec.scale_dtype,
+        rounding=spec.scale_rounding, round_to_power_of_2=spec.round_scales_to_power_of_2,
+    )
+    data = saturated_cast(t, expand_blocks(scale, block, t.shape), spec.dtype)  # [R, C]
+    if store:
+        data = in_memory(data)
+    out = Float8Tensor(data, scale, t.dtype, None, spec.mm_config, block)
+    return _observed(spec, t, out)
 
 
 class ToFloat8(torch.autograd.Function):

@@ -31,12 +31,15 @@ import torch
 __all__ = [
     "ScalingType", "ScalingGranularity", "Gemm", "Operand", "CastConfig", "CastSpec", "CastSpecs",
     "CastSite", "DelayedScalingConfig", "Float8GemmConfig", "Float8LinearConfig",
-    "Float8LinearRecipeName", "SavedInput", "ScaledMMConfig", "E4M3", "E5M2",
+    "Float8LinearRecipeName", "SavedInput", "ScaledMMConfig", "ScaleRounding", "E4M3", "E5M2",
+    "E8M0",
 ]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _FLOAT8_DTYPES = (E4M3, E5M2)
+E8M0 = torch.float8_e8m0fnu  # a power of 2 per byte: MX block scales
+_SCALE_DTYPES = (torch.float32, E8M0)
 
 
 class _Name(str, enum.Enum):
@@ -159,9 +162,40 @@ class ScalingGranularity(enum.Enum):
 
     TENSORWISE = "tensorwise"  # one scale for the whole tensor
     AXISWISE = "axiswise"  # one scale per row (or column): amax over the gemm's contraction dim
+    BLOCKWISE = "blockwise"  # one scale per block of CastConfig.block_size ([Note: block scales])
 
     def short_str(self) -> str:
-        return {"tensorwise": "ten", "axiswise": "axs"}[self.value]
+        return {"tensorwise": "ten", "axiswise": "axs", "blockwise": "blk"}[self.value]
+
+
+class ScaleRounding(_Name):
+    """How a block's amax becomes a power-of-2 (e8m0) scale ([Note: e8m0 rounding])."""
+
+    RCEIL = "rceil"  # NVIDIA's (cuBLAS, Transformer Engine): the largest power of 2 that fits
+    FLOOR = "floor"  # OCP MX v1.0: 2**(floor(log2(amax)) - emax), may saturate a block's top
+
+
+# [Note: block scales]
+# A BLOCKWISE cast scales each block of ``CastConfig.block_size = (outer, inner)`` elements by its
+# own amax, ``inner`` along the gemm's contraction dim and ``outer`` across it, so the one config of
+# an operand serves both of its gemms: MXFP8's (1, 32) blocks run along K for the output gemm's
+# input and along the tokens M for the grad_weight gemm's input, each cast from the
+# high-precision tensor (never from float8 twice). Both operands of a gemm must agree on ``inner``
+# (the kernel multiplies block products by one scale pair). A square block, (32, 32) or (128, 128),
+# is the same block in both gemms of an operand, so one float8 weight serves forward and backward
+# (``CastSpecs.weight_same_bytes``): a weight that arrives in float8 needs no second cast. Scales are float32 (DeepSeek-V3) or ``float8_e8m0fnu`` (MX, a
+# power of 2 per byte, rounded as ``scale_rounding`` says). A block cut short by the tensor's edge
+# is zero-padded, which changes neither its amax nor any product: the token dim M may be anything;
+# the layer's own dims K and N must divide into blocks (or pad_inner_dim).
+#
+# [Note: e8m0 rounding]
+# RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
+# 2 that maps the block's amax inside the format, so no element saturates. It is what NVIDIA's
+# hardware conversion (cvt.rp.satfinite.ue8m0), cuBLAS's MXFP8 recipe and Transformer Engine use,
+# and what torchao's MXFP8 training defaults to. FLOOR is the OCP MX v1.0 rule,
+# 2**(floor(log2(amax)) - emax): one power of 2 more resolution for blocks whose amax mantissa is
+# below fp8_max's, but elements above fp8_max * 2**(e) clamp (e4m3: amax in (448, 512) * 2**e).
+# scripts/sqnr_table.py compares the two.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +209,11 @@ class CastConfig:
     scaling_type: ScalingType = ScalingType.DYNAMIC
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
     target_dtype: Optional[torch.dtype] = None
+    # BLOCKWISE only ([Note: block scales]): (outer, inner) elements per block, inner along the
+    # gemm's contraction dim; the dtype scales are kept in; how e8m0 scales round
+    block_size: Optional[Tuple[int, int]] = None
+    scale_dtype: torch.dtype = torch.float32
+    scale_rounding: ScaleRounding = ScaleRounding.RCEIL
 
     def __post_init__(self):
         if not isinstance(self.scaling_type, ScalingType):
@@ -199,16 +238,63 @@ class CastConfig:
             raise ValueError(
                 "delayed scaling keeps one amax history per tensor, so it needs "
                 "scaling_granularity=ScalingGranularity.TENSORWISE; use ScalingType.DYNAMIC "
-                "for axiswise scaling"
+                "for axiswise or blockwise scaling"
             )
+        _check_block(self)
 
     @property
     def enabled(self) -> bool:
         return self.scaling_type is not ScalingType.DISABLED
 
+    @property
+    def blockwise(self) -> bool:
+        return self.scaling_granularity is ScalingGranularity.BLOCKWISE
+
     def short_str(self) -> str:
         dtype = {None: "dflt", E4M3: "e4m3", E5M2: "e5m2"}[self.target_dtype]
-        return f"{self.scaling_type.short_str()}_{self.scaling_granularity.short_str()}_{dtype}"
+        gran = self.scaling_granularity.short_str()
+        if self.blockwise:
+            scale = "e8m0" if self.scale_dtype == E8M0 else "f32"
+            gran = f"{gran}{self.block_size[0]}x{self.block_size[1]}{scale}"
+        return f"{self.scaling_type.short_str()}_{gran}_{dtype}"
+
+
+def _check_block(cc: "CastConfig") -> None:
+    """The block fields of a CastConfig ([Note: block scales]), with the fix in each message."""
+    if not cc.blockwise:
+        if cc.block_size is not None or cc.scale_dtype != torch.float32:
+            raise ValueError(
+                f"CastConfig.block_size and scale_dtype describe block scales; with "
+                f"scaling_granularity={cc.scaling_granularity} leave them unset (got block_size="
+                f"{cc.block_size}, scale_dtype={cc.scale_dtype}) or use ScalingGranularity.BLOCKWISE"
+            )
+        return
+    bs = cc.block_size
+    if not (isinstance(bs, tuple) and len(bs) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)):
+        raise ValueError(
+            "ScalingGranularity.BLOCKWISE needs CastConfig.block_size=(outer, inner), two positive "
+            f"ints (inner along the gemm's contraction dim), e.g. (1, 32) for MXFP8, (1, 128) or "
+            f"(128, 128) for DeepSeek-V3's blockwise recipe; got {bs!r}"
+        )
+    if bs[1] % 16:
+        raise ValueError(
+            f"CastConfig.block_size={bs}: the inner (contraction) block must be a multiple of 16, "
+            "the float8 gemm's alignment (32 for MXFP8, 128 for DeepSeek-V3)"
+        )
+    if cc.scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(
+            f"CastConfig.scale_dtype must be torch.float32 or torch.float8_e8m0fnu, got "
+            f"{cc.scale_dtype}"
+        )
+    if not isinstance(cc.scale_rounding, ScaleRounding):
+        object.__setattr__(cc, "scale_rounding", ScaleRounding(cc.scale_rounding))
+    if cc.scale_rounding is not ScaleRounding.RCEIL and cc.scale_dtype != E8M0:
+        raise ValueError(
+            f"CastConfig.scale_rounding={cc.scale_rounding} rounds e8m0 scales; float32 scales "
+            "are exact (set Float8LinearConfig.round_scales_to_power_of_2 for powers of 2): "
+            "use scale_dtype=torch.float8_e8m0fnu or leave scale_rounding at RCEIL"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,6 +370,10 @@ class CastSpec:
     gemm: Gemm = Gemm.OUTPUT
     operand: Operand = Operand.INPUT
     fqn: str = ""
+    # BLOCKWISE: (outer, inner) of [Note: block scales], the scales' dtype and e8m0 rounding
+    block_size: Optional[Tuple[int, int]] = None
+    scale_dtype: torch.dtype = torch.float32
+    scale_rounding: ScaleRounding = ScaleRounding.RCEIL
     # a cast for a grouped (expert) gemm: [Note: grouped casts]
     grouped: bool = False
 
@@ -295,7 +385,9 @@ class CastSpec:
         if not isinstance(self.axis, int):
             raise TypeError(f"CastSpec.axis must be an int (a dim of the operand), got {self.axis!r}")
         # the rest is validated where it comes from (CastConfig)
-        CastConfig(scaling_type=self.scaling_type, scaling_granularity=self.granularity)
+        CastConfig(scaling_type=self.scaling_type, scaling_granularity=self.granularity,
+                   block_size=self.block_size, scale_dtype=self.scale_dtype,
+                   scale_rounding=self.scale_rounding)
 
     @property
     def enabled(self) -> bool:
@@ -305,9 +397,26 @@ class CastSpec:
     def axiswise(self) -> bool:
         return self.granularity is ScalingGranularity.AXISWISE
 
+    @property
+    def blockwise(self) -> bool:
+        return self.granularity is ScalingGranularity.BLOCKWISE
+
     def axiswise_dim(self, ndim: int) -> Optional[int]:
-        """The dim (of an ``ndim``-D operand) an axiswise cast reduces over; None if tensorwise."""
+        """The dim (of an ``ndim``-D operand) an axiswise cast reduces over; None otherwise."""
         return self.axis % ndim if self.axiswise else None
+
+    def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
+        """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
+        ``axis``); None unless blockwise. Block scales are defined for 2-D operands."""
+        if not self.blockwise:
+            return None
+        if ndim != 2:
+            raise NotImplementedError(
+                f"{self.site}: block scales are defined for 2-D operands, got a {ndim}-D one; "
+                "use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
+            )
+        outer, inner = self.block_size
+        return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
 
     @property
     def site(self) -> "CastSite":
@@ -351,6 +460,9 @@ class CastSpecs:
     # backward's weight cast takes its amax from the forward's weight cast instead of reading the
     # weight again (see [Note: what the matmul keeps for backward] in f8dist/linear.py)
     weight_amax_from_forward: bool = False
+    # the weight casts to the same float8 bytes for the output and grad_input gemms (tensorwise,
+    # or square blocks: [Note: block scales]), so a float8 weight serves both as it is
+    weight_same_bytes: bool = False
     # how the activations that produce this linear's input keep what their backward reads
     # (SwiGLU's inputs before an FFN's w2, f8dist/swiglu.py); None: in high precision
     activation: Optional[CastSpec] = None
@@ -376,11 +488,11 @@ _CELLS = tuple(_CONTRACTION_AXIS)
 
 def _same_bytes(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
     """Whether ``operand`` casts to the same float8 bytes in gemms ``a`` and ``b``: a tensorwise
-    cast with the same dtype, scaling and rounding (only the gemm options may differ)."""
+    cast, or a blockwise one whose block is the same in the operand's layout (square), with the
+    same dtype, scaling and rounding (only the gemm options may differ)."""
     sa, sb = specs[a, operand], specs[b, operand]
-    return sa.enabled and not sa.axiswise and dataclasses.replace(
-        sb, gemm=sa.gemm, axis=sa.axis, mm_config=sa.mm_config
-    ) == sa
+    return sa.enabled and not sa.axiswise and sa.block_shape(2) == sb.block_shape(2) and (
+        dataclasses.replace(sb, gemm=sa.gemm, axis=sa.axis, mm_config=sa.mm_config) == sa)
 
 
 def _amax_follows(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
@@ -388,7 +500,40 @@ def _amax_follows(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
     tensor): both casts compute their amax, and ``b``'s is tensorwise, the max of ``a``'s amaxes
     whatever ``a``'s granularity."""
     sa, sb = specs[a, operand], specs[b, operand]
-    return sa.scaling_type is sb.scaling_type is ScalingType.DYNAMIC and not sb.axiswise
+    return (sa.scaling_type is sb.scaling_type is ScalingType.DYNAMIC and not sb.axiswise
+            and not sa.blockwise and not sb.blockwise)
+
+
+def _check_block_gemm(gemm: Gemm, a: CastConfig, b: CastConfig) -> None:
+    """A float8 gemm with block scales: both operands blockwise, one contraction block, one
+    scale dtype ([Note: block scales])."""
+    left, right = gemm.operands
+    fix = (f"set {_field_name(gemm, left)} and {_field_name(gemm, right)} to BLOCKWISE "
+           "CastConfigs with the same inner block_size and scale_dtype")
+    if not (a.blockwise and b.blockwise):
+        raise ValueError(
+            f"the {gemm} gemm scales {left} {a.scaling_granularity.value} and {right} "
+            f"{b.scaling_granularity.value}: a block-scaled gemm needs both operands blockwise; "
+            + fix
+        )
+    if a.block_size[1] != b.block_size[1] or a.scale_dtype != b.scale_dtype:
+        raise ValueError(
+            f"the {gemm} gemm's operands {left} (block_size={a.block_size}, {a.scale_dtype}) and "
+            f"{right} (block_size={b.block_size}, {b.scale_dtype}) differ along the contraction "
+            "dim: the kernel multiplies each block product by one scale of each operand; " + fix
+        )
+
+
+def _mx(block_size: Tuple[int, int] = (1, 32)) -> CastConfig:
+    """An MXFP8 cast: e4m3 with one e8m0 scale per ``block_size`` block (RCEIL)."""
+    return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3,
+                      block_size=block_size, scale_dtype=E8M0)
+
+
+def _deepseek(block_size: Tuple[int, int]) -> CastConfig:
+    """A DeepSeek-V3 blockwise cast: e4m3 with one float32 scale per ``block_size`` block."""
+    return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3,
+                      block_size=block_size)
 
 
 class Float8LinearRecipeName(enum.Enum):
@@ -396,6 +541,10 @@ class Float8LinearRecipeName(enum.Enum):
     ROWWISE = "rowwise"
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
     DELAYED = "delayed"
+    MXFP8 = "mxfp8"  # 1x32 blocks, e8m0 scales, e4m3 everywhere ([Note: block scales])
+    MXFP8_WGRAD_WITH_HP = "mxfp8_wgrad_with_hp"  # mxfp8, grad_weight gemm in high precision
+    MXFP8_SQUARE_WEIGHTS = "mxfp8_square_weights"  # mxfp8 with 32x32 weight blocks
+    BLOCKWISE = "blockwise"  # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -471,6 +620,8 @@ class Float8LinearConfig:
                     f"set {_field_name(gemm, on)} to CastConfig(scaling_type=ScalingType.DISABLED) "
                     f"too, or give {_field_name(gemm, off)} a float8 CastConfig"
                 )
+            if a.enabled and (a.blockwise or b.blockwise):
+                _check_block_gemm(gemm, a, b)
 
         if not isinstance(self.float8_activations_for_backward, bool):
             raise TypeError("Float8LinearConfig.float8_activations_for_backward must be a bool, "
@@ -542,6 +693,9 @@ class Float8LinearConfig:
             gemm=gemm,
             operand=operand,
             fqn=fqn,
+            block_size=cc.block_size,
+            scale_dtype=cc.scale_dtype,
+            scale_rounding=cc.scale_rounding,
         )
 
     def cast_specs(self, fqn: str = "") -> CastSpecs:
@@ -554,6 +708,7 @@ class Float8LinearConfig:
                 specs, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT),
             weight_amax_from_forward=_amax_follows(
                 specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
+            weight_same_bytes=_same_bytes(specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
             activation=self.activation_spec(f"{fqn}.activation" if fqn else "activation"),
         )
 
@@ -606,6 +761,13 @@ class Float8LinearConfig:
                     "'tensorwise', 'rowwise_with_gw_hp') for the experts, or keep them in high "
                     "precision with module_filter_fn"
                 )
+            if spec.blockwise:
+                raise ValueError(
+                    f"{fqn or '<root>'}: block-scaled grouped gemms (MXFP8, blockwise) are not "
+                    "supported yet; use 'rowwise', 'tensorwise' or 'rowwise_with_gw_hp' for the "
+                    "experts (convert them separately), or keep them in high precision with "
+                    "module_filter_fn"
+                )
             if spec.enabled and cc.target_dtype is E5M2:
                 raise ValueError(
                     f"{fqn or '<root>'}: {g}:{op} asks for e5m2, but torch._scaled_grouped_mm "
@@ -644,8 +806,9 @@ class Float8LinearConfig:
     def from_recipe_name(
         recipe_name: Union[str, Float8LinearRecipeName]
     ) -> "Float8LinearConfig":
-        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"
-        (or a :class:`Float8LinearRecipeName`)."""
+        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed",
+        "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights" or "blockwise" (or a
+        :class:`Float8LinearRecipeName`)."""
         try:
             recipe_name = Float8LinearRecipeName(recipe_name)
         except ValueError:
@@ -696,5 +859,31 @@ class Float8LinearConfig:
                 cast_config_weight=delayed,
                 cast_config_grad_output=delayed,
             )
+
+        # [Note: block scales]: e4m3 everywhere (a scale per 32 or 128 elements leaves e5m2's
+        # range nothing to do), every operand re-cast from high precision per gemm
+        if recipe_name is Float8LinearRecipeName.MXFP8:
+            return Float8LinearConfig(
+                cast_config_input=_mx(), cast_config_weight=_mx(), cast_config_grad_output=_mx())
+
+        if recipe_name is Float8LinearRecipeName.MXFP8_WGRAD_WITH_HP:
+            disabled = CastConfig(scaling_type=ScalingType.DISABLED)
+            return Float8LinearConfig(
+                cast_config_input=_mx(), cast_config_weight=_mx(), cast_config_grad_output=_mx(),
+                cast_config_input_for_grad_weight=disabled,
+                cast_config_grad_output_for_grad_weight=disabled,
+            )
+
+        if recipe_name is Float8LinearRecipeName.MXFP8_SQUARE_WEIGHTS:
+            # 32x32 weight blocks: one float8 weight serves the output and grad_input gemms
+            return Float8LinearConfig(
+                cast_config_input=_mx(), cast_config_weight=_mx((32, 32)),
+                cast_config_grad_output=_mx())
+
+        if recipe_name is Float8LinearRecipeName.BLOCKWISE:
+            # DeepSeek-V3: 1x128 tiles for activations and gradients, 128x128 weight blocks
+            return Float8LinearConfig(
+                cast_config_input=_deepseek((1, 128)), cast_config_weight=_deepseek((128, 128)),
+                cast_config_grad_output=_deepseek((1, 128)))
 
         raise AssertionError(recipe_name)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch.nn as nn
 
 from f8dist import agreement
 from f8dist.config import Float8LinearConfig
+from f8dist.delayed import ignore_in_ddp
 from f8dist.gemm import GEMM_ALIGNMENT
 from f8dist.grouped import Float8GroupedExperts, GroupedExperts, is_float8_grouped_compatible
 from f8dist.linear import Float8Linear
+from f8dist.placement import is_dtensor
 
 __all__ = ["convert_to_float8_training", "is_float8_compatible"]
 
@@ -29,7 +31,7 @@ def is_float8_compatible(mod: nn.Linear) -> bool:
 def convert_to_float8_training(
     module: nn.Module,
     *,
-    config: Optional[Float8LinearConfig] = None,
+    config: Union[Float8LinearConfig, str, None] = None,
     module_filter_fn: Optional[ModuleFilter] = None,
     skip_incompatible: bool = True,
 ) -> nn.Module:
@@ -39,12 +41,20 @@ def convert_to_float8_training(
     :class:`~f8dist.grouped.Float8GroupedExperts` whose grouped gemms run in float8 through the
     same cast table ([Note: grouped gemms] in f8dist/grouped.py). A router is no nn.Linear (see
     f8dist/models/moe.py) and stays in high precision. Returns ``module`` (or the new module if
-    ``module`` itself is a linear).
+    ``module`` itself is a linear). ``config``: a :class:`Float8LinearConfig` or a recipe name
+    (``"rowwise"``, as ``Float8LinearConfig.from_recipe_name`` takes); None: the default config.
 
     Linears whose ``in_features`` or ``out_features`` is not a multiple of 16 cannot run
     ``torch._scaled_mm``: they stay high precision, with a log note, unless
     ``config.pad_inner_dim`` is set (they are then padded) or ``skip_incompatible=False``, which
     raises instead.
+
+    A module registered at several places (``nn.Sequential(lin, act, lin)``) is replaced by one
+    Float8Linear at all of them, named by its first place ([Note: shared modules]); linears that
+    share a weight keep sharing it ([Note: tied weights]). ``nn.Linear`` subclasses are
+    converted as torchao does, unless they override ``forward``: those stay high precision,
+    with a log note ([Note: nn.Linear subclasses]). Convert before ``fully_shard`` and
+    ``parallelize_module``: a linear whose weight is already a DTensor raises.
 
     All or nothing: every layer is decided and built before the model changes, so an error
     (a raising ``module_filter_fn``, an incompatible layer) leaves it as it was. A linear's child
@@ -58,18 +68,28 @@ def convert_to_float8_training(
         >>> type(model[0]).__name__, type(model[2]).__name__
         ('Float8Linear', 'Linear')
     """
-    config = config if config is not None else Float8LinearConfig()
+    config = _resolve_config(config)
     skipped: List[str] = []
     swaps = []  # (parent, name, old, new): children before their parents
+    planned: Dict[int, nn.Module] = {}  # id(module) -> its replacement ([Note: shared modules])
 
     def plan(mod: nn.Module, fqn: str) -> nn.Module:
         """What replaces ``mod`` (itself if nothing); records its children's replacements."""
-        for name, child in mod.named_children():
+        if id(mod) in planned:  # the same module at another place: replaced by the same one
+            return planned[id(mod)]
+        planned[id(mod)] = mod  # a module cannot contain itself; set for real below
+        for name, child in list(mod._modules.items()):  # duplicates too, unlike named_children
+            if child is None:
+                continue
             new = plan(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:
                 swaps.append((mod, name, child, new))
+        planned[id(mod)] = new = _replacement(mod, fqn)
+        return new
+
+    def _replacement(mod: nn.Module, fqn: str) -> nn.Module:
         grouped = isinstance(mod, GroupedExperts)  # [Note: grouped gemms] in f8dist/grouped.py
-        if type(mod) is not nn.Linear and not isinstance(mod, Float8Linear) and not grouped:
+        if not isinstance(mod, nn.Linear) and not grouped:
             return mod
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             return mod
@@ -82,6 +102,10 @@ def convert_to_float8_training(
                     skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim})")
                     return mod
             return Float8GroupedExperts.from_float(mod, config, fqn=fqn)
+        if type(mod).forward is not nn.Linear.forward:  # [Note: nn.Linear subclasses]
+            skipped_subclasses.append(f"{fqn or '<root>'} ({type(mod).__qualname__})")
+            return mod
+        _check_not_sharded(mod, fqn)
         if not is_float8_compatible(mod) and not config.pad_inner_dim and not config.emulate:
             if skip_incompatible:
                 skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features})")
@@ -89,15 +113,29 @@ def convert_to_float8_training(
             # Float8Linear's constructor raises the error that says what to change
         return Float8Linear.from_float(mod, config, fqn=fqn)
 
+    skipped_subclasses: List[str] = []
     out = plan(module, "")
     if out is not module:
         swaps.append((None, "", module, out))
+    if config.enable_fsdp_float8_all_gather:
+        _share_tied_weights(module, swaps)  # [Note: tied weights]
+    done = set()
     for parent, name, old, new in swaps:
-        for child_name, child in old.named_children():  # already replaced: children come first
-            new.register_module(child_name, child)
+        if id(old) not in done:  # a module at two places moves its children once
+            done.add(id(old))
+            for child_name, child in old._modules.items():  # already replaced: children first
+                new.register_module(child_name, child)
         if parent is not None:
             setattr(parent, name, new)
-    agreement.check_before_first_forward(out)  # [Note: ranks that disagree]
+    ignore_in_ddp(out)  # [Note: ranks that disagree]
+    agreement.check_before_first_forward(out)
+    if skipped_subclasses:
+        logger.warning(
+            "f8dist: kept %d nn.Linear subclass(es) in high precision because they override "
+            "forward (a Float8Linear would drop it): %s. Convert them yourself "
+            "(Float8Linear.from_float) if their forward is a plain linear.",
+            len(skipped_subclasses), ", ".join(skipped_subclasses),
+        )
     if skipped:
         logger.warning(
             "f8dist: kept %d linear(s) in high precision because their dims are not multiples of "
@@ -105,6 +143,21 @@ def convert_to_float8_training(
             len(skipped), GEMM_ALIGNMENT, ", ".join(skipped),
         )
     return out
+
+
+def _resolve_config(config) -> Float8LinearConfig:
+    """``config`` as given: a Float8LinearConfig, a recipe name, or None (the default)."""
+    if config is None:
+        return Float8LinearConfig()
+    if isinstance(config, str):
+        return Float8LinearConfig.from_recipe_name(config)  # an unknown name: says the known ones
+    if not isinstance(config, Float8LinearConfig):
+        raise TypeError(
+            f"convert_to_float8_training: config must be a Float8LinearConfig or a recipe name "
+            f"(e.g. 'rowwise'), got {type(config).__name__}; build one with "
+            "Float8LinearConfig(...) or Float8LinearConfig.from_recipe_name(...)."
+        )
+    return config
 
 
 def _check_same_config(mod, config: Float8LinearConfig, fqn: str) -> None:
@@ -117,4 +170,65 @@ def _check_same_config(mod, config: Float8LinearConfig, fqn: str) -> None:
             f"{fqn or '<root>'}: already a Float8Linear, with a config that differs from the one "
             f"given in {', '.join(differ)}. A Float8Linear's config is fixed: convert the "
             f"unconverted model (e.g. a fresh copy) with the config you want."
+        )
+
+
+# [Note: shared modules]
+# nn.Module.named_children skips a module it has seen under another name, so a module registered
+# twice (``nn.Sequential(lin, act, lin)``, or one linear under two attributes) would be swapped at
+# its first place and stay high precision at the others. ``plan`` walks ``_modules`` itself and
+# memoizes by id: each module is decided once (at its first FQN, the one ``named_modules`` gives,
+# which also names it for telemetry) and its replacement is put at every place.
+
+# [Note: nn.Linear subclasses]
+# torchao converts ``isinstance(m, nn.Linear)``. A subclass that keeps nn.Linear's forward (e.g.
+# MultiheadAttention's NonDynamicallyQuantizableLinear) is a linear and converts; one that overrides
+# forward (LoRA, a scaled output head) computes something else, which Float8Linear would silently
+# replace: it stays high precision and the conversion logs it by name.
+
+# [Note: tied weights]
+# Float8Linear.from_float shares its linear's parameters, so ties survive conversion, except with
+# ``enable_fsdp_float8_all_gather``: the weight becomes a new Parameter (a Float8AllGatherWeight
+# around the same storage), one per linear. Linears that shared a weight then share the first one's
+# wrapper, so they still hold one Parameter (one optimizer state, one FSDP2 all-gather). A weight
+# also held by a module that is not converted (an embedding tied to the output linear, a linear
+# left high precision) cannot be both: FSDP2 would hand that module a float8 tensor. That raises,
+# naming both places and the fix.
+
+
+def _share_tied_weights(model: nn.Module, swaps) -> None:
+    """[Note: tied weights]: the converted linears of one weight share one wrapper Parameter;
+    a weight tied to anything else raises."""
+    holders: Dict[int, List[tuple]] = {}  # id(weight before conversion) -> (module fqn, name)s
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        for name, p in mod._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((fqn, name))
+    converted = {id(old): (old, new) for _, _, old, new in swaps
+                 if isinstance(new, Float8Linear) and not isinstance(old, Float8Linear)}
+    converted_fqns = {f for f, m in model.named_modules(remove_duplicate=False) if id(m) in converted}
+    wrappers: Dict[int, nn.Parameter] = {}
+    for old, new in converted.values():
+        others = [f"{fqn}.{name}" if fqn else name for fqn, name in holders.get(id(old.weight), [])
+                  if fqn not in converted_fqns or name != "weight"]
+        if others:
+            raise ValueError(
+                f"convert_to_float8_training: the weight of {new.fqn or '<root>'} is tied to "
+                f"{', '.join(others)}, which is not converted; with "
+                "enable_fsdp_float8_all_gather=True FSDP2 would all-gather it in float8 for both. "
+                f"Keep {new.fqn or '<root>'} in high precision (module_filter_fn), or set "
+                "enable_fsdp_float8_all_gather=False."
+            )
+        shared = wrappers.setdefault(id(old.weight), new.weight)
+        if shared is not new.weight:
+            new.weight = shared
+
+
+def _check_not_sharded(mod: nn.Linear, fqn: str) -> None:
+    """Converting after fully_shard / parallelize_module: say to convert first."""
+    if is_dtensor(mod.weight):
+        raise ValueError(
+            f"convert_to_float8_training: {fqn or '<root>'} already has a DTensor weight (the model "
+            "was sharded with fully_shard or parallelize_module); convert the model first, then "
+            "apply fully_shard / parallelize_module."
         )

@@ -10,8 +10,9 @@ the module is cast to::
     fp8_amax_{op}          []             max amax recorded since the last sync
     fp8_amax_history_{op}  [history_len]  amax of the latest steps, newest first
     fp8_scale_{op}         []             scale = amax_to_scale(max(history))
-    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded by an own cast
-                                          (0/1), amax and out of range of shared casts; steps out
+    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded (0: not at all,
+                                          0.5: by shared casts only, 1: by an own cast), amax and
+                                          out of range of shared casts; steps out
                                           of range, steps with a non-finite amax (not in state_dict)
 
 One optimizer step::
@@ -38,24 +39,28 @@ histories and scales of one device that ran the global batch ([Note: amax] in
 f8dist/placement.py).
 
 [Note: the amax group]
-The sync's all-reduce and the first step's reductions run over the ranks that hold the same
-layers: all ranks by default; under pipeline parallelism each stage's data (and tensor) parallel
-group, given with :func:`set_amax_group` before the first step. The first sync checks that the
-ranks of the group hold the same delayed layers (a fixed-size all-reduce of the number of delayed
-operands and a fingerprint of their names, once per set of layers and group), each first-step
-reduction carries the fingerprint of its layer, and a mismatch raises an error naming the fix
-instead of hanging or mixing layers.
+The sync's all-reduce runs over the ranks that hold the same layers: all ranks by default; under
+pipeline parallelism each stage's data (and tensor) parallel group, given with
+:func:`set_amax_group` before the first step. The first sync checks that the ranks of the group
+hold the same delayed layers (a fixed-size all-reduce of the number of delayed operands and a
+fingerprint of their names, once per set of layers and group), and a mismatch raises an error
+naming the fix instead of hanging or mixing layers.
 
 [Note: first step]
 Before the first sync there is no history. Until then, the casts of a training step (and casts
-whose bytes are communicated) follow the amax of their tensor reduced over the amax group, one
-scalar all-reduce per cast: the amax of the logical tensor over the global batch, so step 0 casts
-as one device on the global batch would (under gradient accumulation, each micro-batch casts from
-its own). With ``enable_amax_init`` (the default) the scale comes from that amax and the first
-sync fills the whole history with the step's amax; with ``enable_amax_init=False`` the scale is
-1.0, as in torchao, unless that amax is out of range for it ([Note: out of range]), and the first
-sync rolls the history as any other. An evaluation forward before the first sync casts from the
-amax of its own tensor.
+whose bytes are communicated) follow the amax of the *logical* tensor: their local amax reduced
+over the mesh axes that shard it (a DTensor's placements; the FSDP2 all-gather's weight shard), one
+scalar all-reduce per sharded cast, as the dynamic recipes' casts do. A plain tensor is whole on
+its rank: a data-parallel micro-batch is its own tensor, so under DDP or FSDP2 step 0 casts as one
+device running each rank's micro-batches in turn (gradient accumulation) would, and the first
+sync's MAX all-reduce then gives every rank the histories of the global batch. No reduction spans
+ranks that need not run the same casts: a rank may run more micro-batches than another
+(``no_sync``), or a layer the others skip, exactly where the dynamic recipes allow it. With
+``enable_amax_init`` (the default) the scale comes from that amax and the first sync fills the
+whole history with the step's amax; with ``enable_amax_init=False`` the scale is 1.0, as in
+torchao, unless that amax is out of range for it ([Note: out of range]), and the first sync rolls
+the history as any other. An evaluation forward before the first sync casts from the amax of its
+own tensor.
 
 [Note: out of range]
 A history predicts the amax of the next step. A delayed cast whose current amax, times the
@@ -98,6 +103,32 @@ the history's scale (deciding would cost an all-reduce per weight, and an optimi
 move a weight's amax out of range of the previous step's) and an out-of-range step there is only
 counted.
 
+[Note: no data]
+A step may bring an operand no data: a sync before any forward, a layer that did not run in the
+step (a skipped branch), a weight whose FSDP2 all-gather was skipped
+(FSDP2 keeps the root's parameters unsharded after a forward without backward). Its pending amax
+is then 0, which as a history entry would mean "the tensor was all zeros" and, once it is the
+history's max, give the scale of amax 0 (2**126 with power-of-2 scales): every value saturates.
+So each record marks the step as recorded (``fp8_steps_{op}``, own or shared), the sync sends an
+unrecorded amax as -1 (a MAX all-reduce keeps any rank's data), and an operand no rank recorded
+keeps its history and scale; an owner stays in its first step until a sync sees data for it.
+A genuine all-zero tensor is data (amax 0).
+
+[Note: eval forwards under FSDP2]
+An evaluation forward (``eval()`` or no grad) casts with the history's scales and records
+nothing, so it never moves training state; with one exception, the FSDP2 float8 all-gather of a
+weight. FSDP2 skips the all-gather of parameters that are still unsharded: the root's after any
+forward without a backward (``reshard_after_forward`` applies to the other units only). The
+training forward after an evaluation one then computes with the weight the evaluation gathered,
+and records nothing for it: the weight's history would miss the step ([Note: no data] keeps it
+sane, not equal to one device's). So an evaluation all-gather records its shard's amax aside, as a
+shared cast does ([Note: delayed casts in the float8 styles] in f8dist/tp/style.py): the sync
+takes it only for a step in which no training all-gather recorded its own, i.e. when the training
+forward computed with the evaluation's weight, whose amax then is the step's. ``fp8_amax`` and
+every other ``state_dict`` buffer stay as they were. The all-gathered Float8Tensor keeps a copy of
+the scale, never the ``fp8_scale`` buffer itself, which the sync updates in place while the
+tensor may still be in use.
+
 [Note: record after the cast]
 A cast with the history's scale (after the first sync, without re-scaling) does not wait for its
 amax, but the amax still reads the whole tensor. Inductor's CPU backend fuses two independent
@@ -115,7 +146,9 @@ scales, so the next step is bit-identical. The two other directions a torchao us
 work:
 
 * a plain ``nn.Linear`` checkpoint (no ``fp8_*`` keys) loads into a float8 model with
-  ``strict=True``; the delayed buffers are reset and the next step is a first step;
+  ``strict=True``; the delayed buffers are reset and the next step is a first step. A DCP
+  checkpoint does so with ``f8dist.checkpoint.Float8LoadPlanner`` ([Note: loading across
+  recipes] in f8dist/checkpoint.py);
 * a float8 checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``, or with
   ``load_state_dict(sd, strict=False)`` (the ``fp8_*`` keys then come back as unexpected keys).
 """
@@ -135,7 +168,7 @@ from f8dist.tensor import Float8Tensor
 
 __all__ = [
     "DELAYED_BUFFER_PREFIXES", "in_range", "DelayedScaling", "delayed_operands",
-    "shared_scale", "set_amax_group", "sync_float8_amax_and_scale_history",
+    "shared_scale", "delayed_buffers", "ignore_in_ddp", "set_amax_group", "sync_float8_amax_and_scale_history",
     "delayed_scaling_counters", "strip_delayed_scaling_state",
 ]
 
@@ -143,6 +176,7 @@ DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 # [Note: out of range]: the binades below a tensor's max that a delayed cast keeps in normal
 # numbers, and how far above the format's max its max may land
 KEPT_BINADES, SATURATION = 10, 2.0
+_KINDS = ("amax", "amax_history", "scale", "steps")  # the buffers fp8_{kind}_{op}
 _FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
@@ -218,6 +252,7 @@ class DelayedScaling:
             module.register_buffer(f"fp8_amax_history_{op}", torch.zeros(self.history_len, device=device))
             module.register_buffer(f"fp8_scale_{op}", torch.ones((), device=device))
             module.register_buffer(f"fp8_steps_{op}", torch.zeros(6, device=device), persistent=False)
+        self.buffer_names = tuple(f"fp8_{kind}_{op}" for op in operands for kind in _KINDS)
 
     @classmethod
     def attach(cls, module: nn.Module) -> Optional["DelayedScaling"]:
@@ -231,6 +266,15 @@ class DelayedScaling:
         # Python state that changes in the sync only, never in forward or backward (a compiled
         # checkpointed region must not change it)
         self.synced = False
+
+    def restart(self) -> None:
+        """Put every buffer back to its initial value and :meth:`reset`: the next step is a first
+        step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py)."""
+        for op in self.operands:
+            for kind in ("amax", "amax_history", "steps"):
+                self.buffer(kind, op).zero_()
+            self.buffer("scale", op).fill_(1.0)
+        self.reset()
 
     def buffer(self, kind: str, op: Operand) -> torch.Tensor:
         """``fp8_{kind}_{op}`` as a plain tensor. ``parallelize_module`` makes buffers Replicate
@@ -269,12 +313,16 @@ class DelayedScaling:
         scale = _scale([self], Operand.GRAD_OUTPUT, grad, record, later=later)
         return self._cells(Operand.GRAD_OUTPUT, scale)
 
-    def all_gather_scale(self, shard: torch.Tensor) -> torch.Tensor:
-        """The weight scale of the FSDP2 float8 all-gather, which casts this rank's ``shard``
-        before the forward (on the first step from the amax of all shards). FSDP2 all-gathers
-        under ``no_grad``, so the amax is recorded in ``train()`` mode whatever the grad mode: a
-        weight's amax is the same in an evaluation forward as in the next training one."""
-        return _scale([self], Operand.WEIGHT, shard, self.module.training, communicated=True)
+    def all_gather_scale(self, shard: torch.Tensor, mesh, placements) -> torch.Tensor:
+        """The weight scale of the FSDP2 float8 all-gather, which casts this rank's ``shard`` of
+        the weight sharded over ``mesh`` with ``placements`` before the forward (on the first step
+        from the amax of all shards).
+
+        FSDP2 all-gathers under ``no_grad``, so the amax is recorded in ``train()`` mode whatever
+        the grad mode; in ``eval()`` mode it is recorded aside, for a training forward that
+        computes with the weight this all-gather made ([Note: eval forwards under FSDP2])."""
+        return _scale([self], Operand.WEIGHT, shard, True, communicated=True,
+                      own=self.module.training, sharding=(mesh, placements))
 
     def _cells(self, op: Operand, scale: torch.Tensor) -> Scales:
         return {(g, op): scale for g in self.cells[op]}
@@ -292,22 +340,6 @@ class DelayedScaling:
 
     # -- pieces of a cast (see _scale) --------------------------------------------------------
 
-    def _group_amax(self, op: Operand, amax: torch.Tensor) -> torch.Tensor:
-        """``amax`` reduced (max) over the amax group, with this layer's fingerprint checked."""
-        fp = _fingerprint(f"{self._fqn()}:{op}")
-        payload = torch.stack([_inf_for_nan(amax), amax.new_tensor(fp), amax.new_tensor(-fp)])  # [3]
-        out = all_reduce(payload, "max", self.group)
-        if out is payload:  # one process
-            return amax
-        _check(out[1:] == payload[1:], (
-            f"Float8Linear {self._fqn()}: the ranks of the delayed-scaling amax group run "
-            f"different layers in their first step (this rank: {op} of {self._fqn()}); every "
-            "rank of the group must hold the same delayed layers. Under pipeline parallelism call "
-            "f8dist.delayed.set_amax_group(stage, <the stage's data-parallel group>) first "
-            "([Note: the amax group] in f8dist/delayed.py)"
-        ))
-        return out[0]
-
     def _to_scale(self, op: Operand, amax: torch.Tensor) -> torch.Tensor:
         return amax_to_scale(amax, self.operands[op], round_to_power_of_2=self.round_pow2)
 
@@ -323,8 +355,8 @@ class DelayedScaling:
         if out_of_range is not None:
             flag = steps[_FLAG if own else _SHARED_FLAG]
             flag.copy_(torch.maximum(flag, out_of_range))
-        if own:
-            steps[_OWN].fill_(1.0)
+        recorded = steps[_OWN]  # [Note: no data]
+        recorded.copy_(torch.clamp(recorded, min=1.0 if own else 0.5))
 
     def _out_of_range(self, op: Operand, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """[Note: out of range], or a non-finite ``amax``; never an all-zero tensor."""
@@ -347,20 +379,21 @@ def _inf_for_nan(amax: torch.Tensor) -> torch.Tensor:
 
 def _scale(
     owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor, record: bool,
-    communicated: bool = False, later: Optional[Records] = None,
+    communicated: bool = False, later: Optional[Records] = None, own: bool = True,
+    sharding=None,
 ) -> torch.Tensor:
     """The scale of one delayed cast of ``hp`` (its local part is cast) made for ``owners``
     (several when one cast feeds several linears), from ``owners[0]``'s history; the amax is
-    recorded into every owner when ``record``.
+    recorded into every owner when ``record`` (into ``owners[0]`` aside unless ``own``).
 
     Until the first sync ([Note: first step]) a training cast and a cast whose bytes are
-    ``communicated`` follow the amax reduced over the amax group: the scale comes from it (amax
-    init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
+    ``communicated`` follow the amax of the logical tensor: the scale comes from it (amax init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
     re-scaled when out of range ([Note: out of range]). Every rank must pick the same scale for
     bytes it communicates: a communicated DTensor decides on its logical amax (a scalar
     all-reduce over the axes sharding it), a communicated shard that is no DTensor (the FSDP2
     all-gather's) keeps the history's scale. A tensor that already is float8 was recorded where it
-    was cast: its scale is the history's.
+    was cast: its scale is the history's. ``sharding``: (mesh, placements) of a ``hp`` that is
+    the local shard of a sharded tensor without being a DTensor (the FSDP2 all-gather's).
     """
     first = owners[0]
     local = local_part(hp)
@@ -368,17 +401,16 @@ def _scale(
         return first.buffer("scale", op)
     if later is not None and first.synced and not first.rescale:  # [Note: record after the cast]
         if record:
-            later.append(lambda: _scale(owners, op, hp, record, communicated))
+            later.append(lambda: _scale(owners, op, hp, record, communicated, own=own,
+                                         sharding=sharding))
         return first.buffer("scale", op)
     local = local.detach()
     if first.rescale or not first.synced:  # the cast may wait for this amax
         local = in_memory(local)  # [Note: a cast that waits for its amax] in f8dist/scaling.py
     amax = tensor_amax(local)  # [], this rank's part: what the sync reduces
     seen, decides = amax, not communicated  # [], what this cast's scale follows; may it re-scale
-    if not first.synced and (record or communicated):  # [Note: first step]
-        seen, decides = first._group_amax(op, amax), True
-    elif communicated and is_dtensor(hp):
-        seen, decides = reduce_over_shards(amax, hp.device_mesh, hp.placements, "max"), True
+    if (not first.synced and (record or communicated)) or (communicated and is_dtensor(hp)):
+        seen, decides = _logical_amax(amax, hp, sharding), True  # [Note: first step]
     if first.enable_amax_init and not first.synced:
         out_of_range = None
         scale = first._to_scale(op, seen)
@@ -386,13 +418,23 @@ def _scale(
         scale = first.buffer("scale", op)
         out_of_range = first._out_of_range(op, seen, scale)
     if record:
-        first._record(op, amax, out_of_range)
+        first._record(op, amax, out_of_range, own=own)
         for o in owners[1:]:
             o._record(op, amax, out_of_range, own=False)
     if out_of_range is None or not first.rescale:  # [Note: the price of re-scaling]
         return scale
     current = out_of_range if decides else ~torch.isfinite(seen)
     return torch.where(current, first._to_scale(op, seen), scale)
+
+
+def _logical_amax(amax: torch.Tensor, hp: torch.Tensor, sharding) -> torch.Tensor:
+    """``amax`` of this rank's part of ``hp`` made the amax of the logical tensor: reduced over
+    the mesh axes that shard it (a DTensor's placements, or ``sharding``), over none for a plain
+    tensor, which is whole on this rank ([Note: first step])."""
+    mesh, placements = (hp.device_mesh, hp.placements) if is_dtensor(hp) else sharding or (None, ())
+    if not any(not p.is_replicate() for p in placements):
+        return amax
+    return reduce_over_shards(_inf_for_nan(amax), mesh, placements, "max")
 
 
 def shared_scale(owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor,
@@ -412,9 +454,27 @@ def _owners(model: nn.Module) -> List[DelayedScaling]:
     return [o for o in owners if isinstance(o, DelayedScaling)]
 
 
+def delayed_buffers(model: nn.Module) -> List[str]:
+    """The fully qualified names of every delayed-scaling buffer of ``model``: state that the sync
+    keeps equal across ranks, so DDP need not broadcast it ([Note: ranks that disagree] in
+    f8dist/agreement.py)."""
+    return [f"{fqn}.{b}" if fqn else b for fqn, m in model.named_modules()
+            if isinstance(getattr(m, "delayed", None), DelayedScaling) for b in m.delayed.buffer_names]
+
+
+def ignore_in_ddp(model: nn.Module) -> None:
+    """Keep the delayed buffers of ``model`` out of DDP's broadcasts (at construction and each
+    forward): the sync all-reduces them, and a rank whose buffers differ must reach the agreement
+    check instead of a mismatched broadcast. DDP reads the list from the module it wraps."""
+    names = delayed_buffers(model)
+    if names:
+        known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        model._ddp_params_and_buffers_to_ignore = known + [n for n in names if n not in known]
+
+
 def set_amax_group(model: nn.Module, group) -> None:
     """Reduce the delayed amaxes of ``model`` over ``group`` (a process group or a device mesh;
-    None: all ranks) in the first-step init and in the sync ([Note: the amax group]). Needed only
+    None: all ranks) in the sync ([Note: the amax group]). Needed only
     when ranks hold different layers (pipeline parallelism): call it before the first step.
 
     Example::
@@ -470,12 +530,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
     steps = torch.stack([o.buffer("steps", op) for o, op in entries])  # [E, 6]
-    own = steps[:, _OWN] > 0  # [E]; else the step's shared-cast records, if any
+    own = steps[:, _OWN] >= 1  # [E]; else the step's shared-cast records, if any
     amaxes = torch.where(own, torch.stack([o.buffer("amax", op) for o, op in entries]),
                          steps[:, _SHARED_AMAX])  # [E]
+    amaxes = torch.where(steps[:, _OWN] > 0, _inf_for_nan(amaxes), -1.0)  # [E]; [Note: no data]
     flags = torch.where(own, steps[:, _FLAG], steps[:, _SHARED_FLAG])  # [E]
-    reduced = all_reduce(torch.cat([_inf_for_nan(amaxes), flags]), "max", group)  # [2E]
+    reduced = all_reduce(torch.cat([amaxes, flags]), "max", group)  # [2E]
     amaxes, finite = reduced[: len(entries)], torch.isfinite(reduced[: len(entries)])  # [E]
+    seen = amaxes >= 0  # [E]: some rank of the group recorded data in this step
     out_of_range = (reduced[len(entries):] > 0) & finite  # [E]; a non-finite amax is counted apart
     # the first step's amax (amax init) and that of a step out of range fill the whole history
     restart = out_of_range | torch.tensor(
@@ -487,12 +549,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
         groups.setdefault((o.history_len, o.operands[op], o.round_pow2), []).append(i)
     for (_, dtype, round_pow2), idx in groups.items():
         histories = torch.stack([entries[i][0].buffer("amax_history", entries[i][1]) for i in idx])  # [G, L]
-        amax, ok = amaxes[idx], finite[idx]  # [G]
+        amax, ok = amaxes[idx], finite[idx] & seen[idx]  # [G]
         rolled = torch.roll(histories, 1, dims=1)  # [G, L]
         rolled[:, 0] = amax
         new_hist = torch.where(restart[idx, None], amax[:, None].expand_as(rolled), rolled)
-        new_hist = torch.where(ok[:, None], new_hist, histories)  # non-finite: kept out
-        scales = amax_to_scale(new_hist.amax(dim=1), dtype, round_to_power_of_2=round_pow2)  # [G]
+        new_hist = torch.where(ok[:, None], new_hist, histories)  # non-finite or no data: kept out
+        old = torch.stack([entries[i][0].buffer("scale", entries[i][1]) for i in idx])  # [G]
+        scales = torch.where(seen[idx], amax_to_scale(
+            new_hist.amax(dim=1), dtype, round_to_power_of_2=round_pow2), old)  # [G]
         for j, i in enumerate(idx):
             o, op = entries[i]
             o.buffer("amax_history", op).copy_(new_hist[j])
@@ -503,8 +567,19 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     for i, (o, op) in enumerate(entries):
         o.buffer("amax", op).zero_()
         o.buffer("steps", op).copy_(new_steps[i])
+    _mark_synced(owners, entries, seen)
+
+
+def _mark_synced(owners: List[DelayedScaling], entries, seen: torch.Tensor) -> None:
+    """[Note: no data]: an owner leaves its first step once a sync saw data for it. Read on the
+    host only while some owner has not (eagerly; a compiled sync marks every owner)."""
+    if all(o.synced for o in owners) or torch.compiler.is_compiling():
+        for o in owners:
+            o.synced = True
+        return
+    with_data = {id(o) for (o, _), s in zip(entries, seen.tolist()) if s}
     for o in owners:
-        o.synced = True
+        o.synced = o.synced or id(o) in with_data
 
 
 def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, int]]]:

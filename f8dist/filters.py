@@ -24,6 +24,12 @@ faster than bf16. For a linear with K = in_features, N = out_features and M toke
   - rowwise_with_gw_hp: grad_weight runs in bf16, so input and grad_output are cast once
     (5 each) and the weight twice (rowwise for output, tensorwise for grad_input: 5 + 5);
   - delayed: input 3 + 1, grad_output 3 + 1, weight 3 + 3.
+  - block scales (mxfp8, blockwise): a block's amax and cast fuse into one pass (a block of 32
+    or 128 elements is one reduction of a row), 2 + 1 = 3 bytes per cast, plus its scales (1/32
+    or 4/128 byte, left out); every operand is cast once per gemm along that gemm's contraction
+    dim: 3 + 3 each, except a square-block weight (mxfp8_square_weights, blockwise's 128x128),
+    cast once (3), and the high-precision grad_weight gemm's operands (mxfp8_wgrad_with_hp: 3).
+    Its dims must divide into the recipe's blocks.
 
 Convert when ``t_bf16 / t_float8 > 1``. The peaks are the NVIDIA H100 SXM5 datasheet's dense tensor
 core figures (bf16 989.4 TFLOP/s, fp8 1978.9 TFLOP/s) and its HBM3 bandwidth (3.35 TB/s); give
@@ -46,7 +52,7 @@ from typing import Callable, Sequence, Union
 import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig, Float8LinearRecipeName, Gemm
-from f8dist.gemm import GEMM_ALIGNMENT
+from f8dist.gemm import GEMM_ALIGNMENT, block_problems
 
 __all__ = [
     "CAST_BYTES",
@@ -68,6 +74,10 @@ CAST_BYTES = {
     Float8LinearRecipeName.ROWWISE: (10, 10, 10),
     Float8LinearRecipeName.ROWWISE_WITH_GW_HP: (5, 5, 10),
     Float8LinearRecipeName.DELAYED: (4, 4, 6),
+    Float8LinearRecipeName.MXFP8: (6, 6, 6),
+    Float8LinearRecipeName.MXFP8_WGRAD_WITH_HP: (3, 3, 6),
+    Float8LinearRecipeName.MXFP8_SQUARE_WEIGHTS: (6, 6, 3),
+    Float8LinearRecipeName.BLOCKWISE: (6, 6, 3),
 }
 
 
@@ -170,7 +180,7 @@ def auto_filter_for_recipe(
 ) -> ModuleFilter:
     """A ``module_filter_fn`` that converts a linear only if float8 is predicted to be faster for
     ``recipe`` ([Note: the auto filter's cost model]), its dims are multiples of 16 (else
-    ``torch._scaled_mm`` would need padding), and its FQN contains none of ``filter_fqns``.
+    ``torch._scaled_mm`` would need padding) and of the recipe's blocks, and its FQN contains none of ``filter_fqns``.
 
     It reads only ``in_features`` and ``out_features``, so it also takes torchtitan's
     ``Linear.Config`` (f8dist.integrations.torchtitan's "auto_filter_small_kn").
@@ -186,10 +196,13 @@ def auto_filter_for_recipe(
     recipe = _recipe(recipe)
     predicted_speedup(recipe, GEMM_ALIGNMENT, GEMM_ALIGNMENT, tokens=tokens, gpu=gpu)  # validate
     by_fqn = fqn_filter(filter_fqns)
+    specs = Float8LinearConfig.from_recipe_name(recipe).cast_specs()
 
     def accept(mod: nn.Module, fqn: str) -> bool:
         k, n = mod.in_features, mod.out_features
         if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT or not by_fqn(mod, fqn):
+            return False
+        if block_problems(specs, k, n):  # dims that do not divide into the recipe's blocks
             return False
         return predicted_speedup(recipe, k, n, tokens=tokens, gpu=gpu) > 1.0
 

@@ -16,8 +16,12 @@ these rules on every device, so a program that runs on the CPU runs on a GPU too
   The padding is the copy that puts an operand in the layout the kernel wants (which the
   grad_weight gemm's operands, transposed views, need anyway), so an aligned gemm pays nothing.
 * an empty gemm (M, K or N = 0): zeros, without a kernel.
-* axiswise scales with a float32 output: run the gemm with unit scales in float32 and apply the
-  scales to the float32 result. Exact, since a scale only multiplies the whole dot product.
+* axiswise scales with an output other than bfloat16 (float32; float16, from an fp16 model or an
+  fp16 autocast): CUDA's per-row kernel (``f8f8bf16_rowwise`` in torch 2.11-2.13) writes
+  bfloat16 only. Run the gemm with unit scales (the tensorwise kernel, which takes any output
+  dtype) in float32, apply the scales to the float32 result and cast to ``out_dtype``. Exact up
+  to that last rounding, since a scale only multiplies the whole dot product; torchao instead
+  takes the bfloat16 output and casts it, which rounds an fp16 result to bf16's 8 bits first.
 
 [Note: the CPU kernel]
 On the CPU, ``torch._scaled_mm`` is oneDNN's float8 matmul, which on CPUs without float8
@@ -39,19 +43,40 @@ with per-row or per-column scales is handed over as a stored copy (``in_memory``
 that waits for its amax] in f8dist/scaling.py). A tensorwise operand is not: its transposed copy
 fuses into the kernel that casts it, which then writes both layouts. Measured with
 scripts/bench_bytes.py on the CPU (docs/performance.md).
+
+[Note: the block-scaled gemm]
+With block scales ([Note: block scales] in f8dist/config.py) ``a`` [M, K] has one scale per
+(bm, bk) block, ``b`` [K, N] one per (bk, bn) block, the same bk along K. The gemm is
+
+    out[m, n] = sum over k-blocks j of  (sum_{k in j} a[m, k] * b[k, n]) / (sa[m/bm, j] * sb[j, n/bn])
+
+On the CPU, ``f8dist::cpu_block_scaled_mm``: each block's float8 products summed in float32 (a
+batched matmul over the k-blocks, exact products), each block sum multiplied by its two
+dequantizing scales, the blocks summed in float32. A K that is not a multiple of bk (the
+grad_weight gemm's tokens) is zero-padded, exact. On CUDA block-scaled kernels take layouts of
+their own: MXFP8 (``torch._scaled_mm`` with e8m0 scales, sm100+) wants the scales of a and b in
+the 128x4 "swizzled" tile layout (``to_blocked``) and K a multiple of 32; DeepSeek's 1x128 x
+128x128 (sm90, torch >= 2.9) wants float32 scales, a's outer-dim-major ([M, K/128] with stride
+(1, M)). Neither is wired up yet: on CUDA a block-scaled gemm raises, naming
+``Float8LinearConfig(emulate=True)`` (dequantize, then a high-precision matmul) as the way to run.
 """
 
 from __future__ import annotations
+
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from f8dist.config import ScaledMMConfig
-from f8dist.scaling import in_memory
+from f8dist.scaling import expand_blocks, in_memory
 
-__all__ = ["scaled_mm", "check_gemm_shape", "GEMM_ALIGNMENT"]
+__all__ = ["scaled_mm", "check_gemm_shape", "check_block_shape", "GEMM_ALIGNMENT"]
 
 GEMM_ALIGNMENT = 16
+# the output dtypes of CUDA's per-row scaled gemm; others go through float32 ([Note: scaled_mm
+# constraints])
+_ROWWISE_OUT_DTYPES = (torch.bfloat16,)
 
 
 def check_gemm_shape(
@@ -70,6 +95,97 @@ def check_gemm_shape(
             f"a multiple of {GEMM_ALIGNMENT}, keep the layer in high precision with "
             f"module_filter_fn, or set Float8LinearConfig(pad_inner_dim=True)."
         )
+
+
+def block_problems(specs, in_features: int, out_features: int) -> List[str]:
+    """The dims of a linear that its block-scaled casts (``specs``, a ``CastSpecs``) cannot divide
+    into blocks, e.g. ``["out_features=96 (block 128)"]``; the tokens may be anything ([Note: block
+    scales] in f8dist/config.py)."""
+    k, n = in_features, out_features
+    dims = {  # each operand's layer dims: name -> (size, dim in the operand's [rows, cols])
+        "input": {"in_features": (k, 1)},
+        "weight": {"out_features": (n, 0), "in_features": (k, 1)},
+        "grad_output": {"out_features": (n, 1)},
+    }
+    bad = []
+    for spec in specs:
+        if spec.enabled and spec.blockwise:
+            block = spec.block_shape(2)
+            for name, (size, dim) in dims[spec.operand.value].items():
+                msg = f"{name}={size} (block {block[dim]})"
+                if size % block[dim] and msg not in bad:
+                    bad.append(msg)
+    return bad
+
+
+def check_block_shape(specs, in_features: int, out_features: int, *, what: str,
+                      pad_inner_dim: bool) -> None:
+    """Raise a clear error naming the fix for :func:`block_problems`; ``pad_inner_dim``: ragged
+    blocks are zero-padded instead, exact."""
+    bad = [] if pad_inner_dim else block_problems(specs, in_features, out_features)
+    if bad:
+        raise ValueError(
+            f"{what}: block-scaled float8 needs the layer's dims to divide into its blocks, got "
+            f"{', '.join(bad)}. Make the layer a multiple of the block, keep it in high precision "
+            "with module_filter_fn, or set Float8LinearConfig(pad_inner_dim=True) (the last "
+            "block zero-padded, exact)."
+        )
+
+
+# the most float32 block products [k-blocks, M, N] the CPU kernel holds at once
+_BLOCK_PRODUCTS = 1 << 24
+
+
+@torch.library.custom_op("f8dist::cpu_block_scaled_mm", mutates_args=())
+def cpu_block_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+    a_block: List[int], b_block: List[int], out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a`` [M, K] @ ``b`` [K, N] in float8 with dequantizing block scales ``inv_a``
+    [M/bm, K/bk] and ``inv_b`` [K/bk, N/bn] (float32): [Note: the block-scaled gemm]."""
+    (m, k), n, bk = a.shape, b.shape[1], a_block[1]
+    nk = -(-k // bk)
+    a32 = F.pad(a.to(torch.float32), (0, nk * bk - k)).reshape(m, nk, bk).transpose(0, 1)
+    b32 = F.pad(b.to(torch.float32), (0, 0, 0, nk * bk - k)).reshape(nk, bk, n)
+    sa = expand_blocks(inv_a, (a_block[0], 1), (m, nk)).t()  # [nk, M]
+    sb = expand_blocks(inv_b, (1, b_block[1]), (nk, n))  # [nk, N]
+    out = a32.new_zeros((m, n))  # [M, N] float32
+    step = max(1, _BLOCK_PRODUCTS // max(1, m * n))
+    for j in range(0, nk, step):  # each block's exact products summed in float32
+        part = torch.bmm(a32[j:j + step], b32[j:j + step])  # [kb, M, N]
+        out += (part * sa[j:j + step, :, None] * sb[j:j + step, None, :]).sum(0)
+    return out.to(out_dtype)
+
+
+@cpu_block_scaled_mm.register_fake
+def _(a, b, inv_a, inv_b, a_block, b_block, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_dtype,
+                     mm_config) -> torch.Tensor:
+    """The gemm of two block-scaled operands ([Note: the block-scaled gemm])."""
+    if a_block is None or b_block is None:
+        raise TypeError(
+            "a block-scaled float8 operand meets a tensorwise or axiswise one: both operands of "
+            "a block-scaled gemm need block scales (the config's gemm cells must agree)")
+    if a_block[1] != b_block[0]:
+        raise ValueError(
+            f"block-scaled gemm: a's blocks {tuple(a_block)} and b's {tuple(b_block)} differ "
+            "along the contraction dim K")
+    if mm_config.emulate:
+        a_hp = a_data.to(torch.float32) / expand_blocks(a_scale, a_block, a_data.shape)
+        b_hp = b_data.to(torch.float32) / expand_blocks(b_scale, b_block, b_data.shape)
+        return torch.mm(a_hp, b_hp).to(out_dtype)
+    if a_data.device.type != "cpu":
+        raise NotImplementedError(
+            f"block-scaled float8 gemms run on the CPU kernel only; on {a_data.device.type} set "
+            "Float8LinearConfig(emulate=True) or use a tensorwise or rowwise recipe ([Note: the "
+            "block-scaled gemm] in f8dist/gemm.py says what CUDA's kernels need)")
+    inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
+    inv_b = b_scale.to(torch.float32).reciprocal()
+    return cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
+                               list(a_block), list(b_block), out_dtype)
 
 
 @torch.library.custom_op("f8dist::cpu_scaled_mm", mutates_args=())
@@ -99,7 +215,7 @@ def _check_cuda_constraints(a, b, scale_a, scale_b, out_dtype) -> None:
         (scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32, "scales must be float32"),
         (rowwise and (tuple(scale_a.shape), tuple(scale_b.shape)) != ((m, 1), (1, n)),
          f"per-row scales must be [M, 1] and [1, N], got {tuple(scale_a.shape)}, {tuple(scale_b.shape)}"),
-        (rowwise and out_dtype != torch.bfloat16, "per-row scales need a bfloat16 output"),
+        (rowwise and out_dtype not in _ROWWISE_OUT_DTYPES, "per-row scales need a bfloat16 output"),
     ) if bad]
     if problems:
         raise RuntimeError(f"torch._scaled_mm on CUDA would reject this gemm: {'; '.join(problems)}")
@@ -132,14 +248,20 @@ def scaled_mm(
     *,
     out_dtype: torch.dtype,
     mm_config: ScaledMMConfig,
+    a_block: Optional[Tuple[int, int]] = None,
+    b_block: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """The product of float8 ``a_data`` [M, K] and ``b_data`` [K, N] scaled by ``a_scale`` ([] or
-    [M, 1]) and ``b_scale`` ([] or [1, N]), in ``out_dtype``."""
+    [M, 1]) and ``b_scale`` ([] or [1, N]), in ``out_dtype``; with ``a_block``/``b_block`` the
+    scales are per block ([Note: the block-scaled gemm])."""
     cfg = mm_config
     m, k = a_data.shape
     n = b_data.shape[1]
     if m == 0 or k == 0 or n == 0:  # an empty batch: nothing to multiply, or a sum of nothing
         return a_data.new_zeros((m, n), dtype=out_dtype)
+    if a_block is not None or b_block is not None:
+        return _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block,
+                                out_dtype=out_dtype, mm_config=cfg)
 
     if cfg.emulate:
         a_hp = a_data.to(torch.float32) / a_scale
@@ -165,11 +287,11 @@ def scaled_mm(
     if axiswise and b_inv.dim() == 0:
         b_inv = b_inv.expand(1, b_data.shape[1])
 
-    if axiswise and out_dtype == torch.float32:  # [Note: scaled_mm constraints]
+    if axiswise and out_dtype not in _ROWWISE_OUT_DTYPES:  # [Note: scaled_mm constraints]
         one = torch.ones((), dtype=torch.float32, device=a_data.device)
         out = _kernel(a_data, b_data, one, one, out_dtype=torch.float32,
                       use_fast_accum=cfg.use_fast_accum)  # [M, N']
-        out = out * a_inv * b_inv
+        out = (out * a_inv * b_inv).to(out_dtype)
     else:
         out = _kernel(a_data, b_data, a_inv.contiguous(), b_inv.contiguous(), out_dtype=out_dtype,
                       use_fast_accum=cfg.use_fast_accum)  # [M, N']

@@ -15,7 +15,10 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
 
 [Note: what the matmul keeps for backward]
 * weight: the high-precision weight (a parameter, alive anyway) and it is re-cast in backward,
-  instead of keeping a second float8 copy. A weight that arrives already in float8 (FSDP2 float8
+  instead of keeping a second float8 copy. With square weight blocks
+  (``CastSpecs.weight_same_bytes``, [Note: block scales] in f8dist/config.py) the backward cast
+  gives the forward's bytes again; keeping them instead would hold a float8 copy of every weight
+  until backward (under FSDP2, of every unsharded weight), more than bf16 keeps. A weight that arrives already in float8 (FSDP2 float8
   all-gather) is kept as it is: it is the unsharded parameter FSDP2 manages.
 * weight amax, when backward's weight cast is tensorwise and both casts compute their amax
   (``CastSpecs.weight_amax_from_forward``: tensorwise, rowwise_with_gw_hp): the max of the
@@ -51,7 +54,7 @@ from f8dist.cast import cast_to_float8, high_precision, logical_amax
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
 from f8dist.delayed import DelayedScaling, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
-from f8dist.gemm import check_gemm_shape
+from f8dist.gemm import check_block_shape, check_gemm_shape
 from f8dist.placement import local_part, reduce_partial
 from f8dist.tensor import Float8Tensor
 
@@ -206,6 +209,11 @@ class Float8Linear(nn.Linear):
                 what=f"Float8Linear {fqn or '<root>'} ({self.in_features} -> {self.out_features})",
                 pad_inner_dim=self.config.pad_inner_dim,
             )
+            check_block_shape(
+                self.specs, self.in_features, self.out_features,
+                what=f"Float8Linear {fqn or '<root>'} ({self.in_features} -> {self.out_features})",
+                pad_inner_dim=self.config.pad_inner_dim,
+            )
         self.delayed = DelayedScaling.attach(self)  # None without delayed casts
 
     @classmethod
@@ -259,6 +267,8 @@ class Float8Linear(nn.Linear):
                                       unexpected_keys, error_msgs)
         if self.delayed is not None:  # see [Note: delayed checkpoints] in f8dist/delayed.py
             load_delayed_state(self.delayed, state_dict, prefix, missing_keys)
+        if self.config.enable_fsdp_float8_all_gather:  # assign=True put a plain weight in place
+            wrap_weight_for_float8_all_gather(self)
 
     def _apply(self, fn, recurse=True):
         if getattr(self, "delayed", None) is not None:  # its buffers stay float32

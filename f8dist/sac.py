@@ -8,8 +8,9 @@ Worth keeping are outputs that are expensive to recompute and small compared wit
 * matmul outputs: ``aten.mm`` (what a float8 gemm looks like from outside: ``mm`` of two
   Float8Tensors, see f8dist/tensor.py), ``aten._scaled_mm`` (what it becomes once
   ``torch.compile`` has flattened the subclass) and scaled-dot-product attention;
-* the amax reductions behind float8 scales (``aten.amax``, ``aten.max``): one number per tensor or
-  per row, and under FSDP/TP the input of an all-reduce that would otherwise rerun in backward;
+* the amax reductions behind float8 scales (``aten.amax``, ``aten.max``): one number per tensor,
+  per row or per block (4 bytes per 32 or 128 elements), and under FSDP/TP the input of an
+  all-reduce that would otherwise rerun in backward;
 * ``reduce_scatter_tensor`` outputs (sequence/tensor parallel), as torchtitan does.
 
 Never a pointwise op. The cast computes ``abs(x)`` before its amax; ``abs`` of a weight is as
@@ -37,8 +38,9 @@ __all__ = ["Float8SACConfig", "float8_sac_context_fn", "float8_sac_policy"]
 aten = torch.ops.aten
 
 # a float8 gemm is aten.mm of Float8Tensors, aten._scaled_mm once flattened, or f8dist's CPU
-# kernel (f8dist/gemm.py [Note: the CPU kernel])
-MATMUL_OPS = (aten.mm.default, aten._scaled_mm.default, torch.ops.f8dist.cpu_scaled_mm.default)
+# kernels (f8dist/gemm.py [Note: the CPU kernel], [Note: the block-scaled gemm])
+MATMUL_OPS = (aten.mm.default, aten._scaled_mm.default, torch.ops.f8dist.cpu_scaled_mm.default,
+              torch.ops.f8dist.cpu_block_scaled_mm.default)
 
 ATTENTION_OPS = (
     aten._scaled_dot_product_flash_attention.default,

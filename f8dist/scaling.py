@@ -76,6 +76,11 @@ __all__ = [
     "dequantize",
     "group_ids",
     "group_amax",
+    "block_amax",
+    "block_scale",
+    "expand_blocks",
+    "E8M0_MIN_EXP",
+    "E8M0_MAX_EXP",
 ]
 
 # The largest scale: an all-zero tensor gets it ([Note: tiny magnitudes])
@@ -174,6 +179,94 @@ def saturated_cast(
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The high-precision value a float8 tensor stands for: ``data / scale`` in ``dtype``."""
     return (data.to(torch.float32) / scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block scales ([Note: block scales] and [Note: e8m0 rounding] in f8dist/config.py)
+# ---------------------------------------------------------------------------------------------
+
+# e8m0 holds 2**e for e in [-127, 127] (and NaN); a quantizing scale 2**-e fits the same range
+E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
+_MANTISSA_BITS = 23
+_F32_EXP_BIAS = 127
+
+
+def _blocks(shape, block):
+    """(rows, cols) of blocks of a [R, C] tensor: a block cut short by the edge still counts."""
+    return tuple(-(-n // b) for n, b in zip(shape, block))
+
+
+def block_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:
+    """max(|x|) of each ``block = (rows, cols)`` block of the 2-D ``x``, in float32:
+    [ceil(R / rows), ceil(C / cols)]. A block cut short by the edge is zero-padded (zeros raise
+    no amax), so any R and C work; an empty ``x`` gives an empty (or all-zero) grid."""
+    (r, c), (br, bc) = x.shape, block
+    nr, nc = _blocks((r, c), block)
+    x = torch.abs(x)
+    if nr * br != r or nc * bc != c:
+        x = torch.nn.functional.pad(x, (0, nc * bc - c, 0, nr * br - r))  # [nr*br, nc*bc]
+    x = x.reshape(nr, br, nc, bc)
+    if x.numel() == 0:  # torch.amax of an empty reduction raises; no magnitudes give 0
+        return x.sum(dim=(1, 3)).to(torch.float32)  # [nr, nc]
+    return torch.amax(x, dim=(1, 3)).to(torch.float32)  # [nr, nc]
+
+
+def _exponent(x: torch.Tensor, *, ceil: bool) -> torch.Tensor:
+    """floor(log2(x)) (``ceil``: ceil(log2(x))) of positive float32 ``x`` from its bits, as
+    int32: eager and compiled agree to the bit (0 gives the exponent field's -127)."""
+    bits = x.view(torch.int32)
+    exp = torch.bitwise_right_shift(bits, _MANTISSA_BITS) - _F32_EXP_BIAS  # sign bit is 0
+    if ceil:
+        exp = exp + ((bits & ((1 << _MANTISSA_BITS) - 1)) != 0).to(torch.int32)
+    return exp
+
+
+def _pow2(exp: torch.Tensor) -> torch.Tensor:
+    """2**exp in float32 for int32 exp in [-126, 127], built from its bits; -127 gives 2**-127
+    (a float32 subnormal) through a halving, exact."""
+    normal = torch.clamp(exp, min=-126)
+    out = torch.bitwise_left_shift(normal + _F32_EXP_BIAS, _MANTISSA_BITS).view(torch.float32)
+    return torch.where(exp < -126, out * 0.5, out)
+
+
+def _e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """The quantizing power-of-2 scale of each block amax ([Note: e8m0 rounding]), float32."""
+    fmax = fp8_max(float8_dtype)
+    if rounding == "rceil":  # dequantizing 2**ceil(log2(amax / fmax))
+        exp = _exponent(amax / fmax, ceil=True)
+    elif rounding == "floor":  # dequantizing 2**(floor(log2(amax)) - emax)
+        exp = _exponent(amax, ceil=False) - _exponent(torch.tensor(fmax), ceil=False)
+    else:
+        raise ValueError(f"unknown e8m0 rounding {rounding!r}; use 'rceil' or 'floor'")
+    exp = torch.clamp(exp, min=E8M0_MIN_EXP, max=E8M0_MAX_EXP)
+    return _pow2(-exp)
+
+
+def block_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, scale_dtype: torch.dtype = torch.float32,
+    rounding: str = "rceil", round_to_power_of_2: bool = False,
+) -> torch.Tensor:
+    """The quantizing scale of each block from its amax, in ``scale_dtype``.
+
+    float32: ``amax_to_scale`` per block (DeepSeek-V3), capped at ``MAX_SCALE``.
+    ``float8_e8m0fnu``: a power of 2, rounded as ``rounding`` says ([Note: e8m0 rounding]); an
+    all-zero block gets 2**127. A non-finite amax gives a NaN scale either way, so the block's
+    values turn NaN ([Note: non-finite values]).
+    """
+    amax = amax.to(torch.float32)
+    if scale_dtype == torch.float32:
+        return amax_to_scale(amax, float8_dtype, round_to_power_of_2=round_to_power_of_2)
+    scale = _e8m0_scale(amax, float8_dtype, str(rounding))
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return scale.to(scale_dtype)
+
+
+def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
+    """Block scales [ceil(R / rows), ceil(C / cols)] as one float32 scale per element of a
+    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by)."""
+    (nr, nc), (br, bc) = scale.shape, block
+    full = scale.to(torch.float32)[:, None, :, None].expand(nr, br, nc, bc)
+    return full.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]  # [R, C]
 
 
 # [Note: token groups]

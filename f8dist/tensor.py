@@ -4,7 +4,9 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
 
 * ``_data``: the float8 bytes, same shape as the tensor;
 * ``_scale``: float32, a 0-dim tensor (tensorwise) or one that broadcasts against ``_data`` with
-  a 1 at ``_axiswise_dim`` (axiswise: one scale per row or column);
+  a 1 at ``_axiswise_dim`` (axiswise: one scale per row or column); or, with ``_block`` =
+  (rows, cols), one scale per block of the 2-D ``_data``, [ceil(R / rows), ceil(C / cols)], in
+  float32 or float8_e8m0fnu ([Note: block scales] in f8dist/config.py);
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation).
 
@@ -23,13 +25,13 @@ place Float8Tensor ops are defined):
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from f8dist.config import ScaledMMConfig
 from f8dist.gemm import scaled_mm
-from f8dist.scaling import dequantize
+from f8dist.scaling import dequantize, expand_blocks
 
 __all__ = ["Float8Tensor", "rewrap", "wrapper_like"]
 
@@ -52,17 +54,21 @@ class Float8Tensor(torch.Tensor):
     _orig_dtype: torch.dtype
     _axiswise_dim: Optional[int]
     _mm_config: ScaledMMConfig
+    _block: Optional[Tuple[int, int]]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
-                axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig()):
+                axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig(),
+                block: Optional[Tuple[int, int]] = None):
         self = wrapper_like(cls, data, orig_dtype)
         self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
-        self._axiswise_dim, self._mm_config = axiswise_dim, mm_config
+        self._axiswise_dim, self._mm_config, self._block = axiswise_dim, mm_config, block
         return self
 
     def __repr__(self):
         kind = "tensorwise" if self._axiswise_dim is None else f"axiswise(dim={self._axiswise_dim})"
+        if self._block is not None:
+            kind = f"blockwise(block={self._block}, {self._scale.dtype} scales)"
         return (
             f"Float8Tensor(shape={tuple(self.shape)}, {self._data.dtype}, {kind}, "
             f"orig_dtype={self._orig_dtype}, scale={self._scale if self._scale.numel() == 1 else tuple(self._scale.shape)})"
@@ -71,14 +77,14 @@ class Float8Tensor(torch.Tensor):
     # -- subclass protocol (torch.compile, FSDP2, DTensor) ------------------------------------
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self._orig_dtype, self._axiswise_dim, self._mm_config)
+        meta = (self._orig_dtype, self._axiswise_dim, self._mm_config, self._block)
+        return ["_data", "_scale"], meta
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
-        orig_dtype, axiswise_dim, mm_config = metadata
-        return Float8Tensor(
-            inner_tensors["_data"], inner_tensors["_scale"], orig_dtype, axiswise_dim, mm_config
-        )
+        orig_dtype, axiswise_dim, mm_config, block = metadata
+        return Float8Tensor(inner_tensors["_data"], inner_tensors["_scale"], orig_dtype,
+                            axiswise_dim, mm_config, block)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -86,6 +92,14 @@ class Float8Tensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         handler = _OPS.get(func)
+        if handler is not None and func not in _BLOCK_OPS and any(
+                isinstance(a, Float8Tensor) and a.is_blockwise for a in _flat(args)):
+            raise NotImplementedError(
+                f"{func} is not defined on a block-scaled Float8Tensor: block scales flow into "
+                "single-device float8 gemms only (FSDP2 float8 all-gather, tensor and sequence "
+                "parallel with block scales are not supported yet); call "
+                ".to_original_precision() first, or use a tensorwise or rowwise recipe"
+            )
         if handler is None:
             raise NotImplementedError(
                 f"{func} is not defined on Float8Tensor. Float8Tensors only flow into float8 "
@@ -101,17 +115,27 @@ class Float8Tensor(torch.Tensor):
 
     def with_mm_config(self, mm_config: ScaledMMConfig) -> "Float8Tensor":
         """The same bytes and scale, headed for a gemm with another ``ScaledMMConfig``."""
-        return Float8Tensor(self._data, self._scale, self._orig_dtype, self._axiswise_dim, mm_config)
+        return rewrap(self, self._data, mm_config=mm_config)
 
     @property
     def is_axiswise(self) -> bool:
         return self._axiswise_dim is not None
 
+    @property
+    def is_blockwise(self) -> bool:
+        return self._block is not None
+
+    def scale_per_element(self) -> torch.Tensor:
+        """The float32 scale to divide ``_data`` by: ``_scale``, its blocks expanded."""
+        if self._block is None:
+            return self._scale
+        return expand_blocks(self._scale, self._block, self._data.shape)  # [R, C]
+
 
 class _Dequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Float8Tensor):
-        return dequantize(t._data, t._scale, t._orig_dtype)
+        return dequantize(t._data, t.scale_per_element(), t._orig_dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,42 +147,59 @@ class _Dequantize(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 _OPS: Dict[object, Callable] = {}
+# the ops a block-scaled Float8Tensor takes (the rest raise: see __torch_dispatch__)
+_BLOCK_OPS = set()
 
 
-def _implements(ops):
-    """Register a Float8Tensor implementation for one or more aten ops."""
+def _implements(ops, *, blocks: bool = False):
+    """Register a Float8Tensor implementation for one or more aten ops (``blocks``: it handles
+    block-scaled tensors too)."""
 
     def decorator(fn):
         for op in ops:
             _OPS[op] = fn
+            if blocks:
+                _BLOCK_OPS.add(op)
         return fn
 
     return decorator
 
 
-def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same") -> Float8Tensor:
-    """A Float8Tensor like ``t`` (orig dtype, mm config; scale and axis unless given) around
-    ``data``: how every op of the table builds its result."""
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same", *,
+           block="same", mm_config=None, orig_dtype=None) -> Float8Tensor:
+    """A Float8Tensor like ``t`` (orig dtype, mm config; scale, axis and block unless given)
+    around ``data``: how every op of the table builds its result."""
     return Float8Tensor(
         data,
         t._scale if scale is None else scale,
-        t._orig_dtype,
+        t._orig_dtype if orig_dtype is None else orig_dtype,
         t._axiswise_dim if axiswise_dim == "same" else axiswise_dim,
-        t._mm_config,
+        t._mm_config if mm_config is None else mm_config,
+        t._block if block == "same" else block,
     )
 
 
-@_implements([aten.detach.default, aten.alias.default, aten.clone.default])
+@_implements([aten.detach.default, aten.alias.default, aten.clone.default], blocks=True)
 def _same_scale_unary(func, args, kwargs):
     t = args[0]
     scale = t._scale if func is not aten.clone.default else t._scale.clone()
     return rewrap(t, func(t._data, *args[1:], **kwargs), scale)
 
 
-@_implements([aten.t.default, aten.transpose.int])
+@_implements([aten.t.default, aten.transpose.int], blocks=True)
 def _transpose(func, args, kwargs):
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
+    if t.is_blockwise:  # 2-D: the grid of block scales transposes with the blocks
+        return rewrap(t, data, t._scale.t(), block=t._block[::-1])
     if not t.is_axiswise:
         return rewrap(t, data)
     if t._data.dim() != 2:
@@ -168,12 +209,16 @@ def _transpose(func, args, kwargs):
     return rewrap(t, data, t._scale.t(), axis)
 
 
-@_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+@_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default], blocks=True)
 def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
     data = func(t._data, new_shape, *args[2:], **kwargs)
-    if not t.is_axiswise or data.shape == t._data.shape:
+    if data.shape == t._data.shape or not (t.is_axiswise or t.is_blockwise):
         return rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
+    if t.is_blockwise:
+        raise NotImplementedError(
+            f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} to "
+            f"{tuple(data.shape)}: its scales are a 2-D grid of blocks; reshape before the cast")
     # Axiswise scales survive a reshape of the other dims as long as the scaled-over dim is the
     # last one and keeps its size: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with [B*S, 1].
     last = t._data.dim() - 1
@@ -186,12 +231,12 @@ def _view(func, args, kwargs):
     return rewrap(t, data, scale, data.dim() - 1)
 
 
-@_implements([aten.is_same_size.default])
+@_implements([aten.is_same_size.default], blocks=True)
 def _is_same_size(func, args, kwargs):
     return args[0].shape == args[1].shape
 
 
-@_implements([aten.mm.default])
+@_implements([aten.mm.default], blocks=True)
 def _mm(func, args, kwargs):
     a, b = args
     if not (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)):
@@ -200,13 +245,14 @@ def _mm(func, args, kwargs):
             f"{type(a).__name__} @ {type(b).__name__}"
         )
     return scaled_mm(
-        a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config
+        a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config,
+        a_block=a._block, b_block=b._block,
     )
 
 
 # autocast casts float8 gemm operands to its dtype ([Note: autocast] in f8dist/linear.py): the
 # same bytes and scale, standing for a tensor of that dtype (which dequantizing and gemms output)
-@_implements([aten._to_copy.default])
+@_implements([aten._to_copy.default], blocks=True)
 def _to_dtype(func, args, kwargs):
     t, dtype = args[0], kwargs.get("dtype")
     if set(kwargs) != {"dtype"} or dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -214,7 +260,7 @@ def _to_dtype(func, args, kwargs):
             f"a Float8Tensor converts to another high-precision dtype only (autocast), got "
             f"{kwargs}; call .to_original_precision() first"
         )
-    return Float8Tensor(t._data, t._scale, dtype, t._axiswise_dim, t._mm_config)
+    return rewrap(t, t._data, orig_dtype=dtype)
 
 
 # FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided

@@ -15,10 +15,30 @@ import copy
 import torch
 import torch.nn as nn
 
-from f8dist import Float8Linear, Float8LinearConfig
+import dataclasses
+
+from f8dist import CastConfig, Float8Linear, Float8LinearConfig
+from f8dist.config import ScaleRounding
 from f8dist.numerics import sqnr
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+
+def floor_rounding(recipe: str) -> Float8LinearConfig:
+    """``recipe`` with its e8m0 scales rounded the OCP way ([Note: e8m0 rounding])."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return config.replace(**{
+        f.name: dataclasses.replace(getattr(config, f.name), scale_rounding=ScaleRounding.FLOOR)
+        for f in dataclasses.fields(config)
+        if isinstance(getattr(config, f.name), CastConfig) and getattr(config, f.name).blockwise
+    })
+
+
+# row name -> config; the block-scaled rows need in and out features that divide by 128
+RECIPES = {
+    **{r: (lambda r=r: Float8LinearConfig.from_recipe_name(r)) for r in (
+        "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8", "mxfp8_wgrad_with_hp",
+        "mxfp8_square_weights", "blockwise")},
+    "mxfp8 (OCP floor)": lambda: floor_rounding("mxfp8"),
+}
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
@@ -40,13 +60,11 @@ def main():
           f"{torch.__version__}, cpu")
     print("| recipe | dtype | output | grad_input | grad_weight |")
     print("|---|---|---|---|---|")
-    for recipe in RECIPES:
+    for recipe, config in RECIPES.items():
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             base = nn.Linear(args.in_features, args.out_features, bias=False).to(dtype)
-            ours = Float8Linear.from_float(
-                copy.deepcopy(base), Float8LinearConfig.from_recipe_name(recipe)
-            )
+            ours = Float8Linear.from_float(copy.deepcopy(base), config())
             x = torch.randn(args.batch, args.seq, args.in_features, dtype=dtype)
             grad = torch.randn(args.batch, args.seq, args.out_features, dtype=dtype)
             cells = [f"{sqnr(r, a):.1f}" for r, a in zip(fwd_bwd(base, x, grad), fwd_bwd(ours, x, grad))]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import re
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -51,6 +53,7 @@ from torch.distributed.tensor import DTensor
 import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, parallelize_moe
@@ -125,7 +128,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=positive, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=non_negative, default=10)
-    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--max-norm", type=float, default=1.0,
+                   help="clip gradients to this global norm (inf: no clipping)")
     p.add_argument("--optim-states", choices=OPTIM_STATES, default="fp32",
                    help="AdamW's moments: fp32 (torch.optim.AdamW) or 8bit (f8dist.optim.AdamW, "
                         "about 2 bytes per parameter instead of 8)")
@@ -172,6 +176,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 "recipe and no --compile")
     if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
         p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
+        p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
+    if args.tp > 1 and args.seq_len % args.tp:
+        p.error(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp}: sequence "
+                "parallelism shards each sequence over the tp ranks")
+    for flag, path in (("--checkpoint-dir", args.checkpoint_dir),
+                       ("--metrics-file", args.metrics_file and os.path.dirname(args.metrics_file)),
+                       ("--float8-stats-dir", args.float8_stats_every and args.float8_stats_dir)):
+        wrong = _unwritable(path) if path is not None and path is not False else None
+        if wrong:
+            p.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {wrong}")
+    if args.metrics_file and os.path.isdir(args.metrics_file):
+        p.error(f"--metrics-file {args.metrics_file} is a directory; name a file in it")
     return args
 
 
@@ -195,6 +212,22 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
         p.error(f"--moe-experts does not run with {', '.join(bad)} in train.py: the MoE model "
                 "trains with data parallelism (FSDP2), expert parallelism (--ep) and the dynamic "
                 "float8 recipes (tensorwise, rowwise, rowwise_with_gw_hp) in eager mode")
+
+
+def _unwritable(directory: str) -> Optional[str]:
+    """Why files cannot be written in ``directory`` (made if missing), or None: checked when the
+    flags are, not at the first save or the end of the run."""
+    existing = os.path.abspath(directory or ".")
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"cannot write in {existing} ({e.strerror})"
+    return None
 
 
 # -- distributed setup --------------------------------------------------------------------------
@@ -348,8 +381,17 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
 # saving leaves no step-N that --resume would take and fail to load. --resume takes the newest
 # DIR/step-N that holds .metadata, which also skips incomplete directories of older train.py runs.
 # RNG states are saved per rank: a run resumed on another number of ranks re-seeds instead.
+#
+# [Note: verified checkpoints]
+# A file can still be damaged after its save (a disk or copy that truncates it, a file overwritten
+# with garbage); DCP would then fail with a zip or pickle traceback, or load garbage without a
+# word. So rank 0 writes CHECKSUMS (the sha256 of every file of the step) into the step before the
+# rename, and --resume verifies the newest step first: a damaged step is named with the file and
+# what is wrong, and the newest intact one is taken. A step without CHECKSUMS (an older train.py)
+# is taken if DCP can read its .metadata.
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+CHECKSUMS = "checksums.json"
 
 
 def _rng_key() -> str:
@@ -371,18 +413,68 @@ def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int
     dist.barrier()
     dcp.save(state, checkpoint_id=partial)
     if dist.get_rank() == 0:
+        write_checksums(partial)  # [Note: verified checkpoints]
         shutil.rmtree(final, ignore_errors=True)  # this step, saved by an earlier run
         os.rename(partial, final)
+        print(f"saved checkpoint {final}", flush=True)
     dist.barrier()
 
 
-def latest_checkpoint(path: str) -> Optional[str]:
-    """The newest complete checkpoint ``path/step-N`` (one with DCP's ``.metadata``), or None."""
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: str) -> None:
+    """Write ``directory/CHECKSUMS``: the sha256 of each of its files ([Note: verified checkpoints])."""
+    sums = {name: _sha256(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
+            if name != CHECKSUMS and os.path.isfile(os.path.join(directory, name))}
+    with open(os.path.join(directory, CHECKSUMS + ".tmp"), "w") as f:
+        json.dump(sums, f, indent=1)
+    os.replace(os.path.join(directory, CHECKSUMS + ".tmp"), os.path.join(directory, CHECKSUMS))
+
+
+def damage(directory: str) -> Optional[str]:
+    """What is wrong with the checkpoint ``directory``, or None if it is intact."""
+    listed = os.path.join(directory, CHECKSUMS)
+    if not os.path.exists(listed):  # an older train.py: DCP's .metadata must at least read
+        try:
+            dcp.FileSystemReader(directory).read_metadata()
+        except Exception as e:  # noqa: BLE001 (pickle, EOF, ...: all mean unreadable)
+            return f".metadata unreadable ({type(e).__name__}) and no {CHECKSUMS} to check the files"
+        return None
+    try:
+        with open(listed) as f:
+            sums = json.load(f)
+    except ValueError:
+        return f"{CHECKSUMS} unreadable"
+    for name, expected in sums.items():
+        file = os.path.join(directory, name)
+        if not os.path.exists(file):
+            return f"{name} missing"
+        if _sha256(file) != expected:
+            return f"{name} differs from what was saved ({os.path.getsize(file)} bytes now)"
+    return None
+
+
+def latest_checkpoint(path: str, log=print) -> Optional[str]:
+    """The newest complete and intact checkpoint ``path/step-N`` (one with DCP's ``.metadata``
+    whose files match their checksums: [Note: verified checkpoints]), or None; ``log`` names each
+    damaged step passed over."""
     steps = [
         int(m.group(1)) for name in (os.listdir(path) if os.path.isdir(path) else [])
         if (m := _STEP_DIR.fullmatch(name)) and os.path.exists(os.path.join(path, name, ".metadata"))
     ]
-    return os.path.join(path, f"step-{max(steps)}") if steps else None
+    for step in sorted(steps, reverse=True):
+        checkpoint = os.path.join(path, f"step-{step}")
+        wrong = damage(checkpoint)
+        if wrong is None:
+            return checkpoint
+        log(f"checkpoint {checkpoint} is damaged: {wrong}; trying the one before it")
+    return None
 
 
 def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, seed: int):
@@ -399,17 +491,27 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
     }
     if same_ranks:
         state["rng"] = {_rng_key(): torch.get_rng_state()}
-    dcp.load(state, checkpoint_id=checkpoint)
+    planner = Float8LoadPlanner()  # [Note: loading across recipes] in f8dist/checkpoint.py
+    dcp.load(state, checkpoint_id=checkpoint, planner=planner)
     set_model_state_dict(model, state["model"])
+    restarted = planner.restart_missing(model)
+    recipes = ""
+    if restarted:
+        recipes = (f"; delayed-scaling histories restarted for {len(restarted)} linear(s): the "
+                   "checkpoint holds none (saved with another --float8 recipe), so the next step "
+                   "is a first step")
+    elif planner.unused_delayed_state:
+        recipes = "; the checkpoint's delayed-scaling state is not used by this --float8 recipe"
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     batches.load_state_dict({"step": int(state["train"]["batches_step"])})
     step = int(state["train"]["step"])
     if same_ranks:
         torch.set_rng_state(state["rng"][_rng_key()])
-        return step, "RNG states restored"
+        return step, "RNG states restored" + recipes
     torch.manual_seed(hash((seed, step, dist.get_rank())) % 2**63)
     return step, (f"saved on {saved_ranks} rank(s), resumed on {dist.get_world_size()}: model and "
-                  "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank")
+                  "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank"
+                  + recipes)
 
 
 # -- logging ------------------------------------------------------------------------------------
@@ -522,10 +624,13 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     accum = args.grad_accum_steps
 
     start = 0
-    if args.resume:
-        checkpoint = latest_checkpoint(args.checkpoint_dir)
+    if args.resume:  # rank 0 verifies ([Note: verified checkpoints]); every rank loads its pick
+        found = [latest_checkpoint(args.checkpoint_dir, log=lambda line: print(line, flush=True))
+                 if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        checkpoint = found[0]
         if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no complete step-N checkpoint in {args.checkpoint_dir}")
+            raise FileNotFoundError(f"--resume: no complete, intact step-N checkpoint in {args.checkpoint_dir}")
         start, note = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
         if rank == 0:
             print(f"resumed from {checkpoint} at step {start} ({note})", flush=True)
@@ -612,6 +717,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         stats.close()  # the last table and the PNG plot over steps
     result = {"steps": steps, "losses": losses}
     if rank == 0 and args.metrics_file:
+        os.makedirs(os.path.dirname(args.metrics_file) or ".", exist_ok=True)
         with open(args.metrics_file, "w") as f:
             json.dump({"args": vars(args), **result}, f)
     return result

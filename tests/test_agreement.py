@@ -1,6 +1,7 @@
 """f8dist/agreement.py on one process: what the ranks compare, how a difference is named, and that
 one process pays nothing. The 2-rank checks are tests/distributed/test_agreement.py."""
 
+import pytest
 import torch.nn as nn
 
 from f8dist import Float8LinearConfig, agreement, convert_to_float8_training
@@ -36,6 +37,26 @@ def test_one_process_registers_no_hook():
     before = dict(nn.modules.module._global_forward_pre_hooks)
     _model()
     assert nn.modules.module._global_forward_pre_hooks == before
+
+
+def test_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(agreement.TIMEOUT_ENV, "2.5")
+    assert agreement.timeout_s() == 2.5
+    monkeypatch.delenv(agreement.TIMEOUT_ENV)
+    assert agreement.timeout_s() == 60.0
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv(agreement.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match="F8DIST_AGREEMENT_TIMEOUT_S"):
+            agreement.timeout_s()
+
+
+def test_delayed_buffers_are_kept_out_of_ddp_broadcasts():
+    model = _model("delayed", keep=lambda mod, fqn: fqn != "2")
+    ignored = model._ddp_params_and_buffers_to_ignore
+    assert sorted(ignored) == sorted(
+        f"0.fp8_{kind}_{op}" for op in ("input", "weight", "grad_output")
+        for kind in ("amax", "amax_history", "scale", "steps"))
+    assert not hasattr(_model("tensorwise"), "_ddp_params_and_buffers_to_ignore")
 
 
 def test_settings_cover_experts_and_the_float8_dispatch():

@@ -161,6 +161,63 @@ def test_float8_activations_for_backward_and_requantize_are_exclusive():
         rowwise.replace(float8_activations_for_backward=1)
 
 
+# -- block scales ([Note: block scales] in f8dist/config.py) --------------------------------------
+
+BLOCKWISE = ScalingGranularity.BLOCKWISE
+E8M0 = torch.float8_e8m0fnu
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(scaling_granularity=BLOCKWISE), "block_size=\\(outer, inner\\)"),
+    (dict(scaling_granularity=BLOCKWISE, block_size=(1, 0)), "two positive"),
+    (dict(scaling_granularity=BLOCKWISE, block_size=(1, 24)), "multiple of 16"),
+    (dict(scaling_granularity=BLOCKWISE, block_size=(1, 32), scale_dtype=torch.bfloat16),
+     "scale_dtype must be"),
+    (dict(scaling_granularity=BLOCKWISE, block_size=(1, 32), scale_rounding="floor"),
+     "rounds e8m0 scales"),
+    (dict(block_size=(1, 32)), "leave them unset"),
+    (dict(scaling_granularity=BLOCKWISE, block_size=(1, 32), scaling_type=ScalingType.DELAYED),
+     "TENSORWISE"),
+])
+def test_block_cast_config_is_validated(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        CastConfig(**kwargs)
+
+
+def test_block_gemm_needs_both_operands_blockwise_with_one_inner_block():
+    mx = CastConfig(scaling_granularity=BLOCKWISE, block_size=(1, 32), scale_dtype=E8M0)
+    with pytest.raises(ValueError, match="needs both operands blockwise"):
+        Float8LinearConfig(cast_config_input=mx)
+    with pytest.raises(ValueError, match="differ along the contraction dim"):
+        Float8LinearConfig(cast_config_input=mx, cast_config_grad_output=mx,
+                           cast_config_weight=dataclasses.replace(mx, block_size=(128, 128)))
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+        Float8LinearConfig.from_recipe_name("mxfp8").replace(enable_fsdp_float8_all_gather=True)
+
+
+@pytest.mark.parametrize("name, block, scale_dtype", [
+    ("mxfp8", (1, 32), E8M0), ("mxfp8_wgrad_with_hp", (1, 32), E8M0),
+    ("mxfp8_square_weights", (1, 32), E8M0), ("blockwise", (1, 128), torch.float32),
+])
+def test_block_recipes_block_along_each_gemms_contraction_dim(name, block, scale_dtype):
+    specs = Float8LinearConfig.from_recipe_name(name).cast_specs()
+    outer, inner = block
+    # activations and gradients: (1, inner) along K or N, (inner, 1) along the tokens
+    assert specs["output", "input"].block_shape(2) == (outer, inner)
+    assert specs["grad_input", "grad_output"].block_shape(2) == (outer, inner)
+    for spec in specs:
+        if spec.enabled:
+            assert spec.dtype == torch.float8_e4m3fn and spec.scale_dtype == scale_dtype and spec.block_size[1] == inner
+    if name == "mxfp8_wgrad_with_hp":
+        assert not specs["grad_weight", "input"].enabled
+    else:
+        assert specs["grad_weight", "input"].block_shape(2) == (inner, outer)
+    weight = {"mxfp8_square_weights": (32, 32), "blockwise": (128, 128)}.get(name)
+    if weight:  # square: the same block in both of the weight's gemms
+        assert specs["output", "weight"].block_shape(2) == weight == specs["grad_input", "weight"].block_shape(2)
+    assert specs.weight_same_bytes == (weight is not None)
+
+
 def test_grouped_cast_specs_are_the_table_per_expert_in_e4m3():
     config = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
     specs = config.grouped_cast_specs("moe.experts.w1")

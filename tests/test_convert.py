@@ -134,3 +134,91 @@ def test_training_a_converted_model_reduces_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+# -- issue 23: tied weights, shared modules, subclasses, misuse ------------------------------------
+
+AG = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+
+
+@pytest.mark.parametrize("config", [Float8LinearConfig(), AG], ids=["plain", "fp8_all_gather"])
+def test_linears_that_share_a_weight_keep_one_parameter(config):
+    # item 2: with the float8 all-gather each linear got its own wrapper Parameter: two trained apart
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    model[2].weight = model[0].weight
+    convert_to_float8_training(model, config=config)
+    assert model[0].weight is model[2].weight
+    assert len(list(model.parameters())) == 3  # one weight, two biases
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(16, 32)).sum().backward()
+    opt.step()
+    assert torch.equal(model[0].weight, model[2].weight)
+
+
+def test_a_weight_tied_to_an_unconverted_module_raises_naming_both():
+    # item 2: an embedding tied to the output linear; FSDP2 would all-gather it in float8 for both
+    model = nn.ModuleDict({"emb": nn.Embedding(64, 32), "lm_head": nn.Linear(32, 64, bias=False)})
+    model.lm_head.weight = model.emb.weight
+    with pytest.raises(ValueError, match=r"lm_head is tied to emb\.weight.*module_filter_fn"):
+        convert_to_float8_training(model, config=AG)
+    assert type(model.lm_head) is nn.Linear  # all or nothing
+    convert_to_float8_training(model)  # without the float8 all-gather the tie is kept
+    assert model.lm_head.weight is model.emb.weight
+
+
+def test_load_state_dict_assign_keeps_the_float8_all_gather_weight():
+    # item 2: assign=True after meta init replaced the wrapper by the checkpoint's plain tensor
+    from f8dist.fsdp import Float8AllGatherWeight
+
+    ref = nn.Sequential(nn.Linear(32, 32))
+    with torch.device("meta"):
+        model = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config=AG)
+    model.load_state_dict(ref.state_dict(), assign=True)
+    assert isinstance(model[0].weight, nn.Parameter)
+    assert isinstance(model[0].weight, Float8AllGatherWeight)
+    assert torch.equal(model[0].weight._tensor, ref[0].weight)
+    sd = model.state_dict()
+    assert type(sd["0.weight"]) is torch.Tensor and len(model[0]._state_dict_hooks) == 1
+
+
+@pytest.mark.parametrize("how", ["sequential", "two_names"])
+def test_a_module_at_two_places_is_converted_at_both(how):
+    # item 3: named_children skips duplicates: the second place stayed high precision
+    lin = nn.Linear(32, 32)
+    if how == "sequential":
+        model = nn.Sequential(lin, nn.ReLU(), lin)
+    else:
+        model = nn.Module()
+        model.a, model.b = lin, lin
+    convert_to_float8_training(model)
+    places = [model[0], model[2]] if how == "sequential" else [model.a, model.b]
+    assert isinstance(places[0], Float8Linear) and places[0] is places[1]
+    assert places[0].fqn == ("0" if how == "sequential" else "a")
+    assert places[0].weight is lin.weight
+
+
+def test_linear_subclasses_convert_unless_they_override_forward(caplog):
+    # item 4: subclasses were silently left high precision
+    class Plain(nn.Linear):
+        pass
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(Plain(32, 32), Scaled(32, 32), nn.MultiheadAttention(32, 2))
+    with caplog.at_level(logging.WARNING, logger="f8dist.convert"):
+        convert_to_float8_training(model)
+    assert isinstance(model[0], Float8Linear) and isinstance(model[2].out_proj, Float8Linear)
+    assert type(model[1]) is Scaled
+    assert "1 (test_linear_subclasses_convert_unless_they_override_forward.<locals>.Scaled)" in caplog.text
+
+
+def test_a_recipe_name_as_config_is_accepted_and_anything_else_says_what_to_pass():
+    # item 8: a string crashed deep in the conversion
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config="rowwise")
+    assert model[0].config == Float8LinearConfig.from_recipe_name("rowwise")
+    with pytest.raises(ValueError, match="known recipes"):
+        convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config="rowwize")
+    with pytest.raises(TypeError, match="from_recipe_name"):
+        convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config={"emulate": True})

@@ -111,3 +111,42 @@ def test_merge_equals_stats_of_concatenation():
     assert merged.amax == whole.amax
     with pytest.raises(ValueError, match="cannot merge"):
         merged + stats_of(a, E5M2)
+
+
+def test_block_scaled_cast_statistics_per_block():
+    """Per block: the count, the share of blocks with a saturated or underflowed element, and
+    the distribution of block amaxes by power of 2 ([Note: block scales])."""
+    from f8dist.config import CastSpec, ScalingGranularity, ScaleRounding
+
+    spec = CastSpec(granularity=ScalingGranularity.BLOCKWISE, axis=-1, block_size=(1, 32),
+                    scale_dtype=torch.float8_e8m0fnu, scale_rounding=ScaleRounding.FLOOR)
+    hp = torch.ones(4, 64)
+    hp[0, :32] = 2.0 ** -20  # amax 2**-20
+    hp[1, 0] = 500.0  # OCP floor: 2**(8 - 8) scale, 500 clamps to 448: this block saturates
+    hp[2, 32] = 1e-6  # next to ones: below e4m3's smallest subnormal at scale 2**8, underflows
+    fp8 = cast_to_float8(hp, spec)
+    s = CastStats.from_tensors(*cast_stats_tensors(hp, fp8._data, fp8._scale, fp8._block),
+                               float8_dtype=torch.float8_e4m3fn)
+    assert (s.blocks, s.blocks_saturated, s.blocks_underflow) == (8, 1, 1)
+    assert s.blocks_saturated_frac == s.blocks_underflow_frac == 1 / 8
+    assert sum(s.block_amax_log2) == 8
+    assert s.block_amax_quantile(0.0) == 2.0 ** -20 and s.block_amax_quantile(1.0) == 256.0
+    merged = s + s
+    assert merged.blocks == 16 and merged.block_amax_log2 == tuple(2 * c for c in s.block_amax_log2)
+    tensorwise = cast_to_float8(hp, CastSpec())
+    t = CastStats.from_tensors(*cast_stats_tensors(hp, tensorwise._data, tensorwise._scale),
+                               float8_dtype=torch.float8_e4m3fn)
+    assert t.blocks == 0 and t.block_amax_log2 == ()
+
+
+def test_recorder_reports_block_columns():
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.debug import record
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("mxfp8"))
+    with record(model) as rec:
+        model(torch.randn(8, 64)).sum().backward()
+    stats = rec.stats()
+    assert all(s.blocks > 0 for s in stats.values())
+    assert "blk sat %" in rec.table() and "blk amax p1..p99" in rec.table()

@@ -534,3 +534,56 @@ def test_sync_without_delayed_layers_is_a_noop():
     before = copy.deepcopy(model.state_dict())
     sync_float8_amax_and_scale_history(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("config", [DELAYED, COUNTED], ids=["rescaled", "counted"])
+def test_a_sync_before_any_forward_records_no_data(config):
+    # issue 23 item 6: an amax of 0 entered the history as data; the first step then cast with the
+    # scale of amax 0 (2**126) instead of from its amax
+    model, ref = float8_model(config), float8_model(config)
+    fresh = delayed_buffers(model)
+    sync_float8_amax_and_scale_history(model)
+    sync_float8_amax_and_scale_history(model)
+    assert_buffers_equal(fresh, delayed_buffers(model))
+    assert not model[0].delayed.synced  # the next step is still a first step
+    data = batches(3)
+    outs, _, bufs = train(model, data)
+    outs_ref, _, bufs_ref = train(ref, data)
+    for o, o_ref, b, b_ref in zip(outs, outs_ref, bufs, bufs_ref):
+        assert torch.equal(o, o_ref)
+        assert_buffers_equal(b_ref, b)
+
+
+class _Branches(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.a = float8_model(config, seed=0)
+        self.b = float8_model(config, seed=1)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_skipped_for_steps_keeps_its_history_and_scale(compiled):
+    # issue 23 item 6: a branch that did not run in a step recorded amax 0; once the zeros were
+    # the history's max, its scale was 2**126 and its output garbage (counted mode)
+    model = _Branches(COUNTED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sync = sync_float8_amax_and_scale_history
+    if compiled:
+        torch._dynamo.reset()
+        sync = torch.compile(sync, fullgraph=True, backend="aot_eager")
+    data = batches(2 + 2 * 16)
+    for step, (x, t) in enumerate(data):
+        use_b = step < 2  # b skipped for more steps than its history is long
+        opt.zero_grad()
+        F.mse_loss(model(x, use_b=use_b), t).backward()
+        sync(model)
+        opt.step()
+        if step == 1:
+            kept = delayed_buffers(model.b)
+    assert_buffers_equal(kept, delayed_buffers(model.b))
+    x = data[0][0]
+    with torch.no_grad():
+        assert sqnr(high_precision(model.b, x), model.b(x)) > 20

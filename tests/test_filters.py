@@ -108,3 +108,10 @@ def test_bad_arguments_say_what_to_change():
         fqn_filter("output")
     with pytest.raises(ValueError, match="memory_bandwidth must be a positive number"):
         GpuSpec(name="x", bf16_flops=1.0, fp8_flops=2.0, memory_bandwidth=0)
+
+
+def test_dims_that_do_not_divide_into_blocks_stay_high_precision():
+    # 8224 = 257 * 32: MXFP8's 1x32 blocks fit, DeepSeek's 128x128 weight blocks do not
+    assert auto_filter_for_recipe("mxfp8")(_meta_linear(8192, 8224), "w")
+    assert not auto_filter_for_recipe("blockwise")(_meta_linear(8192, 8224), "w")
+    assert auto_filter_for_recipe("blockwise")(_meta_linear(8192, 8192), "w")

@@ -123,6 +123,17 @@ def test_fp32_rowwise_applies_scales_to_a_fp32_result():
     assert sqnr(emu, out.bfloat16()) < 70  # what a bf16 output would have cost
 
 
+def test_fp16_rowwise_is_rounded_once_to_fp16():
+    # issue 23 item 1: CUDA's per-row kernel writes bf16 only; an fp16 rowwise gemm goes through
+    # float32 and is rounded once, to fp16 (not to bf16 first)
+    a, b, fa, fb = _operands(32, 64, 48, torch.float16, True, ScaledMMConfig())
+    out = scaled_mm(fa, fb)
+    exact = (fa._data.float() / fa._scale) @ (fb._data.float() / fb._scale)  # [32, 48] float32
+    assert out.dtype == torch.float16 and out.shape == (32, 48)
+    assert sqnr(exact, out) > sqnr(exact, exact.half()) - 1  # exact products, one rounding
+    assert sqnr(exact, out) > sqnr(exact, exact.bfloat16()) + 15
+
+
 @pytest.mark.parametrize(
     "case, words",
     [
@@ -153,3 +164,51 @@ def test_cpu_kernel_enforces_cuda_constraints(case, words):
     for word in words:
         assert word in str(info.value)
     assert cpu_scaled_mm(a, b, rows, cols, torch.bfloat16).shape == (32, 48)  # the valid call
+
+
+# -- block scales ([Note: the block-scaled gemm]) -------------------------------------------------
+
+from f8dist.config import E8M0  # noqa: E402
+
+BLOCKWISE = ScalingGranularity.BLOCKWISE
+
+
+def _block_operands(m, k, n, a_block, b_block, scale_dtype, mm_config=ScaledMMConfig()):
+    torch.manual_seed(0)
+    a = torch.randn(m, k) * torch.logspace(-2, 2, k)  # magnitudes vary along K: blocks matter
+    b = torch.randn(k, n)
+
+    def spec(block, axis):
+        return CastSpec(dtype=E4M3, granularity=BLOCKWISE, axis=axis, block_size=block,
+                        scale_dtype=scale_dtype, mm_config=mm_config)
+
+    return a, b, cast_to_float8(a, spec(a_block, 1)), cast_to_float8(b, spec(b_block, 0))
+
+
+@pytest.mark.parametrize("m, k, n, a_block, b_block, scale_dtype", [
+    (32, 96, 48, (1, 32), (1, 32), E8M0),  # MXFP8
+    (16, 64, 64, (1, 32), (32, 32), E8M0),  # square weight blocks
+    (8, 256, 256, (1, 128), (128, 128), torch.float32),  # DeepSeek-V3
+    (8, 37, 16, (1, 32), (1, 32), E8M0),  # K = 37 tokens: the last block zero-padded
+])
+def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_dtype):
+    a, b, fa, fb = _block_operands(m, k, n, a_block, b_block, scale_dtype)
+    assert fa._block == a_block and fb._block == b_block[::-1]  # b's block in its [K, N] layout
+    out = torch.mm(fa, fb)
+    # the reference: per k-block, the float8 products in float64, then the two scales
+    a_hp, b_hp = fa.to_original_precision().double(), fb.to_original_precision().double()
+    assert sqnr(a_hp @ b_hp, out) > exact_gemm_db()
+    assert sqnr(a.double() @ b.double(), out) > 25
+    emu = torch.mm(fa.with_mm_config(ScaledMMConfig(emulate=True)), fb)
+    assert sqnr(emu, out) > exact_gemm_db()
+
+
+def test_block_scaled_gemm_needs_block_scales_on_both_sides():
+    _, _, fa, fb = _block_operands(16, 64, 32, (1, 32), (1, 32), E8M0)
+    tensorwise = cast_to_float8(torch.randn(64, 32), CastSpec(dtype=E4M3))
+    with pytest.raises(TypeError, match="both operands of a block-scaled gemm"):
+        torch.mm(fa, tensorwise)
+    _, _, _, fb128 = _block_operands(16, 128, 32, (1, 128), (1, 128), E8M0)
+    _, _, fa32, _ = _block_operands(16, 128, 32, (1, 32), (1, 32), E8M0)
+    with pytest.raises(ValueError, match="differ along the contraction dim K"):
+        torch.mm(fa32, fb128)

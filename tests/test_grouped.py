@@ -124,3 +124,8 @@ def test_delayed_and_e5m2_are_refused_for_experts_with_what_to_do():
     config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=E5M2))
     with pytest.raises(ValueError, match="e4m3 operands only"):
         config.grouped_cast_specs("e")
+
+
+def test_block_scaled_recipes_are_refused_for_experts_with_what_to_do():
+    with pytest.raises(ValueError, match="block-scaled grouped gemms"):
+        Float8LinearConfig.from_recipe_name("mxfp8").grouped_cast_specs("e")

@@ -38,7 +38,7 @@ def _assert_close(recipe, ref_results, results, *, bias_floor=None):
         assert a.dtype == r.dtype and a.shape == r.shape, (a.dtype, r.dtype, a.shape, r.shape)
     assert sqnr(y_ref, y) > OUTPUT_FLOOR
     assert sqnr(gi_ref, gi) > GRAD_FLOOR
-    gw_floor = 60.0 if recipe == "rowwise_with_gw_hp" else GRAD_FLOOR
+    gw_floor = 60.0 if recipe in ("rowwise_with_gw_hp", "mxfp8_wgrad_with_hp") else GRAD_FLOOR
     assert sqnr(gw_ref, gw) > gw_floor
     if bias_floor is None:
         assert torch.equal(gb, gb_ref)  # bias is added outside the float8 gemm
@@ -55,7 +55,21 @@ def test_sqnr_of_the_three_gemms(recipe, dtype):
     _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad))
 
 
-def _autocast_results(recipe, param_dtype, compile=False):
+@pytest.mark.parametrize("dtype, compile", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float16, False), (torch.float16, True)])
+@pytest.mark.parametrize("recipe", RECIPES + ["delayed"])
+def test_every_recipe_trains_every_model_dtype(recipe, dtype, compile):
+    # issue 23 item 1: fp16 models with the rowwise recipes raised (CUDA's per-row kernel writes
+    # bf16 only); every recipe takes fp32, bf16 and fp16 models, fp16 compiled too
+    ref, f8 = _pair(recipe, dtype)
+    if compile:
+        torch._dynamo.reset()
+        f8 = torch.compile(f8, fullgraph=True)
+    x, grad = torch.randn(2, 16, 64, dtype=dtype), torch.randn(2, 16, 32, dtype=dtype)
+    _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad), bias_floor=40.0)
+
+
+def _autocast_results(recipe, param_dtype, compile=False, autocast_dtype=torch.bfloat16):
     """(nn.Linear, Float8Linear) results under the default device's bf16 autocast, backward run
     inside the autocast region in eager mode (CPU autograd runs on the calling thread: autocast
     is on), after it when compiled."""
@@ -64,11 +78,11 @@ def _autocast_results(recipe, param_dtype, compile=False):
         torch._dynamo.reset()
         f8 = torch.compile(f8, fullgraph=True)
     x = torch.randn(2, 16, 64, dtype=param_dtype)
-    grad = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    grad = torch.randn(2, 16, 32, dtype=autocast_dtype)
     results = []
     for mod in (ref, f8):
         xx = x.clone().requires_grad_()
-        with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
+        with torch.autocast(torch.get_default_device().type, dtype=autocast_dtype):
             y = mod(xx)
             if not compile:
                 y.backward(grad)
@@ -87,6 +101,17 @@ def test_autocast(recipe, param_dtype):
     assert results[0].dtype == torch.bfloat16
     assert all(g.dtype == param_dtype for g in results[1:])
     _assert_close(recipe, ref_results, results)
+
+
+@pytest.mark.parametrize("recipe, compile", [(r, False) for r in RECIPES + ["delayed"]]
+                         + [("rowwise", True)])
+def test_fp16_autocast_over_fp32_weights(recipe, compile):
+    # issue 23 item 1: fp16 autocast with the rowwise recipes raised
+    ref_results, results = _autocast_results(recipe, torch.float32, compile=compile,
+                                             autocast_dtype=torch.float16)
+    assert results[0].dtype == torch.float16
+    assert all(g.dtype == torch.float32 for g in results[1:])
+    _assert_close(recipe, ref_results, results, bias_floor=40.0)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -345,3 +370,108 @@ def test_float8_activations_for_backward_give_the_same_gradients(recipe, compile
         inputs = [t for t in saved if t.shape == (15, 64)]
         want = Float8Tensor if recipe != "rowwise_with_gw_hp" else torch.Tensor
         assert len(inputs) == 1 and type(inputs[0]) is want, saved
+
+
+# -- block scales ([Note: block scales] in f8dist/config.py) ---------------------------------------
+
+BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
+
+
+def _block_pair(recipe, dtype, **overrides):
+    """A 128 -> 128 layer: DeepSeek's 128x128 weight blocks need both dims to divide by 128."""
+    return _pair(recipe, dtype, in_features=128, out_features=128, **overrides)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_block_recipes_sqnr(recipe, dtype):
+    # 2 x 21 tokens: the grad_weight gemm's blocks along the tokens end in a partial block
+    ref, f8 = _block_pair(recipe, dtype)
+    x, grad = torch.randn(2, 21, 128, dtype=dtype), torch.randn(2, 21, 128, dtype=dtype)
+    _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad))
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_block_recipes_emulation_matches_the_kernel(recipe):
+    # [Note: the block-scaled gemm]: the CPU kernel's exact products, scaled per block, against
+    # dequantize-then-matmul; 37 tokens make the grad_weight gemm's last block partial
+    _, f8 = _block_pair(recipe, torch.float32)
+    _, emu = _block_pair(recipe, torch.float32, emulate=True)
+    x, grad = torch.randn(37, 128), torch.randn(37, 128)
+    for a, b in zip(_run(f8, x, grad), _run(emu, x, grad)):
+        assert sqnr(b, a) > exact_gemm_db()
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_block_recipes_compile_matches_eager(recipe):
+    torch._dynamo.reset()
+    _, f8 = _block_pair(recipe, torch.bfloat16)
+    compiled = torch.compile(copy.deepcopy(f8), fullgraph=True)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    grad = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    for e, c in zip(_run(f8, x, grad), _run(compiled, x, grad)):
+        assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_block_recipes_autocast_and_empty_batch(recipe):
+    ref, f8 = _block_pair(recipe, torch.float32)
+    x, grad = torch.randn(2, 16, 128), torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    results = []
+    for mod in (ref, f8):
+        xx = x.clone().requires_grad_()
+        with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
+            y = mod(xx)
+            y.backward(grad)
+        results.append((y, xx.grad, mod.weight.grad, mod.bias.grad))
+    assert results[1][0].dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in results[1][1:])
+    _assert_close(recipe, *results)
+
+    f8.weight.grad = f8.bias.grad = None
+    y, gi, gw, gb = _run(f8, torch.randn(2, 0, 128), torch.randn(2, 0, 128))
+    assert y.shape == (2, 0, 128) and gi.shape == (2, 0, 128)
+    assert torch.equal(gw, torch.zeros_like(f8.weight))
+
+
+def test_block_scaled_layer_dims_must_divide_into_blocks():
+    with pytest.raises(ValueError, match=r"lin \(128 -> 96\).*out_features=96 \(block 128\).*pad_inner_dim"):
+        _pair("blockwise", torch.float32, in_features=128, out_features=96)
+    with pytest.raises(ValueError, match=r"in_features=48 \(block 32\)"):
+        _pair("mxfp8", torch.float32, in_features=48, out_features=32)
+    # pad_inner_dim: the last block of each dim zero-padded, exact
+    ref, f8 = _pair("blockwise", torch.float32, in_features=144, out_features=96, pad_inner_dim=True)
+    _, emu = _pair("blockwise", torch.float32, in_features=144, out_features=96, emulate=True)
+    x, grad = torch.randn(16, 144), torch.randn(16, 96)
+    for r, a, e in zip(_run(ref, x, grad)[:3], _run(f8, x, grad)[:3], _run(emu, x, grad)[:3]):
+        assert sqnr(r, a) > GRAD_FLOOR and sqnr(e, a) > exact_gemm_db()
+
+
+@pytest.mark.parametrize("recipe, same", [("mxfp8", False), ("mxfp8_square_weights", True)])
+def test_square_weight_blocks_give_both_gemms_the_same_weight_bytes(recipe, same):
+    # [Note: block scales]: a 32x32 block is the same block in both of the weight's gemms, so the
+    # forward's float8 weight is what backward's cast gives (and a float8 weight serves both)
+    from f8dist.cast import cast_observers
+
+    _, f8 = _block_pair(recipe, torch.float32)
+    with torch.no_grad():
+        f8.weight.mul_(torch.logspace(-2, 2, 128))  # magnitudes along K: 1x32 and 32x1 blocks differ
+    weights = []
+    cast_observers.append(lambda site, hp, fp8: weights.append(fp8) if site.operand == "weight" else None)
+    try:
+        _run(f8, torch.randn(32, 128), torch.randn(32, 128))
+    finally:
+        cast_observers.pop()
+    fwd, bwd = weights  # [N, K] each: the output gemm's and the grad_input gemm's
+    assert torch.equal(fwd._data.view(torch.uint8), bwd._data.view(torch.uint8)) == same
+    assert (fwd._block == bwd._block) == same and f8.specs.weight_same_bytes == same
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_block_non_finite_input_gives_non_finite_output(recipe):
+    # [Note: non-finite values]: a block with an inf or NaN turns NaN, never a clipped number
+    _, f8 = _block_pair(recipe, torch.float32)
+    x = torch.randn(32, 128)
+    x[3, 5] = float("inf")
+    y = f8(x)
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[torch.arange(32) != 3]).all()

@@ -156,6 +156,78 @@ def test_tiny_magnitudes_compiled():
     assert torch.equal(compiled(x, E4M3, True), _roundtrip(x, E4M3, True))
 
 
+# -- block scales ([Note: block scales], [Note: e8m0 rounding] in f8dist/config.py) -------------
+
+from f8dist.scaling import block_amax, block_scale, expand_blocks  # noqa: E402
+
+E8M0 = torch.float8_e8m0fnu
+
+
+def test_block_amax_zero_pads_partial_blocks():
+    x = torch.arange(1.0, 5 * 40 + 1).reshape(5, 40)
+    amax = block_amax(-x, (2, 32))  # [3, 2]: rows 0-1, 2-3, 4; cols 0-31, 32-39
+    assert torch.equal(amax, torch.tensor([[72.0, 80], [152, 160], [192, 200]]))
+    assert block_amax(torch.randn(0, 64), (1, 32)).shape == (0, 2)
+    assert torch.equal(block_amax(torch.zeros(3, 0), (1, 32)), torch.zeros(3, 0))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_e8m0_rounding_rceil_never_saturates_floor_is_ocp(dtype):
+    fmax, emax = fp8_max(dtype), {E4M3: 8, E5M2: 15}[dtype]
+    amax = torch.tensor([fmax, fmax * 1.01, 1.0, 0.75, 500.0, 3e-30])
+    rceil = block_scale(amax, dtype, scale_dtype=E8M0, rounding="rceil").float()
+    floor = block_scale(amax, dtype, scale_dtype=E8M0, rounding="floor").float()
+    # RCEIL: the largest power of 2 with amax * scale <= fmax; FLOOR: 2**(emax - floor(log2 amax))
+    assert torch.all(amax * rceil <= fmax) and torch.all(amax * rceil * 2 > fmax)
+    assert torch.equal(floor, 2.0 ** (emax - torch.floor(torch.log2(amax))))
+    for s in (rceil, floor):
+        assert torch.equal(torch.log2(s), torch.log2(s).round())
+
+
+def test_block_scale_edge_cases():
+    amax = torch.tensor([0.0, float("inf"), float("nan"), 1e-40, 3e38])
+    e8 = block_scale(amax, E4M3, scale_dtype=E8M0)
+    assert e8.dtype == E8M0
+    e8 = e8.float()
+    assert e8[0] == 2.0 ** 127 and torch.isnan(e8[1:3]).all()  # zeros finite, inf/NaN NaN
+    assert torch.isfinite(e8[3:]).all() and (e8[3:] > 0).all()
+    f32 = block_scale(amax, E4M3)
+    assert f32[0] == MAX_SCALE and torch.equal(f32[4:], 448.0 / amax[4:])
+
+
+def test_block_cast_roundtrip_and_expand():
+    torch.manual_seed(0)
+    x = torch.randn(64, 96) * torch.logspace(-4, 4, 96)  # a range no tensorwise scale covers
+    for block, sdtype in [((1, 32), E8M0), ((32, 32), E8M0), ((1, 128), torch.float32)]:
+        scale = block_scale(block_amax(x, block), E4M3, scale_dtype=sdtype)
+        per_element = expand_blocks(scale, block, x.shape)  # [64, 96]
+        assert per_element.shape == x.shape
+        y = dequantize(saturated_cast(x, per_element, E4M3), per_element, torch.float32)
+        assert sqnr_db(x, y) > 28
+
+
+def sqnr_db(a, b):
+    from f8dist.numerics import sqnr
+    return sqnr(a, b)
+
+
+def test_block_casts_match_torchao_mx_bit_for_bit():
+    """f8dist's MXFP8 cast against torchao 0.18's emulated ``to_mx`` on the same tensor: the same
+    e4m3 bytes and the same power-of-2 scales (torchao keeps the dequantizing exponent, f8dist the
+    quantizing scale), in both rounding modes."""
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.logspace(-3, 3, 256)
+    for rounding in ("rceil", "floor"):
+        exp, data = mx.to_mx(x, E4M3, 32, ScaleCalculationMode(rounding))
+        scale = block_scale(block_amax(x, (1, 32)), E4M3, scale_dtype=E8M0, rounding=rounding)
+        ours = saturated_cast(x, expand_blocks(scale, (1, 32), x.shape), E4M3)
+        assert torch.equal(ours.view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(1.0 / scale.float(), exp.float().reshape(64, 8))
+
+
 def test_group_amax_per_column_of_each_token_group():
     from f8dist.scaling import group_amax, group_ids
     x = torch.randn(10, 3)

@@ -75,3 +75,23 @@ def test_autocast_dtype_cast_keeps_bytes_and_scale():
     for bad in (torch.float8_e5m2, torch.int32):
         with pytest.raises(NotImplementedError, match="high-precision dtype only"):
             t.to(bad)
+
+
+def test_block_scaled_tensor_ops():
+    """A block-scaled Float8Tensor transposes with its grid of scales and dequantizes per block;
+    the ops it has no rule for (the collectives, split, cat, as_strided, reshape) raise instead
+    of treating the scales as tensorwise."""
+    spec = CastSpec(dtype=E4M3, granularity=ScalingGranularity.BLOCKWISE, axis=-1,
+                    block_size=(1, 32), scale_dtype=torch.float8_e8m0fnu)
+    x = torch.randn(4, 64) * torch.tensor([1e-3, 1e3]).repeat_interleave(32)
+    t = cast_to_float8(x, spec)
+    assert t._block == (1, 32) and t._scale.shape == (4, 2) and t._scale.dtype == torch.float8_e8m0fnu
+    assert sqnr(x, t.to_original_precision()) > 28
+    tt = t.t()
+    assert tt._block == (32, 1) and tt._scale.shape == (2, 4)
+    assert torch.equal(tt.to_original_precision(), t.to_original_precision().t())
+    assert "blockwise(block=(1, 32)" in repr(t)
+    for op in (lambda: t.reshape(2, 128), lambda: torch.split(t, 2), lambda: torch.cat([t, t]),
+               lambda: t.as_strided((4, 64), (64, 1))):
+        with pytest.raises(NotImplementedError, match="block"):
+            op()

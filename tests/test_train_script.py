@@ -35,6 +35,14 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 exceeds --moe-experts 2"),
     (["--moe-experts", "4", "--compile"], "--moe-experts does not run with --compile"),
     (["--moe-experts", "4", "--float8", "delayed"], "does not run with --float8 delayed"),
+    (["--max-norm", "-1"], "--max-norm must be positive (inf: no clipping), got -1.0"),  # reversed grads
+    (["--max-norm", "0"], "--max-norm must be positive"),
+    (["--max-norm", "nan"], "--max-norm must be positive"),
+    (["--checkpoint-dir", "/dev/null/ckpt"], "--checkpoint-dir /dev/null/ckpt: /dev/null is not a directory"),
+    (["--metrics-file", "/dev/null/m.json"], "--metrics-file /dev/null/m.json: /dev/null is not a directory"),
+    (["--metrics-file", "/proc/sys/m.json"], "--metrics-file /proc/sys/m.json: cannot write in /proc/sys"),
+    (["--metrics-file", "/tmp"], "--metrics-file /tmp is a directory"),
+    (["--float8-stats-every", "1", "--float8-stats-dir", "/dev/null/s"], "--float8-stats-dir /dev/null/s"),
 ])
 def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -50,6 +58,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
     (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
     (["--moe-experts", "4", "--tp", "2"], "--moe-experts does not run with --tp"),
+    (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
                                                                             monkeypatch):
@@ -75,6 +84,7 @@ def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
         (tmp_path / name / "__0_0.distcp").write_bytes(b"shard")
         if complete:
             (tmp_path / name / ".metadata").write_bytes(b"meta")
+            train.write_checksums(str(tmp_path / name))
     assert train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-10")
     assert train.latest_checkpoint(str(tmp_path / "missing")) is None
 
@@ -152,3 +162,9 @@ def test_memory_line_splits_params_grads_optimizer_and_activations():
     line = train.memory_text(torch.device("cpu"), split)
     assert line.startswith("memory: ")
     assert "GiB (params 0.1MiB grads 0.1MiB optim 0.1MiB act " in line, line
+
+
+def test_directories_that_do_not_exist_yet_are_fine_where_they_can_be_made(tmp_path):
+    args = train.parse_args(["--checkpoint-dir", str(tmp_path / "a" / "b"),
+                             "--metrics-file", str(tmp_path / "c" / "m.json"), "--max-norm", "inf"])
+    assert args.max_norm == float("inf") and not (tmp_path / "a").exists()  # nothing made yet

@@ -160,10 +160,11 @@ class StatsRecorder:
         with torch.no_grad():
             if is_dtensor(hp):
                 local = fp8.to_local()
-                sums, maxes = cast_stats_tensors(hp.to_local(), local._data, local._scale)
+                sums, maxes = cast_stats_tensors(hp.to_local(), local._data, local._scale,
+                                                 local._block)
                 sums, maxes = _reduce_over_shards(hp, sums, maxes)
             else:
-                sums, maxes = cast_stats_tensors(hp, fp8._data, fp8._scale)
+                sums, maxes = cast_stats_tensors(hp, fp8._data, fp8._scale, fp8._block)
                 local = fp8
         entry = (sums, maxes, local._data.dtype)
         self._pending.setdefault(self.step, OrderedDict()).setdefault(site, []).append(entry)

@@ -11,12 +11,22 @@ from f8dist.debug.stats import CastStats, worst_per_layer
 __all__ = ["format_table", "plot_history"]
 
 _COLUMNS = ("module", "gemm", "operand", "dtype", "amax", "scale", "sat %", "uflow %", "SQNR dB")
+# with block-scaled casts: the share of blocks with a saturated / underflowed element, and the
+# 1st..99th percentile of the block amaxes (powers of 2)
+_BLOCK_COLUMNS = ("blk sat %", "blk uflow %", "blk amax p1..p99")
 
 
 def _num(x: float) -> str:
     if math.isinf(x) or math.isnan(x):
         return str(x)
     return f"{x:.3g}" if x != 0 else "0"
+
+
+def _block_cells(s: CastStats):
+    if not s.blocks:
+        return ("-", "-", "-")
+    return (f"{100 * s.blocks_saturated_frac:.2f}", f"{100 * s.blocks_underflow_frac:.2f}",
+            f"{_num(s.block_amax_quantile(0.01))}..{_num(s.block_amax_quantile(0.99))}")
 
 
 def _row(site: CastSite, s: CastStats):
@@ -38,7 +48,9 @@ def _row(site: CastSite, s: CastStats):
 
 def format_table(stats: Mapping[CastSite, CastStats], *, title: str = "float8 casts") -> str:
     """One row per module / gemm / operand: amax, scale (``min..max`` for axiswise scales),
-    saturated % (of all elements), underflow % (of the nonzero ones) and SQNR of the cast.
+    saturated % (of all elements), underflow % (of the nonzero ones) and SQNR of the cast; with
+    block-scaled casts also the share of blocks that saturate or underflow and the spread of
+    the block amaxes.
 
     Example::
 
@@ -49,7 +61,10 @@ def format_table(stats: Mapping[CastSite, CastStats], *, title: str = "float8 ca
     rows = [_COLUMNS] + [_row(site, s) for site, s in stats.items()]
     if len(rows) == 1:
         return f"{title}: no casts recorded"
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    if any(s.blocks for s in stats.values()):
+        rows = [rows[0] + _BLOCK_COLUMNS] + [
+            r + _block_cells(s) for r, s in zip(rows[1:], stats.values())]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [title]
     for i, r in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

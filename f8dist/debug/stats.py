@@ -8,7 +8,12 @@ per-shard ones (see ``f8dist/debug/recorder.py``):
 * ``saturated``: elements the clamp changed (see [Note: saturation]);
 * ``underflow``: nonzero elements of ``hp`` whose float8 value is 0;
 * ``signal_sq``, ``error_sq``: ``sum(hp**2)`` and ``sum((hp - data / scale)**2)``, for the SQNR;
-* ``amax``, ``scale_min``, ``scale_max``: extremes.
+* ``amax``, ``scale_min``, ``scale_max``: extremes;
+* block-scaled casts ([Note: block scales] in f8dist/config.py) add, per block: ``blocks``,
+  ``blocks_saturated`` and ``blocks_underflow`` (blocks with at least one saturated or underflowed
+  element) and ``block_amax_log2``, a histogram of the blocks' amaxes by power of 2 (bin ``i``
+  counts amaxes in [2**(i + BLOCK_HIST_LO), 2**(i + 1 + BLOCK_HIST_LO)), the ends open; all-zero
+  blocks in none): how spread the magnitudes are that one tensor's scale could not cover.
 
 [Note: saturation]
 A value counts as saturated when the clamp in ``saturated_cast`` changed its float8 value, i.e.
@@ -24,12 +29,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
 from f8dist.numerics import sqnr_from_energies
-from f8dist.scaling import dequantize, fp8_max
+from f8dist.scaling import block_amax, dequantize, expand_blocks, fp8_max
 
 __all__ = [
     "CastStats",
@@ -39,7 +44,12 @@ __all__ = [
     "cast_stats_tensors",
     "sqnr_db",
     "worst_per_layer",
+    "BLOCK_HIST_LO",
+    "BLOCK_HIST_BINS",
 ]
+
+# the block amax histogram's bins: powers of 2 from 2**-64 to 2**64
+BLOCK_HIST_LO, BLOCK_HIST_BINS = -64, 128
 
 
 def saturation_threshold(float8_dtype: torch.dtype) -> Tuple[float, bool]:
@@ -64,28 +74,53 @@ def underflow_mask(hp: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return (hp != 0) & (data.to(torch.float32) == 0)
 
 
+def _block_sums(hp32: torch.Tensor, saturated: torch.Tensor, underflow: torch.Tensor,
+                block: Tuple[int, int]) -> torch.Tensor:
+    """[3 + BLOCK_HIST_BINS] float64: blocks, blocks with a saturated element, blocks with an
+    underflowed one, then the histogram of the blocks' amaxes by power of 2."""
+    f64 = torch.float64
+    amax = block_amax(hp32, block).flatten()  # [blocks]
+    nonzero = amax[amax > 0]
+    bins = torch.clamp(torch.floor(torch.log2(nonzero)) - BLOCK_HIST_LO, 0, BLOCK_HIST_BINS - 1)
+    hist = torch.bincount(bins.to(torch.int64), minlength=BLOCK_HIST_BINS).to(f64)
+    counts = [torch.tensor(float(amax.numel()), dtype=f64, device=hp32.device)] + [
+        (block_amax(mask.to(torch.float32), block) > 0).sum().to(f64)
+        for mask in (saturated, underflow)]
+    return torch.cat([torch.stack(counts), hist])
+
+
 def cast_stats_tensors(
-    hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor
+    hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+    block: Optional[Tuple[int, int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The statistics of the cast ``hp -> (data, scale)`` as two float64 vectors, without a host
-    sync: ``sums`` (add across casts and shards) in the order of ``CastStats.SUM_FIELDS`` and
-    ``maxes`` (max across them) in the order of ``CastStats.MAX_FIELDS`` (``scale_min`` negated)."""
+    sync: ``sums`` (add across casts and shards) in the order of ``CastStats.SUM_FIELDS`` then
+    the block fields, and ``maxes`` (max across them) in the order of ``CastStats.MAX_FIELDS``
+    (``scale_min`` negated). ``block``: the cast's block (a block-scaled Float8Tensor's
+    ``_block``), whose scales are one per block."""
     hp32 = hp.to(torch.float32)
-    error = hp32 - dequantize(data, scale, torch.float32)
     scale = scale.to(torch.float32)
+    per_element = scale if block is None else expand_blocks(scale, block, hp.shape)
+    error = hp32 - dequantize(data, per_element, torch.float32)
     f64 = torch.float64
-    sums = torch.stack([
+    saturated = saturated_mask(hp, per_element, data.dtype)
+    underflow = underflow_mask(hp, data)
+    blocks = (torch.zeros(3 + BLOCK_HIST_BINS, dtype=f64, device=hp.device) if block is None
+              else _block_sums(hp32, saturated, underflow, block))
+    sums = torch.cat([torch.stack([
         torch.tensor(float(hp.numel()), dtype=f64, device=hp.device),
         (hp != 0).sum().to(f64),
-        saturated_mask(hp, scale, data.dtype).sum().to(f64),
-        underflow_mask(hp, data).sum().to(f64),
+        saturated.sum().to(f64),
+        underflow.sum().to(f64),
         hp32.to(f64).square().sum(),
         error.to(f64).square().sum(),
-    ])  # [6]
+    ]), blocks])  # [6 + 3 + BLOCK_HIST_BINS]
     if hp.numel() == 0:
         amax = torch.zeros((), dtype=f64, device=hp.device)
     else:
         amax = hp32.abs().max().to(f64)
+    if scale.numel() == 0:  # an empty block grid
+        scale = torch.ones((), dtype=torch.float32, device=hp.device)
     maxes = torch.stack([amax, scale.max().to(f64), -scale.min().to(f64)])  # [3]
     return sums, maxes
 
@@ -120,10 +155,16 @@ class CastStats:
     amax: float
     scale_max: float
     scale_min: float
+    # block-scaled casts only (0 and empty otherwise)
+    blocks: int = 0
+    blocks_saturated: int = 0
+    blocks_underflow: int = 0
+    block_amax_log2: Tuple[int, ...] = ()
 
     SUM_FIELDS = ("numel", "nonzero", "saturated", "underflow", "signal_sq", "error_sq")
     MAX_FIELDS = ("amax", "scale_max", "scale_min")  # scale_min travels negated
-    _COUNTS = ("casts", "numel", "nonzero", "saturated", "underflow")
+    BLOCK_FIELDS = ("blocks", "blocks_saturated", "blocks_underflow")  # then the histogram
+    _COUNTS = ("casts", "numel", "nonzero", "saturated", "underflow") + BLOCK_FIELDS
 
     @classmethod
     def from_tensors(
@@ -131,7 +172,10 @@ class CastStats:
     ) -> "CastStats":
         """One cast, from the vectors of :func:`cast_stats_tensors` (one host sync)."""
         values = dict(casts=1)
-        values.update(zip(cls.SUM_FIELDS, sums.tolist()))
+        sums = sums.tolist()
+        values.update(zip(cls.SUM_FIELDS + cls.BLOCK_FIELDS, sums))
+        hist = sums[len(cls.SUM_FIELDS) + len(cls.BLOCK_FIELDS):]
+        values["block_amax_log2"] = tuple(int(round(h)) for h in hist) if values["blocks"] else ()
         values.update(zip(cls.MAX_FIELDS, maxes.tolist()))
         values["scale_min"] = -values["scale_min"]
         for name in cls._COUNTS:
@@ -144,7 +188,9 @@ class CastStats:
                 f"cannot merge statistics of {self.float8_dtype} and {other.float8_dtype} casts"
             )
         values = {name: getattr(self, name) + getattr(other, name)
-                  for name in ("casts",) + self.SUM_FIELDS}
+                  for name in ("casts",) + self.SUM_FIELDS + self.BLOCK_FIELDS}
+        a, b = self.block_amax_log2, other.block_amax_log2
+        values["block_amax_log2"] = tuple(x + y for x, y in zip(a, b)) if a and b else a or b
         values["amax"] = max(self.amax, other.amax)
         values["scale_max"] = max(self.scale_max, other.scale_max)
         values["scale_min"] = min(self.scale_min, other.scale_min)
@@ -164,6 +210,29 @@ class CastStats:
     def sqnr_db(self) -> float:
         return sqnr_db(self.signal_sq, self.error_sq)
 
+    @property
+    def blocks_saturated_frac(self) -> float:
+        """Fraction of the blocks with at least one clamped element (block-scaled casts)."""
+        return self.blocks_saturated / self.blocks if self.blocks else 0.0
+
+    @property
+    def blocks_underflow_frac(self) -> float:
+        """Fraction of the blocks with at least one nonzero element cast to 0."""
+        return self.blocks_underflow / self.blocks if self.blocks else 0.0
+
+    def block_amax_quantile(self, q: float) -> float:
+        """The power of 2 at or below the ``q``-quantile of the nonzero block amaxes (from the
+        histogram; 0.0 without blocks): e.g. q=0.01 and 0.99 bound the spread of magnitudes."""
+        total = sum(self.block_amax_log2)
+        if not total:
+            return 0.0
+        seen = 0
+        for i, count in enumerate(self.block_amax_log2):
+            seen += count
+            if count and seen >= q * total:
+                return 2.0 ** (i + BLOCK_HIST_LO)
+        return 2.0 ** (len(self.block_amax_log2) - 1 + BLOCK_HIST_LO)
+
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["float8_dtype"] = str(self.float8_dtype).replace("torch.", "")
@@ -171,7 +240,10 @@ class CastStats:
             saturated_frac=self.saturated_frac,
             underflow_frac=self.underflow_frac,
             sqnr_db=self.sqnr_db,
+            blocks_saturated_frac=self.blocks_saturated_frac,
+            blocks_underflow_frac=self.blocks_underflow_frac,
         )
+        out["block_amax_log2"] = list(self.block_amax_log2)
         return out
 
 

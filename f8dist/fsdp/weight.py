@@ -165,7 +165,10 @@ class Float8AllGatherWeight(torch.Tensor):
             # the module's synced amax history: no collective, the shard's amax is recorded for
             # the next sync (on the first step the history is filled from all shards, one
             # all-reduce: [Note: first step] in f8dist/delayed.py)
-            return module.delayed.all_gather_scale(self._tensor)
+            # a copy: the sync updates the buffer in place ([Note: eval forwards under FSDP2])
+            return module.delayed.all_gather_scale(
+                self._tensor, *_sharding_of(self, module, mesh)
+            ).clone()
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         amax = self._whole_weight_amax(mesh, module)
@@ -210,14 +213,20 @@ def _sharding_of(local: torch.Tensor, module, mesh):
 def wrap_weight_for_float8_all_gather(module: torch.nn.Module) -> None:
     """Make ``module.weight`` (a Float8Linear's) a :class:`Float8AllGatherWeight` parameter sharing
     its storage, and keep the module's ``state_dict`` in plain high-precision tensors (the keys
-    and values of ``nn.Linear``), so checkpoints load into models with or without float8."""
+    and values of ``nn.Linear``), so checkpoints load into models with or without float8.
+
+    Float8Linear calls it again after ``load_state_dict(sd, assign=True)``, which puts the
+    checkpoint's plain tensor in place of the wrapper (FSDP2 would then all-gather that weight in
+    high precision)."""
     weight = module.weight
-    if isinstance(weight, Float8AllGatherWeight):
+    if isinstance(weight, Float8AllGatherWeight) or is_dtensor(weight):  # done, or FSDP2's now
         return
     module.weight = torch.nn.Parameter(
         Float8AllGatherWeight(weight.detach(), module.config), requires_grad=weight.requires_grad
     )
-    module._register_state_dict_hook(_plain_weight_in_state_dict)
+    if not getattr(module, "_plain_weight_hook", False):
+        module._register_state_dict_hook(_plain_weight_in_state_dict)
+        module._plain_weight_hook = True
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):

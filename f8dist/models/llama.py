@@ -7,11 +7,11 @@ by fully qualified name, e.g. ``layers.0.attention.wq`` or ``layers.1.feed_forwa
     Transformer
       tok_embeddings            nn.Embedding(vocab_size, dim)
       layers                    nn.ModuleDict {"0": TransformerBlock, ...}
-        attention_norm          nn.RMSNorm(dim)
+        attention_norm          RMSNorm(dim) (nn.RMSNorm keeping less, f8dist/models/norm.py)
         attention               Attention: wq, wk, wv, wo (nn.Linear, no bias)
-        ffn_norm                nn.RMSNorm(dim)
+        ffn_norm                RMSNorm(dim)
         feed_forward            FeedForward: w2(silu(w1(x)) * w3(x))
-      norm                      nn.RMSNorm(dim)
+      norm                      RMSNorm(dim)
       output                    nn.Linear(dim, vocab_size)
 
 [Note: local heads]
@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from f8dist.models.norm import RMSNorm
 from f8dist.swiglu import swiglu
 
 __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "Attention", "FeedForward"]
@@ -189,9 +190,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         # torchtitan's depth-scaled init of the residual projections
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
@@ -223,7 +224,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.block(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer(
             "rope", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),

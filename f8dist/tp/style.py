@@ -71,7 +71,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from f8dist import agreement
@@ -183,6 +183,16 @@ def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, styl
         )
 
 
+def _replicate_in_place(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make the delayed buffers of ``module`` Replicate DTensors of the values they hold: every
+    rank holds the same initial values, so ``distribute_module`` needs no broadcast per buffer,
+    and ranks that disagree on delayed scaling reach the agreement check instead of hanging in
+    one ([Note: ranks that disagree] in f8dist/agreement.py)."""
+    names = module.delayed.buffer_names if module.delayed is not None else ()
+    for name in names:
+        module._buffers[name] = _as_dtensor(module._buffers[name], mesh, [Replicate()] * mesh.ndim)
+
+
 def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layouts) -> DTensor:
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, layouts, run_check=False)
 
@@ -208,6 +218,7 @@ class _Float8LinearStyle:
         module = _float8_linear(module, name)
         _check_local_gemm(module, device_mesh, self._sharded_features, name)
         agreement.record_style(module, self)
+        _replicate_in_place(module, device_mesh)
         return super()._apply(module, device_mesh)
 
     def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):

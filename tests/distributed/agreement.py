@@ -1,10 +1,12 @@
 """torchrun program (2 ranks): ranks whose float8 settings disagree fail at the first step with a
-message naming the difference; ranks that agree pay one 16-byte all-gather (f8dist/agreement.py).
+message naming the difference; ranks that agree run no collective for the check (f8dist/agreement.py).
 
-Each case builds the LLaMA-style model on every rank with a rank-dependent float8 setting, shards
-it (FSDP2 over both ranks, or tensor parallel with the ready plan) and trains two steps as
-scripts/train.py does. A mismatch case must raise on every rank before any collective of the
-step (the ranks then go on to the next case); ``--cases`` picks cases (default: all).
+Each case builds the LLaMA-style model on every rank with a rank-dependent float8 setting (None:
+the rank never converts), shards it (FSDP2 over both ranks, tensor parallel with the ready plan or
+a custom one, or DDP) and trains two steps as scripts/train.py does. Each case runs on a fresh
+gloo group with a short timeout, and the check waits at most 3 s (``F8DIST_AGREEMENT_TIMEOUT_S``):
+a rank that never converts is stuck in a collective the other never joins until its group times
+out, and the ranks then go on to the next case. ``--cases`` picks cases (default: all).
 
 Rank 0 reports, per case, the error message and the seconds until it was raised; for the
 matching case, the collectives of the first step minus those of the second (the check's cost).
@@ -12,20 +14,28 @@ matching case, the collectives of the first step minus those of the second (the 
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
+from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel
 from f8dist.testing import count_collectives
 from tests.distributed.common import init, main, write_result
 
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, multiple_of=32, max_seq_len=16)
+AGREEMENT_TIMEOUT_S, GROUP_TIMEOUT_S = 3, 6
 
 
 def recipe(name: str, **changes) -> Float8LinearConfig:
@@ -41,7 +51,16 @@ CASES = {
     "recipes_tp": ("tp", {0: recipe("tensorwise"), 1: recipe("rowwise")}, True),
     "delayed_vs_dynamic_tp": ("tp", {0: recipe("delayed"), 1: recipe("tensorwise")}, True),
     "float8_styles_on_rank0_only": ("tp", {0: recipe("tensorwise"), 1: recipe("tensorwise")}, False),
+    "ddp_recipes": ("ddp", {0: recipe("tensorwise"), 1: recipe("rowwise")}, True),
+    "ddp_delayed_vs_dynamic": ("ddp", {0: recipe("delayed"), 1: recipe("tensorwise")}, True),
+    "custom_tp_plan_delayed_vs_dynamic": ("tp_plan", {0: recipe("delayed"), 1: recipe("tensorwise")}, True),
     "matching": ("fsdp", {0: recipe("tensorwise"), 1: recipe("tensorwise")}, True),
+    # rank 1 never converts: it waits in a collective until its group times out
+    "rank1_never_converts_fsdp": ("fsdp", {0: recipe("tensorwise"), 1: None}, True),
+    "rank1_never_converts_fsdp_float8_all_gather": (
+        "fsdp", {0: recipe("tensorwise", enable_fsdp_float8_all_gather=True), 1: None}, True),
+    "rank1_never_converts_delayed": ("fsdp", {0: recipe("delayed"), 1: None}, True),
+    "rank1_never_converts_ddp": ("ddp", {0: recipe("delayed"), 1: None}, True),
 }
 
 
@@ -51,12 +70,19 @@ def step(model, tokens, targets):
     f8dist.sync_float8_amax_and_scale_history(model)
 
 
-def build(layout: str, config: Float8LinearConfig, float8_styles: bool, mesh):
+def build(layout: str, config, float8_styles: bool, mesh):
     model = Transformer(ARGS)
     model.init_weights(seed=0)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
+    if config is not None:
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
     if layout == "tp":
         parallelize_llama(model, mesh, float8=float8_styles)
+    elif layout == "tp_plan":  # a plan of the user's own: no agreement.check before it
+        ffn = "layers.0.feed_forward."
+        parallelize_module(model, mesh, {ffn + "w1": Float8ColwiseParallel(), ffn + "w3": Float8ColwiseParallel(),
+                                         ffn + "w2": Float8RowwiseParallel()})
+    elif layout == "ddp":
+        model = DistributedDataParallel(model, process_group=mesh.get_group())
     else:
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
@@ -76,16 +102,20 @@ def run_case(name: str, mesh, rank: int) -> dict:
             step(model, tokens, targets)
         with count_collectives() as second:
             step(model, tokens, targets)
-    except RuntimeError as e:
+    except RuntimeError as e:  # the check's error, or (a rank that never converts) its group's timeout
         return {"error": str(e), "seconds": time.perf_counter() - start}
     return {"error": None, "first": first.as_dict(), "second": second.as_dict()}
 
 
 def run(args):
+    os.environ["F8DIST_AGREEMENT_TIMEOUT_S"] = str(AGREEMENT_TIMEOUT_S)
     rank, world, device = init(timeout_s=args.pg_timeout)
-    mesh = init_device_mesh(device.type, (world,))
     names = args.cases.split(",") if args.cases else list(CASES)
-    write_result(args, {name: run_case(name, mesh, rank) for name in names})
+    results = {}
+    for name in names:  # a fresh group per case: a case's stuck collective times out apart
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        results[name] = run_case(name, DeviceMesh.from_group(group, device.type), rank)
+    write_result(args, results)
 
 
 def extra_args(parser):

@@ -4,22 +4,27 @@ Scenarios in one process group, each against the same float8 model run unsharded
 (every rank runs that reference too):
 
 * ``fsdp``: FSDP2 with the default config (first-step amax init), float8 all-gather of the
-  delayed weights off and on, different data per rank; the reference sees the global batch.
+  delayed weights off and on, different data per rank; the reference sees the global batch, on
+  the first step as the ranks' micro-batches accumulated (each casts from its own amax).
+* ``fsdp_eval``: FSDP2 float8 all-gather with an evaluation forward after every step, every
+  linear in the root unit (which FSDP2 leaves unsharded after a forward without backward), with
+  and without ``reshard_after_forward``: the evaluation moves no training state.
 * ``fsdp_init_off``: the same with ``enable_amax_init=False`` and float8 all-gather (scale 1.0 on
   the first step, decided against the amax of the whole weight and the global batch).
 * ``tp``: PyTorch's ColwiseParallel / RowwiseParallel on Float8Linear, same data on every rank;
   the row-wise layer's input and the column-wise layer's grad_output are activations sharded over
   the ranks, recorded per rank and made global by the sync.
 * ``mismatch``: rank 0 holds two delayed layers, rank 1 one (as pipeline stages would): the first
-  step and the sync raise an error that names the fix; with ``set_amax_group`` (one group per
-  rank) they train.
+  step runs no collective, the first sync raises an error that names the fix; with
+  ``set_amax_group`` (one group per rank) they train.
 
 Checked after every sync: the histories, scales and amaxes equal the reference's (bit-identical
 on the first step, before any weight update; rtol 1e-5 later, where only summation order
 differs); the sync ran one all-reduce of 8 bytes per delayed operand (the amax and the
 out-of-range flag), plus, on the first sync, the 16-byte check that the ranks hold the same layers;
 forward + backward ran no all-reduce after the first step (no amax collective), and on the first
-step only the 12-byte reductions of the first-step amaxes. At the end the weights are >= the
+step only the 4-byte reductions of the amaxes of sharded tensors (the weights all-gathered in
+float8, TP's sharded activations): none under FSDP2 without float8 all-gather. At the end the weights are >= the
 floor against the reference (FSDP: 120 dB, only summation order differs; TP: 60 dB).
 """
 
@@ -66,11 +71,23 @@ def _check_buffers(step, model, ref, worst):
         worst[0] = max(worst[0], rel)
 
 
-def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_bytes=0):
+def _evaluate(model, x):
+    """An evaluation forward, as a training loop makes between steps."""
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+
+
+def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_bytes=0,
+           evaluate=False, micro_batches=1):
     """STEPS steps of model and ref; returns per-step collective counts and the figures.
+    ``evaluate``: an evaluation forward of both after every step.
 
     ``activation_all_reduce_bytes``: what the parallelism itself all-reduces per step (TP's
     row-wise output); anything beyond it after the first step would be an amax collective.
+    ``micro_batches``: on the first step the reference accumulates the global batch in that many
+    parts, one per data-parallel rank ([Note: first step] in f8dist/delayed.py).
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -79,7 +96,8 @@ def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_by
     for step in range(STEPS):
         x, t, x_local, t_local = batch_fn(step)
         opt_ref.zero_grad()
-        nn.functional.mse_loss(ref(x), t).backward()
+        for xc, tc in zip(x.chunk(micro_batches if step == 0 else 1), t.chunk(micro_batches if step == 0 else 1)):
+            (nn.functional.mse_loss(ref(xc), tc, reduction="sum") / t.numel()).backward()
         sync_float8_amax_and_scale_history(ref)
         opt_ref.step()
 
@@ -100,10 +118,13 @@ def _train(model, ref, batch_fn, loss_fn, lr, floor_db, activation_all_reduce_by
         extra = fwd_bwd["all_reduce"].input_bytes - activation_all_reduce_bytes
         if step > 0:
             assert extra == 0, (step, fwd_bwd)
-        else:  # the first-step amaxes, reduced with their layer's fingerprint: 12 bytes each
-            assert extra > 0 and extra % 12 == 0, fwd_bwd
+        else:  # the first-step amaxes of sharded tensors: 4 bytes each
+            assert extra % 4 == 0, fwd_bwd
         per_step.append({"fwd_bwd": fwd_bwd.as_dict(), "sync": sync.as_dict() if sync else None})
         _check_buffers(step, model, ref, worst)
+        if evaluate:  # after the check: state_dict() makes FSDP2 reshard
+            _evaluate(ref, x)
+            _evaluate(model, x_local)
     dbs = {
         k: sqnr(v_ref, _full(v))
         for (k, v), v_ref in zip(model.state_dict().items(), ref.state_dict().values())
@@ -123,12 +144,14 @@ def _models(config, sizes, seed=0):
     return convert_to_float8_training(plain, config=config), ref
 
 
-def run_fsdp(rank, world, config):
+def run_fsdp(rank, world, config, evaluate=False, reshard_after_forward=True):
+    """``evaluate``: an evaluation forward after every step, with every linear in the root unit,
+    whose parameters FSDP2 keeps unsharded after it (issue 23 item 7)."""
     model, ref = _models(config, (32, 64, 32, 16))
     for layer in model:
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, nn.Linear) and not evaluate:
             fully_shard(layer)
-    fully_shard(model)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     agreement.check_once(model)  # the one-time rank check, outside the counted steps
     g = torch.Generator().manual_seed(1)
 
@@ -143,7 +166,8 @@ def run_fsdp(rank, world, config):
     def loss(y, t):
         return nn.functional.mse_loss(y, t, reduction="sum") / (t.numel() * world)
 
-    return _train(model, ref, batch, loss, LR * world, floor_db=120)
+    return _train(model, ref, batch, loss, LR * world, floor_db=120, evaluate=evaluate,
+                  micro_batches=world)
 
 
 def run_tp(world):
@@ -172,10 +196,14 @@ def run_mismatch(rank):
         sync_float8_amax_and_scale_history(model)
 
     messages = {}
+    model = model_of(DELAYED)
+    with count_collectives() as first_step:
+        model(torch.randn(16, 32)).sum().backward()
+    messages["first_step_collectives"] = first_step.total_calls
     try:
-        step(model_of(DELAYED))
+        sync_float8_amax_and_scale_history(model)
     except RuntimeError as e:
-        messages["first_step"] = str(e)
+        messages["first_sync"] = str(e)
     own_group, _ = dist.new_subgroups(group_size=1)
     model = model_of(DELAYED)
     set_amax_group(model, own_group)  # no rank waits for the other
@@ -200,6 +228,11 @@ def run(args):
         result["fsdp"] = run_fsdp(rank, world, DELAYED)
         result["fsdp_fp8_all_gather"] = run_fsdp(
             rank, world, DELAYED.replace(enable_fsdp_float8_all_gather=True))
+    if "fsdp_eval" in args.scenarios:
+        ag = DELAYED.replace(enable_fsdp_float8_all_gather=True)
+        for reshard in (True, False):
+            result[f"fsdp_eval_reshard_{reshard}"] = run_fsdp(
+                rank, world, ag, evaluate=True, reshard_after_forward=reshard)
     if "fsdp_init_off" in args.scenarios:
         result["fsdp_init_off"] = run_fsdp(rank, world, DELAYED.replace(
             enable_amax_init=False, enable_fsdp_float8_all_gather=True))
@@ -211,7 +244,7 @@ def run(args):
 
 
 def _args(parser):
-    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_init_off", "tp", "mismatch"])
+    parser.add_argument("--scenarios", nargs="+", default=["fsdp", "fsdp_eval", "fsdp_init_off", "tp", "mismatch"])
     parser.add_argument("--compile-sync", action="store_true")
 
 

@@ -17,8 +17,8 @@ Per step (forward, backward, sync, SGD), for ``enable_amax_init`` on and off:
 * the output, the input gradient (this rank's sequence shard) and every weight gradient are
   >= 120 dB against the reference (fp32: only summation order differs);
 * the sync runs one all-reduce (plus, the first time, the check that the ranks hold the same
-  layers); after the first step, whose casts reduce their amax with their layer's fingerprint (12
-  bytes each, [Note: first step] in f8dist/delayed.py), forward + backward run one 4-byte
+  layers); after the first step, whose casts of sharded tensors reduce their amax over the shards
+  (4 bytes each, [Note: first step] in f8dist/delayed.py), forward + backward run one 4-byte
   all-reduce per cast made before an all-gather (the FFN's and proj's inputs, w2's gradient: all
   ranks decide [Note: out of range] on the logical amax), and no other;
 * the forward's sequence-parallel all-gathers move 1 byte per element, and so does backward's
@@ -154,8 +154,8 @@ def scenario(rank, world, amax_init: bool) -> dict:
         if step > 0:  # the logical amaxes of the casts before an all-gather
             assert (fwd_ar.calls, fwd_ar.input_bytes, bwd_ar.calls, bwd_ar.input_bytes) == (2, 8, 1, 4), (
                 step, fwd, bwd)
-        else:  # first step: each cast's amax and its layer's fingerprint (12 bytes)
-            assert fwd_ar.input_bytes == 12 * fwd_ar.calls and bwd_ar.input_bytes == 12 * bwd_ar.calls
+        else:  # first step: the amax of each sharded tensor cast (4 bytes)
+            assert fwd_ar.input_bytes == 4 * fwd_ar.calls and bwd_ar.input_bytes == 4 * bwd_ar.calls
         ag, bag = fwd.expect("all_gather"), bwd.expect("all_gather")
         # forward: the FFN's and proj's sequence-sharded inputs in float8 (1 byte each), proj's
         # fp32 output columns (Replicate output)

@@ -140,7 +140,7 @@ def test_sqnr_table_prints_every_recipe_above_the_floors(capsys, monkeypatch):
     import sqnr_table
 
     monkeypatch.setattr(sys, "argv", ["sqnr_table.py", "--batch", "1", "--seq", "32",
-                                      "--in-features", "64", "--out-features", "32"])
+                                      "--in-features", "128", "--out-features", "128"])
     sqnr_table.main()
     rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and not line.startswith("| recipe")]
