@@ -140,7 +140,7 @@ class MoE(nn.Module):
         tokens = xf[order // k]  # [A, dim], sorted by expert
         out = self._experts(tokens, counts)  # [A, dim]
         combined = xf.new_zeros((t * k, shape[-1])).index_copy(0, order, out)  # [T * k, dim]
-        weighted = combined.view(t, k, -1).float() * top[..., None]  # [T, k, dim]
+        weighted = combined.view(t, k, shape[-1]).float() * top[..., None]  # [T, k, dim]
         y = weighted.sum(dim=1).to(x.dtype)  # [T, dim]
         if self.shared_expert is not None:
             y = y + self.shared_expert(xf)

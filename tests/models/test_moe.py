@@ -86,3 +86,23 @@ def test_moe_args_say_what_is_wrong():
         MoEArgs(num_experts=2, top_k=3)
     with pytest.raises(ValueError, match="capacity_factor"):
         MoEArgs(capacity_factor=0)
+
+
+@pytest.mark.parametrize("recipe", [None, "rowwise", "tensorwise"])
+def test_an_empty_batch_and_a_nan_token(recipe):
+    """No token: an empty output and zero gradients; a NaN token turns its own output row
+    non-finite (per-token scales) or all rows (tensorwise: one scale per expert), never a
+    silently finite number ([Note: non-finite values] in f8dist/scaling.py)."""
+    moe = _moe(top_k=2)
+    if recipe is not None:
+        convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name(recipe))
+    x = torch.randn(1, 0, 32, requires_grad=True)
+    out = moe(x)
+    out.sum().backward()
+    assert out.shape == (1, 0, 32) and torch.equal(moe.experts.w1.grad, torch.zeros_like(moe.experts.w1.grad))
+    x = torch.randn(1, 8, 32)
+    x[0, 3, 5] = float("nan")
+    out = moe(x)
+    assert not torch.isfinite(out[0, 3]).any()
+    finite_rows = torch.isfinite(out[0]).all(-1)
+    assert finite_rows.sum() == (0 if recipe == "tensorwise" else 7)
