@@ -129,3 +129,20 @@ def test_delayed_and_e5m2_are_refused_for_experts_with_what_to_do():
 def test_block_scaled_recipes_are_refused_for_experts_with_what_to_do():
     with pytest.raises(ValueError, match="block-scaled grouped gemms"):
         Float8LinearConfig.from_recipe_name("mxfp8").grouped_cast_specs("e")
+
+
+def test_compiled_float8_experts_give_eagers_bits():
+    """fullgraph: the grouped kernel is one custom op, the casts and padding trace."""
+    torch._dynamo.reset()
+    experts = convert_to_float8_training(
+        nn.ModuleDict({"e": _experts()}), config=Float8LinearConfig.from_recipe_name("rowwise"))["e"]
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (experts, torch.compile(experts, fullgraph=True)):
+        xi = x.clone().requires_grad_()
+        out = fn(xi, OFFSETS)
+        out.square().sum().backward()
+        results.append((out, xi.grad, experts.w1.grad.clone(), experts.w2.grad.clone()))
+        experts.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
