@@ -258,15 +258,7 @@ class Float8GroupedExperts(GroupedExperts):
                 f"({self.dim}) and hidden_dim ({self.hidden_dim}) to be multiples of "
                 f"{GEMM_ALIGNMENT}; keep the experts in high precision with module_filter_fn"
             )
-        self.fqn = fqn
-
-    @property
-    def fqn(self) -> str:
-        return self._fqn
-
-    @fqn.setter
-    def fqn(self, fqn: str) -> None:
-        self._fqn = fqn
+        self.fqn = fqn  # the experts' name in the model; their weights' casts are fqn.w1 ...
         self.specs = grouped_specs(self.config, fqn)  # resolved once
 
     @classmethod

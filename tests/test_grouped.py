@@ -70,6 +70,15 @@ def test_any_token_count(m):
         assert sqnr(ref[0], out) > 25 and sqnr(ref[2], gw) > 25
 
 
+def run_experts(mod, x, groups, weights=("w1", "w2")):
+    """(output, input grad, the ``weights``' grads) of an experts module on ``x`` and its token
+    ``groups`` (offsets or counts, as the module takes), loss ``sum(out ** 2)``."""
+    xi = x.clone().requires_grad_()
+    out = mod(xi, groups)
+    out.square().sum().backward()
+    return (out, xi.grad, *(getattr(mod, w).grad.clone() for w in weights))
+
+
 def _experts(dtype=torch.float32):
     experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4, dtype=dtype)
     experts.init_weights(0.02, torch.Generator().manual_seed(0))
@@ -84,12 +93,7 @@ def test_float8_experts_against_high_precision(recipe):
     )["experts"]
     assert isinstance(f8, Float8GroupedExperts) and f8.fqn == "experts"
     x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
-    outs = []
-    for mod in (ref, f8):
-        xi = x.clone().requires_grad_()
-        out = mod(xi, OFFSETS)
-        out.square().sum().backward()
-        outs.append((out, xi.grad, mod.w1.grad, mod.w2.grad))
+    outs = [run_experts(mod, x, OFFSETS) for mod in (ref, f8)]
     for a, b in zip(*outs):
         assert sqnr(a, b) > 20
     assert torch.equal(f8.w2.grad[1], torch.zeros_like(f8.w2.grad[1]))
@@ -137,12 +141,8 @@ def test_compiled_float8_experts_give_eagers_bits():
     experts = convert_to_float8_training(
         nn.ModuleDict({"e": _experts()}), config=Float8LinearConfig.from_recipe_name("rowwise"))["e"]
     x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
-    results = []
-    for fn in (experts, torch.compile(experts, fullgraph=True)):
-        xi = x.clone().requires_grad_()
-        out = fn(xi, OFFSETS)
-        out.square().sum().backward()
-        results.append((out, xi.grad, experts.w1.grad.clone(), experts.w2.grad.clone()))
-        experts.zero_grad(set_to_none=True)
-    for a, b in zip(*results):
+    eager = run_experts(experts, x, OFFSETS)
+    experts.zero_grad(set_to_none=True)
+    compiled = torch.compile(experts, fullgraph=True)
+    for a, b in zip(eager, run_experts(compiled, x, OFFSETS)):
         assert torch.equal(a, b)

@@ -40,6 +40,7 @@ import f8dist.integrations.torchtitan as tt  # noqa: E402
 from f8dist.fsdp import Float8AllGatherWeight  # noqa: E402
 from f8dist.numerics import sqnr  # noqa: E402
 from tests.distributed.harness import run_torchrun  # noqa: E402
+from tests.test_grouped import run_experts  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 N_LINEARS = 6 * 5  # debugmodel: 6 blocks of wqkv, wo, w1, w2, w3 (lm_head filtered)
@@ -360,12 +361,8 @@ def test_grouped_experts_converter_on_the_deepseek_v3_debug_model(recipe, deepse
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 256, generator=g)
     counts = torch.tensor([5, 0, 11, 3, 9, 0, 7, 5])
-    outs = []
-    for m in (ref.get_submodule(EXPERTS), model.get_submodule(EXPERTS)):
-        xi = x.clone().requires_grad_()
-        out = m(xi, counts)
-        out.square().sum().backward()
-        outs.append((out, xi.grad, m.w1_EFD.grad, m.w2_EDF.grad))
+    outs = [run_experts(ref.get_submodule(EXPERTS), x, counts, ("w1_EFD", "w2_EDF")),
+            run_experts(model.get_submodule(EXPERTS), x, counts, ("w1_EFD", "w2_EDF"))]
     for a, b in zip(*outs):
         assert sqnr(a, b) > 20
     assert torch.equal(outs[1][3][1], torch.zeros_like(outs[1][3][1]))
