@@ -1,5 +1,6 @@
 """torchrun program: scripts/train.py with a mixture-of-experts model (see
-tests/distributed/test_train_moe.py): bf16 and float8 rowwise under expert parallelism, the
+tests/distributed/test_train_moe.py): bf16 (with full activation checkpointing) and float8
+rowwise under expert parallelism, the
 latter checkpointing; its last checkpoint removed, the one before resumes under FSDP2 alone."""
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def run(args):
     common = shlex.split(args.train)
     ckpt = ["--checkpoint-dir", args.ckpt_dir]
     result = {
-        "bf16": train.train(train.parse_args(common + ["--float8", "none", "--ep", "2"])),
+        "bf16": train.train(train.parse_args(common + ["--float8", "none", "--ep", "2",
+                                                       "--ac", "full"])),
         "rowwise": train.train(train.parse_args(
             common + ["--float8", "rowwise", "--ep", "2", "--checkpoint-every", str(args.every)]
             + ckpt)),
