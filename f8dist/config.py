@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
 
@@ -597,8 +598,17 @@ class Float8LinearConfig:
     # fill the amax histories from the first training step (reduced over the ranks, so step 0
     # casts as one device on the global batch); off: start from scale 1.0
     enable_amax_init: bool = True
+    # torchao's deprecated flag, accepted for porting: it has no effect there either (backward
+    # re-casts the high-precision weight, [Note: what the matmul keeps for backward])
+    force_recompute_fp8_weight_in_bwd: bool = False
 
     def __post_init__(self):
+        if self.force_recompute_fp8_weight_in_bwd:
+            warnings.warn(
+                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated (as in torchao) "
+                "and has no effect (backward re-casts the high-precision weight anyway): drop it.",
+                DeprecationWarning, stacklevel=3,
+            )
         overrides = tuple(_OVERRIDE_FIELD.values())  # None: the operand's main config
         for name in tuple(f"cast_config_{op.value}" for op in Operand) + overrides:
             value = getattr(self, name)
@@ -652,12 +662,15 @@ class Float8LinearConfig:
 
         if self.enable_fsdp_float8_all_gather:
             w = self.cast_config_weight
-            if not w.enabled or w.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            square = w.enabled and w.blockwise and self.cast_specs().weight_same_bytes
+            if not w.enabled or not (w.scaling_granularity is ScalingGranularity.TENSORWISE
+                                     or square):
                 raise ValueError(
-                    "enable_fsdp_float8_all_gather sends one float8 weight per rank with one scale, "
-                    "so it needs a tensorwise weight cast (dynamic or delayed); set "
-                    "cast_config_weight to a TENSORWISE CastConfig or turn "
-                    "enable_fsdp_float8_all_gather off (axiswise weights are all-gathered in high "
+                    "enable_fsdp_float8_all_gather sends one float8 weight per rank that serves "
+                    "both of the weight's gemms, so it needs a tensorwise weight cast (dynamic or "
+                    "delayed) or square weight blocks (the 'mxfp8_square_weights' and 'blockwise' "
+                    "recipes: [Note: block scales]); set cast_config_weight accordingly or turn "
+                    "enable_fsdp_float8_all_gather off (other weights are all-gathered in high "
                     "precision)"
                 )
 

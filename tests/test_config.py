@@ -191,8 +191,10 @@ def test_block_gemm_needs_both_operands_blockwise_with_one_inner_block():
     with pytest.raises(ValueError, match="differ along the contraction dim"):
         Float8LinearConfig(cast_config_input=mx, cast_config_grad_output=mx,
                            cast_config_weight=dataclasses.replace(mx, block_size=(128, 128)))
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather.*square weight blocks"):
         Float8LinearConfig.from_recipe_name("mxfp8").replace(enable_fsdp_float8_all_gather=True)
+    for name in ("mxfp8_square_weights", "blockwise"):  # one gathered weight serves both gemms
+        Float8LinearConfig.from_recipe_name(name).replace(enable_fsdp_float8_all_gather=True)
 
 
 @pytest.mark.parametrize("name, block, scale_dtype", [
@@ -216,6 +218,18 @@ def test_block_recipes_block_along_each_gemms_contraction_dim(name, block, scale
     if weight:  # square: the same block in both of the weight's gemms
         assert specs["output", "weight"].block_shape(2) == weight == specs["grad_input", "weight"].block_shape(2)
     assert specs.weight_same_bytes == (weight is not None)
+
+
+def test_torchaos_deprecated_field_is_accepted_with_a_warning():
+    # issue 23 item 18: torchao 0.18 accepts force_recompute_fp8_weight_in_bwd (no effect, warns)
+    import warnings
+
+    with pytest.warns(DeprecationWarning, match="force_recompute_fp8_weight_in_bwd.*no effect"):
+        config = Float8LinearConfig(force_recompute_fp8_weight_in_bwd=True)
+    assert config.cast_specs("x") == Float8LinearConfig().cast_specs("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Float8LinearConfig()  # the default does not warn
 
 
 def test_grouped_cast_specs_are_the_table_per_expert_in_e4m3():
