@@ -19,10 +19,10 @@ from typing import Callable, List, Optional
 import torch
 
 from f8dist.config import CastSite, CastSpec, ScalingType
-from f8dist.placement import is_dtensor, like, local_part, reduce_partial
-from f8dist.scaling import (
-    amax_to_scale, block_amax, block_scale, expand_blocks, in_memory, saturated_cast, tensor_amax,
+from f8dist.placement import (
+    blocks_split_by_shards, is_dtensor, like, local_part, reduce_partial,
 )
+from f8dist.scaling import amax_to_scale, block_cast, in_memory, saturated_cast, tensor_amax
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -125,25 +125,30 @@ def _observed(spec: CastSpec, t: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 
 def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> torch.Tensor:
     """A blockwise cast ([Note: block scales] in f8dist/config.py): each block scaled by its own
-    amax, so no collective; single-device tensors only for now."""
-    if is_dtensor(t):
-        raise NotImplementedError(
-            f"{spec.site}: block-scaled casts of DTensors (FSDP2 float8 all-gather, tensor or "
-            "sequence parallel) are not supported yet; use a tensorwise or rowwise recipe for "
-            "distributed layers, or keep this layer in high precision (module_filter_fn)"
-        )
+    amax, so no collective; a DTensor casts its local shard, whose blocks must be whole ([Note:
+    shards on block boundaries] in f8dist/placement.py)."""
     if scale is not None or amax is not None:
         raise ValueError(f"{spec.site}: a blockwise cast computes its own scales, give none")
     block = spec.block_shape(t.dim())
-    t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] (scaling.py)
-    scale = block_scale(  # [ceil(R / rows), ceil(C / cols)]
-        block_amax(t, block), spec.dtype, scale_dtype=spec.scale_dtype,
-        rounding=spec.scale_rounding, round_to_power_of_2=spec.round_scales_to_power_of_2,
+    if is_dtensor(t):
+        mesh = t.device_mesh
+        split = blocks_split_by_shards(t.shape, block, mesh.shape, t.placements)
+        if split:
+            raise NotImplementedError(
+                f"{spec.site}: a block-scaled cast of a DTensor needs shards on block boundaries, "
+                f"got {split}; change the number of ranks or the tensor's size, or keep this "
+                "layer in high precision (module_filter_fn; enable_fsdp_float8_all_gather=False "
+                "for an FSDP2 weight)"
+            )
+    local = in_memory(local_part(t))  # read twice: [Note: a cast that waits for its amax]
+    data, scale = block_cast(  # [R, C] float8, [ceil(R / rows), ceil(C / cols)] float32
+        local, block, spec.dtype, scale_dtype=spec.scale_dtype, rounding=spec.scale_rounding,
+        round_to_power_of_2=spec.round_scales_to_power_of_2,
     )
-    data = saturated_cast(t, expand_blocks(scale, block, t.shape), spec.dtype)  # [R, C]
     if store:
         data = in_memory(data)
-    out = Float8Tensor(data, scale, t.dtype, None, spec.mm_config, block)
+    scale = scale.to(spec.scale_dtype)  # stored (e8m0: 1 byte per block), exact
+    out = like(t, Float8Tensor(data, scale, t.dtype, None, spec.mm_config, block))
     return _observed(spec, t, out)
 
 

@@ -648,12 +648,15 @@ class Float8LinearConfig:
 
         if self.enable_fsdp_float8_all_gather:
             w = self.cast_config_weight
-            if not w.enabled or w.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            square = w.enabled and w.blockwise and self.cast_specs().weight_same_bytes
+            if not w.enabled or not (w.scaling_granularity is ScalingGranularity.TENSORWISE
+                                     or square):
                 raise ValueError(
-                    "enable_fsdp_float8_all_gather sends one float8 weight per rank with one scale, "
-                    "so it needs a tensorwise weight cast (dynamic or delayed); set "
-                    "cast_config_weight to a TENSORWISE CastConfig or turn "
-                    "enable_fsdp_float8_all_gather off (axiswise weights are all-gathered in high "
+                    "enable_fsdp_float8_all_gather sends one float8 weight per rank that serves "
+                    "both of the weight's gemms, so it needs a tensorwise weight cast (dynamic or "
+                    "delayed) or square weight blocks (the 'mxfp8_square_weights' and 'blockwise' "
+                    "recipes: [Note: block scales]); set cast_config_weight accordingly or turn "
+                    "enable_fsdp_float8_all_gather off (other weights are all-gathered in high "
                     "precision)"
                 )
 

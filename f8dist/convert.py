@@ -11,7 +11,7 @@ import torch.nn as nn
 from f8dist import agreement
 from f8dist.config import Float8LinearConfig
 from f8dist.delayed import ignore_in_ddp
-from f8dist.gemm import GEMM_ALIGNMENT
+from f8dist.gemm import GEMM_ALIGNMENT, block_problems
 from f8dist.linear import Float8Linear
 from f8dist.placement import is_dtensor
 
@@ -22,9 +22,14 @@ logger = logging.getLogger(__name__)
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
-def is_float8_compatible(mod: nn.Linear) -> bool:
-    """Whether ``torch._scaled_mm`` can take this linear's gemms as they are (dims % 16 == 0)."""
-    return mod.in_features % GEMM_ALIGNMENT == 0 and mod.out_features % GEMM_ALIGNMENT == 0
+def is_float8_compatible(mod: nn.Linear, config: Optional[Float8LinearConfig] = None) -> bool:
+    """Whether ``torch._scaled_mm`` can take this linear's gemms as they are (dims % 16 == 0),
+    and, given ``config``, its dims divide into the config's blocks ([Note: block scales] in
+    f8dist/config.py). Reads only ``in_features`` and ``out_features``."""
+    k, n = mod.in_features, mod.out_features
+    if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT:
+        return False
+    return config is None or not block_problems(config.cast_specs(), k, n)
 
 
 def convert_to_float8_training(
@@ -39,8 +44,9 @@ def convert_to_float8_training(
     ``module`` itself is a linear). ``config``: a :class:`Float8LinearConfig` or a recipe name
     (``"rowwise"``, as ``Float8LinearConfig.from_recipe_name`` takes); None: the default config.
 
-    Linears whose ``in_features`` or ``out_features`` is not a multiple of 16 cannot run
-    ``torch._scaled_mm``: they stay high precision, with a log note, unless
+    Linears whose ``in_features`` or ``out_features`` is not a multiple of 16 (or of a
+    block-scaled config's blocks) cannot run ``torch._scaled_mm``: they stay high precision,
+    with a log note, unless
     ``config.pad_inner_dim`` is set (they are then padded) or ``skip_incompatible=False``, which
     raises instead.
 
@@ -94,7 +100,8 @@ def convert_to_float8_training(
             skipped_subclasses.append(f"{fqn or '<root>'} ({type(mod).__qualname__})")
             return mod
         _check_not_sharded(mod, fqn)
-        if not is_float8_compatible(mod) and not config.pad_inner_dim and not config.emulate:
+        fits = is_float8_compatible(mod, config)
+        if not fits and not config.pad_inner_dim and not config.emulate:
             if skip_incompatible:
                 skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features})")
                 return mod

@@ -27,6 +27,14 @@ recipe does; delayed scaling's history sync and first step (``f8dist/delayed.py`
 amaxes cross data parallel ranks (:func:`all_reduce`).
 
 Nothing else in f8dist inspects placements to decide a reduction.
+
+[Note: shards on block boundaries]
+A block scale ([Note: block scales] in f8dist/config.py) is a statistic of its block alone, so
+under the same rule it needs no collective at all, provided no shard splits a block: then each
+rank's blocks are blocks of the logical tensor and it casts them as one device would.
+:func:`blocks_split_by_shards` says whether a layout does (torch shards a dim of size ``n`` over
+``k`` ranks in chunks of ``ceil(n / k)``, so every shard starts on a block boundary iff that chunk
+is a multiple of the block; the same answer on every rank, so ranks never disagree).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ __all__ = [
     "reduce_partial",
     "reduce_over_shards",
     "all_reduce",
+    "blocks_split_by_shards",
 ]
 
 
@@ -132,3 +141,23 @@ def _whole_mesh_group(mesh) -> Optional[object]:
     if mesh.size() == dist.get_world_size():
         return None
     return mesh._flatten()
+
+
+def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_sizes: Sequence[int],
+                           placements: Sequence) -> Optional[str]:
+    """Why shards of a tensor of ``shape`` laid out as ``placements`` over mesh dims of
+    ``mesh_sizes`` ranks split its ``block``\ s ([Note: shards on block boundaries]); None when
+    every shard starts on a block boundary."""
+    sharded_dims = []
+    for size, p in zip(mesh_sizes, placements):
+        if p.is_replicate():
+            continue
+        dim = getattr(p, "dim", None)
+        if not p.is_shard() or type(p).__name__ != "Shard" or dim in sharded_dims:
+            return f"placement {p} (only Shard and Replicate placements, one per dim, keep blocks whole)"
+        sharded_dims.append(dim)
+        chunk = -(-shape[dim] // size)  # rows (or columns) per rank
+        if chunk % block[dim]:
+            return (f"{size} ranks shard dim {dim} of this {list(shape)} tensor into {chunk} "
+                    f"per rank, which splits its {block[dim]}-wide blocks")
+    return None

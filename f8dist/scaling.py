@@ -76,6 +76,7 @@ __all__ = [
     "dequantize",
     "block_amax",
     "block_scale",
+    "block_cast",
     "expand_blocks",
     "E8M0_MIN_EXP",
     "E8M0_MAX_EXP",
@@ -244,7 +245,8 @@ def block_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, *, scale_dtype: torch.dtype = torch.float32,
     rounding: str = "rceil", round_to_power_of_2: bool = False,
 ) -> torch.Tensor:
-    """The quantizing scale of each block from its amax, in ``scale_dtype``.
+    """The quantizing scale of each block from its amax, in float32 values that ``scale_dtype``
+    holds exactly (the cast multiplies by them; a Float8Tensor stores them in ``scale_dtype``).
 
     float32: ``amax_to_scale`` per block (DeepSeek-V3), capped at ``MAX_SCALE``.
     ``float8_e8m0fnu``: a power of 2, rounded as ``rounding`` says ([Note: e8m0 rounding]); an
@@ -255,8 +257,7 @@ def block_scale(
     if scale_dtype == torch.float32:
         return amax_to_scale(amax, float8_dtype, round_to_power_of_2=round_to_power_of_2)
     scale = _e8m0_scale(amax, float8_dtype, str(rounding))
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    return scale.to(scale_dtype)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
 def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
@@ -265,3 +266,30 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     (nr, nc), (br, bc) = scale.shape, block
     full = scale.to(torch.float32)[:, None, :, None].expand(nr, br, nc, bc)
     return full.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]  # [R, C]
+
+
+def block_cast(
+    x: torch.Tensor, block: tuple, float8_dtype: torch.dtype, *,
+    scale_dtype: torch.dtype = torch.float32, rounding: str = "rceil",
+    round_to_power_of_2: bool = False,
+) -> tuple:
+    """``(data, scale)``: the 2-D ``x`` cast to float8 with one scale per ``block`` (float32
+    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)].
+
+    A block that is one row of ``x`` (or one column) is cast as rows of a [R * C / cols, cols] view
+    (of ``x.t()``): the amax of a row then the cast of the same row, which a compiled graph fuses
+    into one pass over ``x``, as it fuses a rowwise cast. Other blocks (squares, and rows that do
+    not divide ``x``) take the grid of :func:`block_amax`.
+    """
+    (r, c), (br, bc) = x.shape, block
+    kw = dict(scale_dtype=scale_dtype, rounding=rounding, round_to_power_of_2=round_to_power_of_2)
+    if br == 1 and c % bc == 0:
+        rows = x.reshape(r * (c // bc), bc)  # [R * C / cols, cols]
+        scale = block_scale(tensor_amax(rows, -1), float8_dtype, **kw)  # [R * C / cols, 1]
+        data = saturated_cast(rows, scale, float8_dtype)
+        return data.reshape(r, c), scale.reshape(r, c // bc)
+    if bc == 1 and br > 1 and r % br == 0:
+        data_t, scale_t = block_cast(x.t(), (1, br), float8_dtype, **kw)
+        return data_t.t(), scale_t.t()  # [R, C] column-major, [R / rows, C]
+    scale = block_scale(block_amax(x, block), float8_dtype, **kw)
+    return saturated_cast(x, expand_blocks(scale, block, x.shape), float8_dtype), scale

@@ -264,12 +264,24 @@ def _to_dtype(func, args, kwargs):
 
 
 # FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided
-@_implements([aten.as_strided.default])
+@_implements([aten.as_strided.default], blocks=True)
 def _as_strided(func, args, kwargs):
     t = args[0]
     if t.is_axiswise:
         raise NotImplementedError("as_strided of an axiswise Float8Tensor is not defined")
-    return rewrap(t, func(t._data, *args[1:], **kwargs))
+    data = func(t._data, *args[1:], **kwargs)
+    if not t.is_blockwise:
+        return rewrap(t, data)
+    # block scales: only the leading rows of a row-major tensor (FSDP2 dropping its padding),
+    # which keep the grid's leading block rows
+    size, stride = list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if not (t._data.dim() == 2 and len(size) == 2 and size[1] == t._data.shape[1]
+            and stride == list(t._data.stride()) and not offset and size[0] <= t._data.shape[0]):
+        raise NotImplementedError(
+            f"as_strided of a block-scaled Float8Tensor is defined for its leading rows only, "
+            f"got size {size}, stride {stride}, offset {offset} of {tuple(t._data.shape)}")
+    return rewrap(t, data, t._scale[: -(-size[0] // t._block[0])])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "delayed_re
 # "delayed" whose out-of-range casts re-scale in their step ([Note: the price of re-scaling])
 VARIANTS = {"delayed_rescaled": ("delayed", {"delayed_scaling_config": DelayedScalingConfig(
     rescale_out_of_range=True)})}
+# block-scaled recipes ([Note: block scales] in f8dist/config.py); "blockwise" needs dims that
+# divide by 128 (not --small's)
+BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
 TORCHAO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]  # torchao 0.18 has no delayed
 BLOCKS = ["ffn", "attention", "layer", "linear"]
 COLUMNS = [
@@ -72,7 +75,8 @@ COLUMNS = [
     "bf16_kernels", "f8dist_kernels", "torchao_kernels",
 ]
 # aten gemms, and f8dist's float8 gemm on the CPU (f8dist/gemm.py: torch._scaled_mm's stand-in)
-GEMMS = ("mm", "addmm", "bmm", "_scaled_mm", "_int_mm", "f8dist.cpu_scaled_mm")
+GEMMS = ("mm", "addmm", "bmm", "_scaled_mm", "_int_mm", "f8dist.cpu_scaled_mm",
+         "f8dist.cpu_block_scaled_mm")
 
 
 # -------------------------------------------------------------------------------------------
@@ -467,7 +471,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str, str], Acc
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", nargs="+", default=["ffn", "attention", "layer"],
                         choices=BLOCKS)
-    parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
+    parser.add_argument("--recipes", nargs="+", default=RECIPES + BLOCK_RECIPES,
+                        choices=RECIPES + BLOCK_RECIPES)
     parser.add_argument("--small", action="store_true",
                         help="dim 64, 4 heads, 64 tokens: checks the script in seconds")
     parser.add_argument("--tokens", type=int, default=None,

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.agreement import canonical_name
 from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
@@ -61,7 +62,13 @@ from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
-RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
+           "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise")
+# block-scaled recipes: single process and FSDP2 (square weight blocks may all-gather in float8);
+# their casts of DTensors (tensor parallel) are not supported yet
+BLOCK_RECIPES = RECIPES[5:]
+# the recipes whose one float8 weight serves both of its gemms: FSDP2 can all-gather it in float8
+FLOAT8_ALL_GATHER = ("tensorwise", "delayed", "mxfp8_square_weights", "blockwise")
 OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
@@ -99,7 +106,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--float8", choices=RECIPES, default="tensorwise",
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
-                   help="FSDP2 all-gathers weights in float8 (tensorwise and delayed recipes)")
+                   help="FSDP2 all-gathers weights in float8 (tensorwise, delayed, "
+                        "mxfp8_square_weights and blockwise recipes)")
     p.add_argument("--float8-activations-for-backward", action="store_true",
                    help="keep float8 copies of the activations backward reads (grad_weight inputs, "
                         "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
@@ -165,8 +173,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.float8_stats_every and (args.float8 == "none" or args.compile):
         p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
                 "recipe and no --compile")
-    if args.float8_all_gather and args.float8 not in ("tensorwise", "delayed"):
-        p.error("--float8-all-gather needs a tensorwise weight cast: --float8 tensorwise or delayed")
+    if args.float8_all_gather and args.float8 not in FLOAT8_ALL_GATHER:
+        p.error("--float8-all-gather needs a tensorwise weight cast or square weight blocks: "
+                f"--float8 {' or '.join(FLOAT8_ALL_GATHER)}")
     if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
         p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
     if args.tp > 1 and args.seq_len % args.tp:
@@ -180,6 +189,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {wrong}")
     if args.metrics_file and os.path.isdir(args.metrics_file):
         p.error(f"--metrics-file {args.metrics_file} is a directory; name a file in it")
+    if args.float8 in BLOCK_RECIPES and args.tp > 1:
+        p.error(f"--float8 {args.float8} has block scales, which tensor parallel does not support "
+                "yet: use --tp 1 (FSDP2) or a tensorwise or rowwise recipe")
+    if args.float8 != "none":  # the model's linears must take the recipe: convert it on meta
+        try:
+            with torch.device("meta"):
+                convert_float8(Transformer(model_args(args)), float8_config(args),
+                               skip_incompatible=False)
+        except ValueError as e:
+            p.error(f"--float8 {args.float8}: {e}".replace("\n", " "))
     return args
 
 
@@ -249,14 +268,19 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     return config
 
 
+def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> None:
+    # the output layer (logits over the vocabulary) stays in high precision
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output",
+                               **kwargs)
+
+
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
     margs = model_args(args)
     model = Transformer(margs)
     model.init_weights(seed=args.seed)  # same weights on every rank before sharding
     config = float8_config(args)
     if config is not None:
-        # the output layer (logits over the vocabulary) stays in high precision
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
+        convert_float8(model, config)
     if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
         parallelize_llama(model, mesh["tp"], float8=config is not None)
     for name, block in list(model.layers.items()):
@@ -344,7 +368,8 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
 # word. So rank 0 writes CHECKSUMS (the sha256 of every file of the step) into the step before the
 # rename, and --resume verifies the newest step first: a damaged step is named with the file and
 # what is wrong, and the newest intact one is taken. A step without CHECKSUMS (an older train.py)
-# is taken if DCP can read its .metadata.
+# is taken if DCP can read its .metadata. The price: rank 0 reads the step back once per save and
+# once per --resume (the script assumes one file system shared by the ranks, as the rename does).
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 CHECKSUMS = "checksums.json"
@@ -561,6 +586,33 @@ def _eta(seconds: float) -> str:
     return str(timedelta(seconds=int(seconds)))
 
 
+def eta_seconds(now: float, first_step_end: float, done: int, left: int, start: float) -> float:
+    """Seconds until the last step, at the pace of the steps after the first (which compiles,
+    allocates and warms up: with --compile it takes minutes the others do not)."""
+    if done > 1:
+        return (now - first_step_end) / (done - 1) * left
+    return (now - start) / done * left
+
+
+def float8_linears_text(model: nn.Module, recipe: str) -> str:
+    """Which linears run in float8 and which stay high precision, one line; the blocks' indices
+    are folded (``layers.*.attention.wq`` in every block, ``layers.{1,3}.attention.wo`` in some)."""
+    blocks = [str(i) for i in range(len(model.layers))]
+
+    def folded(names):
+        where: Dict[str, List[str]] = {}
+        for n in names:
+            m = re.fullmatch(r"layers\.(\d+)\.(.*)", n)
+            where.setdefault(f"layers.{{}}.{m.group(2)}" if m else n, []).append(m.group(1) if m else "")
+        return ", ".join(k.format("*" if v == blocks else "{" + ",".join(v) + "}") for k, v in where.items()) or "none"
+
+    names = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    fp8 = [n for n, m in names.items() if isinstance(m, f8dist.Float8Linear)]
+    hp = [n for n in names if n not in fp8]
+    return (f"float8 linears ({recipe}): {len(fp8)} of {len(names)}: {folded(fp8)} | "
+            f"high precision: {len(hp)}: {folded(hp)}")
+
+
 # -- the loop -----------------------------------------------------------------------------------
 
 def train(args: argparse.Namespace) -> Dict[str, object]:
@@ -598,6 +650,9 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
               f"mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
               f"compile: {args.compile} | {device.type} x {world}", flush=True)
 
+    if rank == 0:
+        print(float8_linears_text(model, args.float8), flush=True)
+
     peak = bf16_peak_flops(device)
     tokens_per_step = args.batch_size // dp_size * args.seq_len  # per rank
     steps, losses = [], []
@@ -605,12 +660,14 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     if args.float8_stats_every:
         from f8dist.debug import Float8StatsLogger
 
+        # the tables go to their files, not into the log: one line at the end says where
         stats = Float8StatsLogger(model, every=args.float8_stats_every,
-                                  out_dir=args.float8_stats_dir)
+                                  out_dir=args.float8_stats_dir, print_fn=None)
     if args.compile and rank == 0:
         print(f"torch.compile: compiling the {margs.n_layers} transformer block(s) in step "
               f"{start + 1}; the first log line can take minutes", flush=True)
     t_log, tokens_since_log, t_start = time.perf_counter(), 0, time.perf_counter()
+    first_step_end = t_start
 
     for step in range(start + 1, args.steps + 1):
         for group in optimizer.param_groups:
@@ -647,6 +704,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         steps.append(step)
         losses.append(global_loss)
         tokens_since_log += tokens_per_step
+        if step == start + 1:
+            first_step_end = time.perf_counter()
 
         if logged:
             now = time.perf_counter()
@@ -656,8 +715,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             if peak is not None:
                 mfu = 100 * margs.flops_per_token(args.seq_len) * tps / peak
                 line += f"  mfu(vs bf16 peak): {mfu:.2f}%"
-            done = step - start
-            eta = (now - t_start) / done * (args.steps - step)
+            eta = eta_seconds(now, first_step_end, step - start, args.steps - step, t_start)
             print(f"{line}  [{step}/{args.steps} eta {_eta(eta)}]", flush=True)
             t_log, tokens_since_log = now, 0
 
@@ -667,12 +725,24 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step)
 
     if stats is not None:
-        stats.close()  # the last table and the PNG plot over steps
+        written = stats.close()  # the last table and the PNG plot over steps
+        if rank == 0:
+            print(f"float8 stats of steps {', '.join(map(str, stats.recorder.steps))}: "
+                  f"{', '.join(written)}", flush=True)
     result = {"steps": steps, "losses": losses}
     if rank == 0 and args.metrics_file:
         os.makedirs(os.path.dirname(args.metrics_file) or ".", exist_ok=True)
         with open(args.metrics_file, "w") as f:
             json.dump({"args": vars(args), **result}, f)
+    if rank == 0 and steps:
+        seconds = time.perf_counter() - t_start
+        after_first = len(steps) - 1
+        rate = (tokens_per_step * after_first / (time.perf_counter() - first_step_end)
+                if after_first else tokens_per_step * len(steps) / seconds)
+        print(f"done: {len(steps)} steps ({steps[0]}-{steps[-1]}) in {_eta(seconds)}, "
+              f"{rate:,.0f} tokens/s per rank{' after the first step' if after_first else ''}, "
+              f"peak memory {memory_gib(device):.2f}GiB, final loss {losses[-1]:.4f}"
+              + (f", metrics in {args.metrics_file}" if args.metrics_file else ""), flush=True)
     return result
 
 

@@ -11,9 +11,23 @@ floor is 80 dB, still far above any cast (e4m3 rounding alone is about 30 dB).
 
 import torch
 
-__all__ = ["exact_gemm_db"]
+__all__ = ["exact_gemm_db", "on_cpu"]
 
 
 def exact_gemm_db() -> float:
     """The floor for a float8 gemm against its emulation on the default device."""
     return 80.0 if torch.get_default_device().type == "cuda" else 100.0
+
+
+def on_cpu(test):
+    """Run ``test`` with the CPU as the default device, also under ``F8DIST_TEST_DEVICE=cuda``:
+    for tests of block-scaled gemms, which have a CPU kernel only ([Note: the block-scaled gemm]
+    in f8dist/gemm.py; on CUDA they raise, tests/test_gemm.py checks the error)."""
+    import functools
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        with torch.device("cpu"):
+            return test(*args, **kwargs)
+
+    return wrapper

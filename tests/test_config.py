@@ -191,8 +191,10 @@ def test_block_gemm_needs_both_operands_blockwise_with_one_inner_block():
     with pytest.raises(ValueError, match="differ along the contraction dim"):
         Float8LinearConfig(cast_config_input=mx, cast_config_grad_output=mx,
                            cast_config_weight=dataclasses.replace(mx, block_size=(128, 128)))
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather.*square weight blocks"):
         Float8LinearConfig.from_recipe_name("mxfp8").replace(enable_fsdp_float8_all_gather=True)
+    for name in ("mxfp8_square_weights", "blockwise"):  # one gathered weight serves both gemms
+        Float8LinearConfig.from_recipe_name(name).replace(enable_fsdp_float8_all_gather=True)
 
 
 @pytest.mark.parametrize("name, block, scale_dtype", [

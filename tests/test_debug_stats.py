@@ -9,6 +9,7 @@ from f8dist.cast import cast_to_float8
 from f8dist.config import CastSpec, ScalingGranularity
 from f8dist.debug.stats import CastStats, cast_stats_tensors, saturated_mask, saturation_threshold
 from f8dist.scaling import saturated_cast
+from tests.floors import on_cpu
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -139,6 +140,7 @@ def test_block_scaled_cast_statistics_per_block():
     assert t.blocks == 0 and t.block_amax_log2 == ()
 
 
+@on_cpu  # block-scaled gemms have a CPU kernel only
 def test_recorder_reports_block_columns():
     from f8dist import Float8LinearConfig, convert_to_float8_training
     from f8dist.debug import record

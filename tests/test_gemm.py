@@ -5,7 +5,7 @@ from f8dist.cast import cast_to_float8
 from f8dist.config import CastSpec, ScaledMMConfig, ScalingGranularity
 from f8dist.gemm import check_gemm_shape
 from f8dist.numerics import sqnr
-from tests.floors import exact_gemm_db
+from tests.floors import exact_gemm_db, on_cpu
 
 E4M3 = torch.float8_e4m3fn
 AXISWISE = ScalingGranularity.AXISWISE
@@ -191,6 +191,7 @@ def _block_operands(m, k, n, a_block, b_block, scale_dtype, mm_config=ScaledMMCo
     (8, 256, 256, (1, 128), (128, 128), torch.float32),  # DeepSeek-V3
     (8, 37, 16, (1, 32), (1, 32), E8M0),  # K = 37 tokens: the last block zero-padded
 ])
+@on_cpu  # block-scaled gemms have a CPU kernel only
 def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_dtype):
     a, b, fa, fb = _block_operands(m, k, n, a_block, b_block, scale_dtype)
     assert fa._block == a_block and fb._block == b_block[::-1]  # b's block in its [K, N] layout
@@ -203,6 +204,7 @@ def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_d
     assert sqnr(emu, out) > exact_gemm_db()
 
 
+@on_cpu  # block-scaled gemms have a CPU kernel only
 def test_block_scaled_gemm_needs_block_scales_on_both_sides():
     _, _, fa, fb = _block_operands(16, 64, 32, (1, 32), (1, 32), E8M0)
     tensorwise = cast_to_float8(torch.randn(64, 32), CastSpec(dtype=E4M3))
@@ -212,3 +214,18 @@ def test_block_scaled_gemm_needs_block_scales_on_both_sides():
     _, _, fa32, _ = _block_operands(16, 128, 32, (1, 32), (1, 32), E8M0)
     with pytest.raises(ValueError, match="differ along the contraction dim K"):
         torch.mm(fa32, fb128)
+
+
+def test_block_scaled_gemm_off_the_cpu_raises_naming_the_way_out():
+    # [Note: the block-scaled gemm]: CUDA's block-scaled kernels are not wired up; any device
+    # but the CPU (here meta, which stands for it without a GPU) gets the error, emulate runs
+    from f8dist.gemm import scaled_mm
+
+    a, s_a = torch.empty(16, 64, dtype=E4M3, device="meta"), torch.empty(16, 2, device="meta")
+    b, s_b = torch.empty(64, 32, dtype=E4M3, device="meta"), torch.empty(2, 32, device="meta")
+    with pytest.raises(NotImplementedError, match="CPU kernel only.*emulate=True"):
+        scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16, mm_config=ScaledMMConfig(),
+                  a_block=(1, 32), b_block=(32, 1))
+    out = scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16,
+                    mm_config=ScaledMMConfig(emulate=True), a_block=(1, 32), b_block=(32, 1))
+    assert out.shape == (16, 32) and out.dtype == torch.bfloat16

@@ -22,7 +22,10 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 @pytest.mark.parametrize("argv, match", [
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
+    (["--float8", "mxfp8", "--float8-all-gather"], "square weight blocks"),
     (["--float8", "fp8"], "invalid choice"),
+    (["--float8", "blockwise"], "(64 -> 64)"),  # 128x128 weight blocks need --dim 128
+    (["--float8", "mxfp8", "--dim", "48"], "in_features=48 (block 32)"),
     (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
     (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),  # was % 0
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),  # saved nothing
@@ -52,6 +55,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "3"], "--tp 3 must divide the number of ranks (4)"),
     (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
+    (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
@@ -162,3 +166,22 @@ def test_directories_that_do_not_exist_yet_are_fine_where_they_can_be_made(tmp_p
     args = train.parse_args(["--checkpoint-dir", str(tmp_path / "a" / "b"),
                              "--metrics-file", str(tmp_path / "c" / "m.json"), "--max-norm", "inf"])
     assert args.max_norm == float("inf") and not (tmp_path / "a").exists()  # nothing made yet
+
+
+def test_eta_leaves_out_the_first_step():
+    # a first step of 100 s (compiling), then 1 s per step: 9 steps left take 9 s, not 91 * 9 / 10
+    assert train.eta_seconds(now=110.0, first_step_end=101.0, done=10, left=9, start=1.0) == 9.0
+    assert train.eta_seconds(now=101.0, first_step_end=101.0, done=1, left=9, start=1.0) == 900.0
+
+
+def test_float8_linears_line_folds_the_blocks():
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.models import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=16))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda m, fqn: fqn not in ("output", "layers.1.attention.wo"))
+    text = train.float8_linears_text(model, "rowwise")
+    assert text.startswith("float8 linears (rowwise): 20 of 22: layers.*.attention.wq, "), text
+    assert "layers.{0,2}.attention.wo, layers.*.feed_forward.w1" in text, text
+    assert text.endswith("| high precision: 2: layers.{1}.attention.wo, output"), text

@@ -35,7 +35,9 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from f8dist.cast import cast_to_float8
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
-from f8dist.placement import is_dtensor, like, local_part, reduce_over_shards
+from f8dist.placement import (
+    blocks_split_by_shards, is_dtensor, like, local_part, reduce_over_shards,
+)
 from f8dist.scaling import amax_to_scale, tensor_amax
 from f8dist.tensor import Float8Tensor, wrapper_like
 
@@ -128,6 +130,8 @@ class Float8AllGatherWeight(torch.Tensor):
                 "shard_placement_fn or enable_fsdp_float8_all_gather=False."
             )
         spec = _weight_spec(module, self._config)
+        if spec.blockwise:
+            return _block_pre_all_gather(self, outer_size, mesh, module, spec)
         scale = self._scale_for_all_gather(mesh, module, spec)
         # the shard is cast as part of the logical weight, so that observers (f8dist.debug) reduce
         # its statistics over the shards ([Note: statistics of the logical tensor])
@@ -146,6 +150,8 @@ class Float8AllGatherWeight(torch.Tensor):
         *,
         out: Optional[torch.Tensor] = None,
     ):
+        if metadata[0] == "blocks":
+            return _block_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
         (data,) = all_gather_outputs  # [world * padded_rows, K] uint8
         scale, fp8_dtype = metadata
         data = data.view(fp8_dtype)
@@ -177,6 +183,51 @@ class Float8AllGatherWeight(torch.Tensor):
     def _whole_weight_amax(self, mesh, module) -> torch.Tensor:
         """amax of the logical weight: one all-reduce over the axes sharding it."""
         return reduce_over_shards(tensor_amax(self._tensor), *_sharding_of(self, module, mesh), "max")
+
+
+# [Note: block-scaled all-gather]
+# A block-scaled weight ([Note: block scales] in f8dist/config.py) is all-gathered as two
+# tensors, its float8 bytes and its grid of block scales (as uint8: 1 byte per block for e8m0, 4
+# for float32), cast by each rank from its shard with no collective: a block's scale depends on
+# its own elements. When FSDP2's shards (ceil(rows / world) rows each, the last ones padded)
+# start on block boundaries, every rank casts the blocks one device casts, bit for bit; a shard
+# that would split a block raises, naming the fix. Only square weight blocks are gathered in
+# float8 (the config says so): the one gathered copy serves the output and grad_input gemms.
+
+
+def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
+    from torch.distributed.tensor import Shard
+
+    block = spec.block_shape(2)
+    rows_per_block, padded_rows = block[0], -(-outer_size[0] // mesh.size())  # FSDP2's chunk
+    split = blocks_split_by_shards(outer_size, block, [mesh.size()], [Shard(0)])
+    if split:  # [Note: shards on block boundaries] in f8dist/placement.py
+        raise ValueError(
+            f"{spec.site}: the float8 all-gather of a block-scaled weight needs shards on block "
+            f"boundaries, got {split}: change the number of ranks or the layer's size, or set "
+            "enable_fsdp_float8_all_gather=False"
+        )
+    # cast as part of the logical weight (telemetry reduces its statistics over the shards)
+    shard = weight._tensor  # [rows, K]
+    fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
+    data = fp8._data.view(torch.uint8)
+    scale = fp8._scale.contiguous().view(torch.uint8)  # [rows / br, scale bytes per block row]
+    data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0]))  # [padded_rows, K]
+    scale = F.pad(scale, (0, 0, 0, padded_rows // rows_per_block - scale.shape[0]))
+    return (data, scale), ("blocks", spec.dtype, fp8._scale.dtype, fp8._block)
+
+
+def _block_post_all_gather(outputs, metadata, param_dtype, out):
+    data, scale = outputs  # [world * padded_rows, K], [world * padded_rows / br, bytes] uint8
+    _, fp8_dtype, scale_dtype, block = metadata
+    data, scale = data.view(fp8_dtype), scale.view(scale_dtype)
+    if out is not None:
+        target = local_part(out)
+        if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            target._data.copy_(data[: target._data.shape[0]])
+        target._scale.copy_(scale[: target._scale.shape[0]])
+        return
+    return Float8Tensor(data, scale, param_dtype, None, block=block), (data, scale)
 
 
 def _weight_spec(module, config: Float8LinearConfig):

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from typing import Callable, List, Literal, Optional
 
+import torch
 import torch.nn as nn
 
 try:
@@ -47,6 +50,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # every public callable of it as a config function when --config names none.
 import f8dist
 from f8dist import convert, delayed, filters, fsdp
+from f8dist.integrations import torchtitan_assets
 
 __all__ = [
     "AUTO_FILTER",
@@ -59,11 +63,14 @@ __all__ = [
     "llama3_debugmodel_float8_rowwise_with_gw_hp",
     "llama3_debugmodel_float8_delayed",
     "llama3_debugmodel_float8_tensorwise_fsdp_all_gather",
+    "llama3_debugmodel_float8_mxfp8",
+    "llama3_debugmodel_float8_blockwise",
 ]
 
 logger = logging.getLogger(__name__)
 
-RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
+                     "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
 
 # the filter_fqns entry torchtitan users know from torchao ("auto_filter_small_kn"), served by
 # f8dist.auto_filter_for_recipe
@@ -138,16 +145,19 @@ class Float8LinearConverter(QuantizationConverter):
     Pass its Config to a model's ``model_registry(..., converters=[...])``; wrap the resulting
     ``ModelSpec`` with :func:`with_float8_hooks` so delayed scaling and the FSDP precompute run.
 
-    * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp" or "delayed"
-      (``f8dist.Float8LinearConfig.from_recipe_name``).
-    * ``filter_fqns``: linears whose FQN contains one of these stay high precision;
+    * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", or the
+      block-scaled "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights" and "blockwise"
+      (``f8dist.Float8LinearConfig.from_recipe_name``; block scales: single device and FSDP2,
+      no tensor parallel yet).
+    * ``filter_fqns``: linears whose FQN contains one of these stay high precision (one string
+      is one FQN);
       "auto_filter_small_kn" adds f8dist's auto filter (``docs/auto_filter.md``) for
       ``auto_filter_tokens`` tokens per gemm (local batch size x sequence length).
     * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (tensorwise and
       delayed recipes); ``precompute_float8_dynamic_scale_for_fsdp``: their scales in one
       all-reduce after each optimizer step (dynamic tensorwise only).
-    * ``pad_inner_dim``: pad dims that are not multiples of 16 instead of keeping those
-      linears in high precision.
+    * ``pad_inner_dim``: pad dims that are not multiples of 16 (or of the recipe's blocks)
+      instead of keeping those linears in high precision.
 
     Only plain ``Linear.Config``\\ s are converted; subclasses (e.g. ``ScaledBiasRowwiseLinear``)
     have their own forward and stay as they are.
@@ -171,8 +181,8 @@ class Float8LinearConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         # validates the combination (e.g. float8 all-gather needs a tensorwise weight cast)
-        _float8_config(config.recipe_name, config.enable_fsdp_float8_all_gather,
-                       config.pad_inner_dim)
+        self.float8_config = _float8_config(
+            config.recipe_name, config.enable_fsdp_float8_all_gather, config.pad_inner_dim)
         if config.precompute_float8_dynamic_scale_for_fsdp:
             if not config.enable_fsdp_float8_all_gather:
                 raise ValueError(
@@ -185,8 +195,9 @@ class Float8LinearConverter(QuantizationConverter):
                     f"{config.recipe_name!r} recipe takes its weight scale from the amax history "
                     "(synced before each optimizer step). Turn it off for this recipe"
                 )
-        fqns = [f for f in config.filter_fqns if f != AUTO_FILTER]
-        if AUTO_FILTER in config.filter_fqns:
+        filter_fqns = _fqn_list(config.filter_fqns)
+        fqns = [f for f in filter_fqns if f != AUTO_FILTER]
+        if AUTO_FILTER in filter_fqns:
             self.filter_fn = filters.auto_filter_for_recipe(
                 config.recipe_name, filter_fqns=fqns, tokens=config.auto_filter_tokens
             )
@@ -199,7 +210,7 @@ class Float8LinearConverter(QuantizationConverter):
         for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
             if type(linear) is not Linear.Config or not self.filter_fn(linear, fqn):
                 continue
-            if not (cfg.pad_inner_dim or convert.is_float8_compatible(linear)):
+            if not (cfg.pad_inner_dim or convert.is_float8_compatible(linear, self.float8_config)):
                 kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features})")
                 continue
             new = Float8Linear.Config(
@@ -219,10 +230,21 @@ class Float8LinearConverter(QuantizationConverter):
         if kept:
             logger.warning(
                 "f8dist: kept %d linear(s) in high precision because their dims are not "
-                "multiples of 16: %s. Set pad_inner_dim=True to pad them instead.",
+                "multiples of 16 (or of the recipe's blocks): %s. Set pad_inner_dim=True to pad "
+                "them instead.",
                 len(kept), ", ".join(kept),
             )
         return model_config
+
+
+def _fqn_list(filter_fqns) -> List[str]:
+    """``filter_fqns`` as a list: one string is one FQN (iterating it would give its characters,
+    and every FQN contains one of them: nothing would be converted)."""
+    fqns = [filter_fqns] if isinstance(filter_fqns, str) else list(filter_fqns)
+    wrong = [f for f in fqns if not isinstance(f, str)]
+    if wrong:
+        raise TypeError(f"filter_fqns must be FQN strings (e.g. [\"lm_head\"]), got {wrong!r}")
+    return fqns
 
 
 def _float8_linears(model: nn.Module) -> List[Float8Linear]:
@@ -279,13 +301,38 @@ def with_float8_hooks(model_spec: ModelSpec) -> ModelSpec:
 # -- torchtitan config functions: --module f8dist.integrations.torchtitan --config NAME ------------
 
 
+def _check_launch() -> None:
+    """Under ``python -m torchtitan.train``, end in one line where the Trainer would fail deep in
+    its setup: it needs CUDA (it sets the CUDA device first) and torchrun's ``LOCAL_RANK``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or spec.name != "torchtitan.train":  # e.g. a test building the config
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "f8dist: torchtitan's Trainer needs CUDA (it sets the CUDA device before anything "
+            "else) and this machine has none; on a CPU, train with scripts/train.py (docs/training.md)"
+        )
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit(
+            "f8dist: torchtitan's Trainer runs under torchrun (it reads LOCAL_RANK): torchrun "
+            "--nproc_per_node=1 -m torchtitan.train --module f8dist.integrations.torchtitan --config NAME"
+        )
+
+
 def _llama3_debugmodel_float8(**float8):
     """torchtitan's llama3 debug model config, its linears in float8 (the output projection,
-    ``lm_head``, stays high precision: float8 logits cost accuracy for little speed)."""
+    ``lm_head``, stays high precision: float8 logits cost accuracy for little speed), reading
+    assets made by f8dist instead of a torchtitan checkout's ([Note: torchtitan assets] in
+    f8dist/integrations/torchtitan_assets.py)."""
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
+    _check_launch()
     config = llama3_debugmodel()
+    paths = torchtitan_assets.make_assets()
+    config.hf_assets_path = paths["tokenizer"]
+    config.dataloader.dataset_path = paths["dataset"]
+    config.dump_folder = paths["outputs"]
     converter = Float8LinearConverter.Config(
         model_compile_enabled=config.compile.enable and "model" in config.compile.components,
         filter_fqns=["lm_head"],
@@ -323,3 +370,14 @@ def llama3_debugmodel_float8_tensorwise_fsdp_all_gather():
         enable_fsdp_float8_all_gather=True,
         precompute_float8_dynamic_scale_for_fsdp=True,
     )
+
+
+def llama3_debugmodel_float8_mxfp8():
+    """llama3 debug model, MXFP8: 1x32 blocks with e8m0 scales (weights all-gathered in bf16)."""
+    return _llama3_debugmodel_float8(recipe_name="mxfp8")
+
+
+def llama3_debugmodel_float8_blockwise():
+    """llama3 debug model, DeepSeek-V3 blockwise float8: 1x128 activations and gradients, 128x128
+    weights, float32 scales (weights all-gathered in bf16)."""
+    return _llama3_debugmodel_float8(recipe_name="blockwise")

@@ -142,6 +142,12 @@ class _CastGradToFloat8(torch.autograd.Function):
 
 def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
     if isinstance(module, Float8Linear):
+        if any(spec.enabled and spec.blockwise for spec in module.specs):
+            raise NotImplementedError(
+                f"{style} on {module.fqn or '<root>'}: tensor and sequence parallel with block "
+                "scales (mxfp8, blockwise recipes) are not supported yet; use a tensorwise or "
+                "rowwise recipe for tensor-parallel layers, or FSDP2 alone"
+            )
         return module
     hint = (
         "convert it with f8dist.convert_to_float8_training first, or use PyTorch's "

@@ -154,3 +154,17 @@ def test_printed_table(capsys):
     assert [c.strip() for c in header.strip("|").split("|")] == bench_bytes.COLUMNS
     assert "### linear f8dist tensorwise:" in printed
     assert "_scaled_mm" in printed
+
+
+def test_block_scaled_linear_gemms_read_float8():
+    """MXFP8 on the --small linear: its three gemms are the block-scaled CPU kernel on 1-byte
+    operands (plus their block scales), and the step moves no more than the bound measured when
+    the test was written (scripts/bench_bytes.py --small --blocks linear --recipes mxfp8)."""
+    results = bench_bytes.run(["linear"], ["mxfp8"], small=True, torchao=False)
+    acc, bf16 = results[("linear", "f8dist", "mxfp8")], results[("linear", "bf16", "-")]
+    gemms = [k for k in acc.breakdown if k.kind == "gemm"]
+    assert [g.op for g in gemms] == ["f8dist.cpu_block_scaled_mm.default"] * 3
+    for g in gemms:
+        operands = [b for b in g.reads if b.dtype == "e4m3"]
+        assert len(operands) == 2, g
+    assert acc.bytes / bf16.bytes <= 2.6

@@ -44,3 +44,24 @@ def test_dtype_and_submodule_config_are_exclusive():
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
             float8_dtype=torch.float8_e4m3fn, fwd_config_submodule_fqn="w1",
         )
+
+
+@pytest.mark.parametrize("style", [Float8ColwiseParallel, Float8RowwiseParallel])
+def test_block_scaled_layers_say_tensor_parallel_is_unsupported(style):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from f8dist import Float8Linear, Float8LinearConfig
+
+    with torch.device("cpu"):
+        lin = Float8Linear.from_float(torch.nn.Linear(64, 64),
+                                      Float8LinearConfig.from_recipe_name("mxfp8"), fqn="w1")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(NotImplementedError, match="on w1: tensor and sequence parallel with "
+                                                      "block scales .* not supported yet"):
+            parallelize_module(lin, init_device_mesh("cpu", (2,)), style())
+    finally:
+        dist.destroy_process_group()
