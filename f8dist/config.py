@@ -304,10 +304,11 @@ class DelayedScalingConfig:
 
     history_len: int = 16
     scale_fn_name: str = "max"  # how the history becomes one amax
-    # a cast whose current amax is out of range of the history scale re-scales in its own step
-    # (True), or keeps the history scale, the step only counted (False: one pass over the tensor
-    # per cast; [Note: the price of re-scaling] in f8dist/delayed.py)
-    rescale_out_of_range: bool = True
+    # a cast whose current amax is out of range of the history scale keeps the history scale, the
+    # step counted and the history restarted by the sync (False, the default: one pass over the
+    # tensor per cast), or re-scales in its own step (True: a second pass per cast); chosen by
+    # measurement, [Note: the price of re-scaling] in f8dist/delayed.py
+    rescale_out_of_range: bool = False
 
     def __post_init__(self):
         if not isinstance(self.history_len, int) or self.history_len < 1:
