@@ -1,5 +1,7 @@
 """f8dist: distributed-first float8 training for PyTorch."""
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it)
+
 from f8dist.config import (
     CastConfig,
     DelayedScalingConfig,
@@ -13,6 +15,7 @@ from f8dist.convert import convert_to_float8_training
 from f8dist import debug  # noqa: E402  (f8dist.debug.record)
 from f8dist.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
 from f8dist.filters import auto_filter_for_recipe, fqn_filter
+from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.linear import Float8Linear
 from f8dist.sac import Float8SACConfig, float8_sac_context_fn
 from f8dist.tensor import Float8Tensor
@@ -33,6 +36,7 @@ __all__ = [
     "debug",
     "float8_sac_context_fn",
     "fqn_filter",
+    "precompute_float8_dynamic_scale_for_fsdp",
     "strip_delayed_scaling_state",
     "sync_float8_amax_and_scale_history",
 ]

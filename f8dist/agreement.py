@@ -47,6 +47,7 @@ import enum
 import hashlib
 import json
 import os
+import time
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -173,6 +174,7 @@ def agree(mine: Settings, group, *, what: str, fix: str) -> None:
     text = json.dumps(sorted([m, f, v] for (m, f), v in mine.items()))
     store.set(f"{prefix}hash/{me}", hashlib.sha256(text.encode()).hexdigest())
     seconds = timeout_s()
+    deadline = time.monotonic() + seconds
     late = (f"did not check its float8 settings within {seconds:g} s ({TIMEOUT_ENV}); did it "
             "convert the model with convert_to_float8_training (and run the same program)?")
     head = f"f8dist: {what} (checked before its first step; they would hang in mismatched " \
@@ -188,10 +190,13 @@ def agree(mine: Settings, group, *, what: str, fix: str) -> None:
         if verdict != "ok":
             raise RuntimeError(verdict)
         return
-    hashes = {r: _get(store, f"{prefix}hash/{r}", seconds) for r in ranks}
+    # one deadline for all: ranks that never come cost the timeout once, not once each
+    hashes = {r: _get(store, f"{prefix}hash/{r}", deadline - time.monotonic()) for r in ranks}
     missing = [r for r, h in hashes.items() if h is None]
     if missing:
-        error = f"{head}  rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} {late}\n{fix}"
+        many = len(missing) > 1
+        late = late.replace(" its ", " their ").replace("did it", "did they") if many else late
+        error = f"{head}  rank{'s' if many else ''} {_ranks(missing)} {late}\n{fix}"
         store.set(f"{prefix}verdict", error)
         raise RuntimeError(error)
     sender = {h: r for r, h in reversed(list(hashes.items()))}  # one rank per distinct hash
@@ -224,6 +229,8 @@ def _get(store, key: str, seconds: float) -> Optional[str]:
     """The value of ``key`` once some rank set it, or None after ``seconds``."""
     import torch.distributed as dist
 
+    if seconds <= 0:  # past the deadline: only what is there already
+        return store.get(key).decode() if store.check([key]) else None
     try:
         store.wait([key], datetime.timedelta(seconds=seconds))
     except (dist.DistStoreError, RuntimeError) as e:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
 
@@ -582,8 +583,17 @@ class Float8LinearConfig:
     # fill the amax histories from the first training step (reduced over the ranks, so step 0
     # casts as one device on the global batch); off: start from scale 1.0
     enable_amax_init: bool = True
+    # torchao's deprecated flag, accepted for porting: it has no effect there either (backward
+    # re-casts the high-precision weight, [Note: what the matmul keeps for backward])
+    force_recompute_fp8_weight_in_bwd: bool = False
 
     def __post_init__(self):
+        if self.force_recompute_fp8_weight_in_bwd:
+            warnings.warn(
+                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated (as in torchao) "
+                "and has no effect (backward re-casts the high-precision weight anyway): drop it.",
+                DeprecationWarning, stacklevel=3,
+            )
         overrides = tuple(_OVERRIDE_FIELD.values())  # None: the operand's main config
         for name in tuple(f"cast_config_{op.value}" for op in Operand) + overrides:
             value = getattr(self, name)

@@ -155,11 +155,14 @@ work:
 
 from __future__ import annotations
 
+import warnings
+import weakref
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.placement import all_reduce, is_dtensor, local_part, reduce_over_shards
@@ -245,6 +248,9 @@ class DelayedScaling:
         self.enable_amax_init = config.enable_amax_init
         self.group = None  # [Note: the amax group]; None: all ranks
         self._verified = None  # (group, fingerprint) the sync last checked
+        self.sync_called = False  # [Note: a forgotten sync]
+        self.unsynced_steps = 0
+        _watch_for_missing_sync(self)
         self.reset()
         device = module.weight.device
         for op in operands:
@@ -269,12 +275,17 @@ class DelayedScaling:
 
     def restart(self) -> None:
         """Put every buffer back to its initial value and :meth:`reset`: the next step is a first
-        step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py)."""
+        step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py),
+        ``reset_parameters`` and ``to_empty`` from the meta device (whose memory is garbage)."""
         for op in self.operands:
             for kind in ("amax", "amax_history", "steps"):
                 self.buffer(kind, op).zero_()
             self.buffer("scale", op).fill_(1.0)
         self.reset()
+
+    def on_meta(self) -> bool:
+        """Whether the buffers are on the meta device (no values)."""
+        return any(self.buffer("scale", op).is_meta for op in self.operands)
 
     def buffer(self, kind: str, op: Operand) -> torch.Tensor:
         """``fp8_{kind}_{op}`` as a plain tensor. ``parallelize_module`` makes buffers Replicate
@@ -526,6 +537,8 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     owners = _owners(model)
     if not owners:
         return
+    for o in owners:
+        o.sync_called = True  # [Note: a forgotten sync]
     group = group if group is not None else owners[0].group
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
@@ -582,6 +595,47 @@ def _mark_synced(owners: List[DelayedScaling], entries, seen: torch.Tensor) -> N
         o.synced = o.synced or id(o) in with_data
 
 
+# [Note: a forgotten sync]
+# Without sync_float8_amax_and_scale_history a delayed layer never leaves its first step: every
+# cast follows its own amax, i.e. dynamic scaling, with an all-reduce per cast. Nothing in forward
+# may count steps (Python state in a compiled region), so an optimizer step post-hook, registered
+# for every optimizer once the first delayed layer exists, counts the steps over each delayed
+# layer's weight, and after the second one without any sync warns once per process, naming the
+# fix. The hook does nothing once every delayed layer alive has synced.
+MISSING_SYNC_STEPS = 2
+_pending: "weakref.WeakSet[DelayedScaling]" = weakref.WeakSet()
+_hook = None
+
+
+def _watch_for_missing_sync(owner: DelayedScaling) -> None:
+    global _hook
+    _pending.add(owner)
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_count_unsynced_step)
+
+
+def _count_unsynced_step(optimizer, args, kwargs) -> None:
+    if not _pending:
+        return
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for o in list(_pending):
+        if o.sync_called:
+            _pending.discard(o)
+        elif id(o.module.weight) in params:
+            o.unsynced_steps += 1
+            if o.unsynced_steps >= MISSING_SYNC_STEPS:
+                _pending.clear()  # once per process
+                warnings.warn(
+                    f"f8dist: {o.unsynced_steps} optimizer steps over delayed-scaling layers (e.g. "
+                    f"{o._fqn()}) without sync_float8_amax_and_scale_history: their casts follow "
+                    "each tensor's own amax (dynamic scaling, an all-reduce per cast). Call "
+                    "f8dist.sync_float8_amax_and_scale_history(model) once per optimizer step, "
+                    "before optimizer.step(), or use a dynamic recipe.",
+                    UserWarning, stacklevel=2,
+                )
+                return
+
+
 def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, int]]]:
     """``{fqn: {operand: {"out_of_range_steps": n, "nonfinite_steps": n}}}`` of every delayed
     layer of ``model`` since it was built: steps in which a cast found its history scale out of
@@ -620,10 +674,7 @@ def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, mis
         return
     absent = set(keys)
     missing_keys[:] = [k for k in missing_keys if k not in absent]
-    for op in owner.operands:
-        owner.buffer("amax", op).zero_()
-        owner.buffer("amax_history", op).zero_()
-        owner.buffer("scale", op).fill_(1.0)
+    owner.restart()
 
 
 def strip_delayed_scaling_state(state_dict: dict) -> dict:

@@ -139,6 +139,12 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if torch.is_grad_enabled():  # backward(create_graph=True): its result would be differentiated
+            raise RuntimeError(
+                "Float8Linear does not support double backward (backward with create_graph=True, "
+                "e.g. a gradient penalty): its float8 gemms' backward is not differentiable. Keep "
+                "the layers you differentiate twice in high precision (module_filter_fn)."
+            )
         saved_input, weight, weight_amax = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
@@ -183,7 +189,18 @@ def float8_linear_mm(
     input_2d = input.reshape(-1, k)  # [M, K]
     backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
     out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales, delayed, backward)  # [M, N]
-    return out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])
+    if input.dim() == 2:
+        return out_2d
+    # [Note: an output that is no view]
+    return torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))  # [..., N]
+
+
+# [Note: an output that is no view]
+# nn.Linear's output is never a view (aten::matmul folds the leading dims back with _unsafe_view,
+# which autograd does not track as one); a reshape of the gemm's [M, N] output would be, and
+# FSDP2 warns about a module that returns a view ("can cause backward to fail or produce wrong
+# gradients": an in-place op on it would rebase its autograd history). No other tensor aliases
+# the gemm's output, so the same _unsafe_view is safe here.
 
 
 class Float8Linear(nn.Linear):
@@ -247,6 +264,11 @@ class Float8Linear(nn.Linear):
         self.specs: CastSpecs = self._config.cast_specs(fqn)  # the six casts, resolved once
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not input.is_floating_point():  # nn.Linear raises too; a float8 cast would not
+            raise TypeError(
+                f"Float8Linear {self.fqn or '<root>'}: input must be a floating-point tensor, got "
+                f"{input.dtype}; convert it first (e.g. input.float()), as nn.Linear needs too."
+            )
         if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
             input = input.to(torch.get_autocast_dtype(input.device.type))
         scales = delayed = None
@@ -270,10 +292,20 @@ class Float8Linear(nn.Linear):
         if self.config.enable_fsdp_float8_all_gather:  # assign=True put a plain weight in place
             wrap_weight_for_float8_all_gather(self)
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "delayed", None) is not None:  # None while nn.Linear.__init__ runs
+            self.delayed.restart()
+
     def _apply(self, fn, recurse=True):
-        if getattr(self, "delayed", None) is not None:  # its buffers stay float32
-            fn = self.delayed.float32_apply(fn)
-        return super()._apply(fn, recurse)
+        delayed = getattr(self, "delayed", None)
+        if delayed is None:
+            return super()._apply(fn, recurse)
+        from_meta = delayed.on_meta()
+        super()._apply(delayed.float32_apply(fn), recurse)  # its buffers stay float32
+        if from_meta and not delayed.on_meta():  # to_empty from meta: garbage memory otherwise
+            delayed.restart()
+        return self
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

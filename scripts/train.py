@@ -53,7 +53,9 @@ from torch.distributed.tensor import DTensor
 import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.agreement import canonical_name
 from f8dist.checkpoint import Float8LoadPlanner
+from f8dist.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
@@ -331,16 +333,21 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global norm over all ranks. Gradients of one model can live on different
-    meshes (FSDP's dp mesh, or dp x tp), so each mesh's norm is reduced on its own first."""
-    by_mesh = defaultdict(list)
+    meshes (FSDP's dp mesh, or dp x tp) with different placements: the squares of each sharding's
+    local gradients are summed over the mesh axes that shard them, one all-reduce each (DTensor's
+    norm would reduce a 2-D partial norm with one all-reduce per mesh axis, and warns so)."""
+    by_sharding, by_mesh = defaultdict(list), defaultdict(list)
     for p in params:
         if p.grad is not None:
-            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+            dt = isinstance(p.grad, DTensor)
+            by_sharding[(p.grad.device_mesh, tuple(p.grad.placements)) if dt else None].append(p.grad)
+            by_mesh[p.grad.device_mesh if dt else None].append(p)
+    squares = []
+    for sharding, grads in by_sharding.items():
+        local = [g.to_local() if sharding else g for g in grads]
+        sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
+        squares.append(sq if sharding is None else reduce_over_shards(sq, *sharding, "sum"))
+    total = torch.stack(squares).sum().sqrt()
     for group in by_mesh.values():  # foreach ops take one mesh at a time
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
@@ -361,7 +368,8 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
 # word. So rank 0 writes CHECKSUMS (the sha256 of every file of the step) into the step before the
 # rename, and --resume verifies the newest step first: a damaged step is named with the file and
 # what is wrong, and the newest intact one is taken. A step without CHECKSUMS (an older train.py)
-# is taken if DCP can read its .metadata.
+# is taken if DCP can read its .metadata. The price: rank 0 reads the step back once per save and
+# once per --resume (the script assumes one file system shared by the ranks, as the rename does).
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 CHECKSUMS = "checksums.json"
@@ -578,6 +586,33 @@ def _eta(seconds: float) -> str:
     return str(timedelta(seconds=int(seconds)))
 
 
+def eta_seconds(now: float, first_step_end: float, done: int, left: int, start: float) -> float:
+    """Seconds until the last step, at the pace of the steps after the first (which compiles,
+    allocates and warms up: with --compile it takes minutes the others do not)."""
+    if done > 1:
+        return (now - first_step_end) / (done - 1) * left
+    return (now - start) / done * left
+
+
+def float8_linears_text(model: nn.Module, recipe: str) -> str:
+    """Which linears run in float8 and which stay high precision, one line; the blocks' indices
+    are folded (``layers.*.attention.wq`` in every block, ``layers.{1,3}.attention.wo`` in some)."""
+    blocks = [str(i) for i in range(len(model.layers))]
+
+    def folded(names):
+        where: Dict[str, List[str]] = {}
+        for n in names:
+            m = re.fullmatch(r"layers\.(\d+)\.(.*)", n)
+            where.setdefault(f"layers.{{}}.{m.group(2)}" if m else n, []).append(m.group(1) if m else "")
+        return ", ".join(k.format("*" if v == blocks else "{" + ",".join(v) + "}") for k, v in where.items()) or "none"
+
+    names = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    fp8 = [n for n, m in names.items() if isinstance(m, f8dist.Float8Linear)]
+    hp = [n for n in names if n not in fp8]
+    return (f"float8 linears ({recipe}): {len(fp8)} of {len(names)}: {folded(fp8)} | "
+            f"high precision: {len(hp)}: {folded(hp)}")
+
+
 # -- the loop -----------------------------------------------------------------------------------
 
 def train(args: argparse.Namespace) -> Dict[str, object]:
@@ -615,6 +650,9 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
               f"mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
               f"compile: {args.compile} | {device.type} x {world}", flush=True)
 
+    if rank == 0:
+        print(float8_linears_text(model, args.float8), flush=True)
+
     peak = bf16_peak_flops(device)
     tokens_per_step = args.batch_size // dp_size * args.seq_len  # per rank
     steps, losses = [], []
@@ -622,12 +660,14 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     if args.float8_stats_every:
         from f8dist.debug import Float8StatsLogger
 
+        # the tables go to their files, not into the log: one line at the end says where
         stats = Float8StatsLogger(model, every=args.float8_stats_every,
-                                  out_dir=args.float8_stats_dir)
+                                  out_dir=args.float8_stats_dir, print_fn=None)
     if args.compile and rank == 0:
         print(f"torch.compile: compiling the {margs.n_layers} transformer block(s) in step "
               f"{start + 1}; the first log line can take minutes", flush=True)
     t_log, tokens_since_log, t_start = time.perf_counter(), 0, time.perf_counter()
+    first_step_end = t_start
 
     for step in range(start + 1, args.steps + 1):
         for group in optimizer.param_groups:
@@ -664,6 +704,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         steps.append(step)
         losses.append(global_loss)
         tokens_since_log += tokens_per_step
+        if step == start + 1:
+            first_step_end = time.perf_counter()
 
         if logged:
             now = time.perf_counter()
@@ -673,8 +715,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             if peak is not None:
                 mfu = 100 * margs.flops_per_token(args.seq_len) * tps / peak
                 line += f"  mfu(vs bf16 peak): {mfu:.2f}%"
-            done = step - start
-            eta = (now - t_start) / done * (args.steps - step)
+            eta = eta_seconds(now, first_step_end, step - start, args.steps - step, t_start)
             print(f"{line}  [{step}/{args.steps} eta {_eta(eta)}]", flush=True)
             t_log, tokens_since_log = now, 0
 
@@ -684,12 +725,24 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step)
 
     if stats is not None:
-        stats.close()  # the last table and the PNG plot over steps
+        written = stats.close()  # the last table and the PNG plot over steps
+        if rank == 0:
+            print(f"float8 stats of steps {', '.join(map(str, stats.recorder.steps))}: "
+                  f"{', '.join(written)}", flush=True)
     result = {"steps": steps, "losses": losses}
     if rank == 0 and args.metrics_file:
         os.makedirs(os.path.dirname(args.metrics_file) or ".", exist_ok=True)
         with open(args.metrics_file, "w") as f:
             json.dump({"args": vars(args), **result}, f)
+    if rank == 0 and steps:
+        seconds = time.perf_counter() - t_start
+        after_first = len(steps) - 1
+        rate = (tokens_per_step * after_first / (time.perf_counter() - first_step_end)
+                if after_first else tokens_per_step * len(steps) / seconds)
+        print(f"done: {len(steps)} steps ({steps[0]}-{steps[-1]}) in {_eta(seconds)}, "
+              f"{rate:,.0f} tokens/s per rank{' after the first step' if after_first else ''}, "
+              f"peak memory {memory_gib(device):.2f}GiB, final loss {losses[-1]:.4f}"
+              + (f", metrics in {args.metrics_file}" if args.metrics_file else ""), flush=True)
     return result
 
 

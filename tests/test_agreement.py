@@ -57,3 +57,61 @@ def test_delayed_buffers_are_kept_out_of_ddp_broadcasts():
         f"0.fp8_{kind}_{op}" for op in ("input", "weight", "grad_output")
         for kind in ("amax", "amax_history", "scale", "steps"))
     assert not hasattr(_model("tensorwise"), "_ddp_params_and_buffers_to_ignore")
+
+
+class _Ranks:
+    """The leader (rank 0) of a 3-rank group, alone with a real TCPStore: what the others set is
+    put in the store by hand."""
+
+    def __init__(self, monkeypatch):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))
+        c10d = dist.distributed_c10d
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+        monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1, 2])
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+        monkeypatch.setattr(c10d, "_get_default_store", lambda: self.store)
+        monkeypatch.setattr(agreement, "_rounds", {})
+        self.group = type("Group", (), {"group_name": "g"})()
+
+    def publish(self, rank, settings):
+        import hashlib
+        import json
+
+        text = json.dumps(sorted([m, f, v] for (m, f), v in settings.items()))
+        self.store.set(f"f8dist/agreement/g/0/hash/{rank}", hashlib.sha256(text.encode()).hexdigest())
+        self.store.set(f"f8dist/agreement/g/0/settings/{rank}", text)
+
+
+def test_ranks_that_never_check_cost_the_timeout_once(monkeypatch):
+    import time
+
+    ranks = _Ranks(monkeypatch)
+    monkeypatch.setenv(agreement.TIMEOUT_ENV, "0.5")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks 1, 2 did not check their float8 settings within 0.5 s"):
+        agreement.agree({("0", "float8"): "True"}, ranks.group, what="w", fix="f")
+    assert time.monotonic() - start < 0.9  # one deadline, not 0.5 s per missing rank
+    assert ranks.store.get("f8dist/agreement/g/0/verdict").decode().startswith("f8dist: w")
+
+
+def test_the_leader_names_what_differs_and_who_agrees(monkeypatch):
+    ranks = _Ranks(monkeypatch)
+    mine = agreement.settings(_model("tensorwise"))
+    ranks.publish(1, mine)
+    ranks.publish(2, agreement.settings(_model("delayed")))
+    with pytest.raises(RuntimeError, match="ScalingType.DYNAMIC on ranks 0, 1, ScalingType.DELAYED on rank 2"):
+        agreement.agree(mine, ranks.group, what="w", fix="f")
+    assert ranks.store.get("f8dist/agreement/g/0/verdict") == b"send 2"  # one rank per distinct hash
+
+
+def test_agreeing_ranks_get_ok(monkeypatch):
+    ranks = _Ranks(monkeypatch)
+    mine = agreement.settings(_model("rowwise"))
+    ranks.publish(1, mine)
+    ranks.publish(2, mine)
+    agreement.agree(mine, ranks.group, what="w", fix="f")
+    assert ranks.store.get("f8dist/agreement/g/0/verdict") == b"ok"

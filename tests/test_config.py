@@ -218,3 +218,15 @@ def test_block_recipes_block_along_each_gemms_contraction_dim(name, block, scale
     if weight:  # square: the same block in both of the weight's gemms
         assert specs["output", "weight"].block_shape(2) == weight == specs["grad_input", "weight"].block_shape(2)
     assert specs.weight_same_bytes == (weight is not None)
+
+
+def test_torchaos_deprecated_field_is_accepted_with_a_warning():
+    # issue 23 item 18: torchao 0.18 accepts force_recompute_fp8_weight_in_bwd (no effect, warns)
+    import warnings
+
+    with pytest.warns(DeprecationWarning, match="force_recompute_fp8_weight_in_bwd.*no effect"):
+        config = Float8LinearConfig(force_recompute_fp8_weight_in_bwd=True)
+    assert config.cast_specs("x") == Float8LinearConfig().cast_specs("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Float8LinearConfig()  # the default does not warn

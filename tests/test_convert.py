@@ -222,3 +222,18 @@ def test_a_recipe_name_as_config_is_accepted_and_anything_else_says_what_to_pass
         convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config="rowwize")
     with pytest.raises(TypeError, match="from_recipe_name"):
         convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config={"emulate": True})
+
+
+def test_converting_after_fully_shard_says_to_convert_first():
+    # item 8: it failed deep in the stack; one process on a fake 2-rank group shards for real
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = fully_shard(nn.Sequential(nn.Linear(32, 32)))
+        with pytest.raises(ValueError, match="0 already has a DTensor weight.*convert the model first"):
+            convert_to_float8_training(model)
+    finally:
+        dist.destroy_process_group()

@@ -160,3 +160,24 @@ def test_compiled_casts_raise_a_clear_error():
     with record(model) as rec:  # the eager module records
         step(compiled._orig_mod, x)
     assert len(rec.stats()) == 8  # 2 layers x 4 casts (tensorwise: grad_weight reuses 2)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_an_empty_batch_is_recorded(recipe, capsys):
+    # issue 23 item 8: a rowwise cast of no rows has no scales: the record crashed
+    model = f8dist.convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config=recipe)
+    with record(model) as rec:
+        model(torch.randn(0, 32, requires_grad=True)).sum().backward()
+    stats = rec.stats()
+    input_stats = next(s for site, s in stats.items() if (site.gemm, site.operand) == ("output", "input"))
+    assert input_stats.numel == 0 and input_stats.amax == 0
+    rec.print_table()
+    x = torch.randn(16, 32, requires_grad=True)
+    with record(model) as rec:  # merged with a non-empty batch: its scales, as if alone
+        model(torch.randn(0, 32, requires_grad=True)).sum().backward()
+        model(x).sum().backward()
+    with record(model) as alone:
+        model(x).sum().backward()
+    for site, s in alone.stats().items():
+        merged = rec.stats()[site]
+        assert (merged.scale_min, merged.scale_max) == (s.scale_min, s.scale_max), site

@@ -587,3 +587,63 @@ def test_a_layer_skipped_for_steps_keeps_its_history_and_scale(compiled):
     x = data[0][0]
     with torch.no_grad():
         assert sqnr(high_precision(model.b, x), model.b(x)) > 20
+
+
+@pytest.mark.parametrize("init", ["to_empty", "to_empty_and_reset_parameters"])
+def test_meta_init_gives_fresh_delayed_buffers(init):
+    # issue 23 item 5: to_empty() left the delayed buffers as uninitialized memory
+    with torch.device("meta"):
+        model = float8_model()
+    model.to_empty(device=torch.get_default_device())
+    if init == "to_empty_and_reset_parameters":
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+    fresh = delayed_buffers(float8_model())
+    assert_buffers_equal(fresh, delayed_buffers(model))
+    assert all(not m.delayed.synced for m in model if isinstance(m, nn.Linear))
+    # trained after a weight init, it keeps the buffers a model built on the device has
+    ref = float8_model()
+    model.load_state_dict({k: v for k, v in ref.state_dict().items() if ".fp8_" not in k},
+                          strict=False)
+    outs, _, bufs = train(model, batches(2))
+    outs_ref, _, bufs_ref = train(ref, batches(2))
+    assert torch.equal(outs[-1], outs_ref[-1])
+    assert_buffers_equal(bufs_ref[-1], bufs[-1])
+
+
+def test_reset_parameters_resets_the_delayed_state():
+    model = float8_model()
+    train(model, batches(2))
+    model[0].reset_parameters()
+    model[2].reset_parameters()
+    assert_buffers_equal(delayed_buffers(float8_model()), delayed_buffers(model))
+    assert not model[0].delayed.synced
+
+
+def test_a_forgotten_sync_warns_once_naming_the_fix():
+    # issue 23 item 16: without the sync delayed scaling silently ran as dynamic scaling
+    import warnings
+
+    from f8dist import delayed as delayed_module
+
+    model = float8_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, t in data:
+            train_step(model, opt, x, t, sync=None)
+    missing = [w for w in caught if "without sync_float8_amax_and_scale_history" in str(w.message)]
+    assert len(missing) == 1
+    assert "f8dist.sync_float8_amax_and_scale_history(model) once per optimizer step" in str(
+        missing[0].message)
+
+    synced = float8_model()  # with the sync: no warning
+    opt = torch.optim.SGD(synced.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, t in data:
+            train_step(synced, opt, x, t)
+    assert not [w for w in caught if "without sync" in str(w.message)]
+    assert synced[0].delayed not in delayed_module._pending

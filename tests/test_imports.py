@@ -74,3 +74,15 @@ def test_core_modules_import_no_distributed_code():
         assert graph[name] <= {"f8dist.config", "f8dist.scaling"}, (name, graph[name])
     source = (PACKAGE / "scaling.py").read_text()
     assert "torch.distributed" not in source
+
+
+def test_what_a_torchao_port_imports_is_at_the_top_level():
+    # issue 23 item 18: porting from torchao.float8 should need only the imports changed
+    import f8dist
+    from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
+
+    assert f8dist.precompute_float8_dynamic_scale_for_fsdp is precompute_float8_dynamic_scale_for_fsdp
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject  # one place: f8dist.__version__
+    assert 'version = { attr = "f8dist.__version__" }' in pyproject
+    assert f8dist.__version__.count(".") == 2

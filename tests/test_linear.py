@@ -482,3 +482,40 @@ def test_block_non_finite_input_gives_non_finite_output(recipe):
     x[3, 5] = float("inf")
     y = f8(x)
     assert torch.isnan(y[3]).all() and torch.isfinite(y[torch.arange(32) != 3]).all()
+
+
+# -- issue 23 item 8: clear errors -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_an_integer_input_raises_what_to_change(dtype):
+    # it silently returned garbage (the cast to float8 accepts integers)
+    _, f8 = _pair("tensorwise", torch.float32)
+    with pytest.raises(TypeError, match=r"lin: input must be a floating-point tensor.*float\(\)"):
+        f8(torch.ones(4, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("recipe", RECIPES + ["delayed"])
+def test_double_backward_says_it_is_unsupported(recipe):
+    # a gradient penalty: differentiating the input gradient again
+    _, f8 = _pair(recipe, torch.float32)
+    x = torch.randn(16, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="does not support double backward.*module_filter_fn"):
+        (gx,) = torch.autograd.grad(f8(x).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+    (gx,) = torch.autograd.grad(f8(x).square().sum(), x)  # a single backward still works
+    assert gx.shape == x.shape
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_output_is_no_view(compiled):
+    # issue 23 item 17: FSDP2 warns about a module that returns a view ([Note: an output that is
+    # no view]); nn.Linear's N-D output is none
+    _, f8 = _pair("tensorwise", torch.float32, bias=False)
+    if compiled:
+        torch._dynamo.reset()
+        f8 = torch.compile(f8, fullgraph=True)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    y = f8(x)
+    assert y._base is None and y.shape == (2, 8, 32)
+    y.sum().backward()
+    assert x.grad.shape == x.shape

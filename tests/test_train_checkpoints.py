@@ -1,8 +1,10 @@
 """scripts/train.py's checkpoints: --resume with another --float8 recipe ([Note: loading across
 recipes] in f8dist/checkpoint.py) and past a damaged step ([Note: verified checkpoints] in
-scripts/train.py). train.py runs as plain python (one rank)."""
+scripts/train.py); and what its log says. train.py runs as plain python (one rank)."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,10 +32,40 @@ def train(*flags, check=True):
     return out
 
 
-def test_resume_with_another_float8_recipe_past_a_damaged_step(tmp_path):
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """Two tensorwise steps, a checkpoint after each, float8 stats of each: (its dir, stdout)."""
+    tmp = tmp_path_factory.mktemp("train")
+    out = train("--steps", 2, "--float8", "tensorwise", "--checkpoint-dir", tmp / "ckpt",
+                "--checkpoint-every", 1, "--float8-stats-every", 1, "--float8-stats-dir", tmp / "stats",
+                "--metrics-file", tmp / "metrics" / "m.json")
+    return tmp, out.stdout
+
+
+def test_the_log_says_what_ran_where_it_went_and_how_it_ended(first_run):
+    tmp, stdout = first_run
+    lines = stdout.splitlines()
+    # which linears run in float8 (the 7 of each block) and which stay high precision (the output)
+    assert ("float8 linears (tensorwise): 7 of 8: layers.*.attention.wq, layers.*.attention.wk, "
+            "layers.*.attention.wv, layers.*.attention.wo, layers.*.feed_forward.w1, "
+            "layers.*.feed_forward.w2, layers.*.feed_forward.w3 | high precision: 1: output") in lines, stdout
+    assert [line for line in lines if line.startswith("saved checkpoint")] == [
+        f"saved checkpoint {tmp / 'ckpt' / f'step-{s}'}" for s in (1, 2)]
+    # the stats tables go to their files (they were printed into the log at every recorded step)
+    assert not any(line.startswith("float8 casts") for line in lines), stdout
+    stats = [line for line in lines if line.startswith("float8 stats")]
+    assert len(stats) == 1 and f"{tmp / 'stats' / 'float8_stats.txt'}" in stats[0], stats
+    assert (tmp / "stats" / "float8_stats.txt").read_text().startswith("float8 casts, step 2")
+    done = lines[-1]
+    assert re.fullmatch(r"done: 2 steps \(1-2\) in 0:00:\d\d, [\d,]+ tokens/s per rank after the first "
+                        r"step, peak memory \d+\.\d\dGiB, final loss \d\.\d{4}, metrics in .*m\.json", done), done
+    assert float(done.split("final loss ")[1].split(",")[0]) == pytest.approx(
+        json.loads((tmp / "metrics" / "m.json").read_text())["losses"][-1], abs=1e-4)
+
+
+def test_resume_with_another_float8_recipe_past_a_damaged_step(first_run):
+    tmp_path = first_run[0] / "ckpt"
     ckpt = ("--checkpoint-dir", tmp_path, "--checkpoint-every", 1)
-    first = train("--steps", 2, "--float8", "tensorwise", *ckpt)
-    assert f"saved checkpoint {tmp_path / 'step-1'}" in first.stdout, first.stdout
     shard = tmp_path / "step-2" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])  # truncated after the save
     # it failed with DCP's "Missing key in checkpoint state_dict: model.layers.0...fp8_amax_input"

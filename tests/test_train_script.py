@@ -166,3 +166,22 @@ def test_directories_that_do_not_exist_yet_are_fine_where_they_can_be_made(tmp_p
     args = train.parse_args(["--checkpoint-dir", str(tmp_path / "a" / "b"),
                              "--metrics-file", str(tmp_path / "c" / "m.json"), "--max-norm", "inf"])
     assert args.max_norm == float("inf") and not (tmp_path / "a").exists()  # nothing made yet
+
+
+def test_eta_leaves_out_the_first_step():
+    # a first step of 100 s (compiling), then 1 s per step: 9 steps left take 9 s, not 91 * 9 / 10
+    assert train.eta_seconds(now=110.0, first_step_end=101.0, done=10, left=9, start=1.0) == 9.0
+    assert train.eta_seconds(now=101.0, first_step_end=101.0, done=1, left=9, start=1.0) == 900.0
+
+
+def test_float8_linears_line_folds_the_blocks():
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.models import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=16))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda m, fqn: fqn not in ("output", "layers.1.attention.wo"))
+    text = train.float8_linears_text(model, "rowwise")
+    assert text.startswith("float8 linears (rowwise): 20 of 22: layers.*.attention.wq, "), text
+    assert "layers.{0,2}.attention.wo, layers.*.feed_forward.w1" in text, text
+    assert text.endswith("| high precision: 2: layers.{1}.attention.wo, output"), text

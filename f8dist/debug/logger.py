@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch.nn as nn
 
@@ -89,14 +89,18 @@ class Float8StatsLogger:
                     line.update({f"delayed_{name}": n for name, n in counts.items()})
                     f.write(json.dumps(line) + "\n")
 
-    def close(self) -> None:
-        """Write the last table and the plot (rank 0, with ``out_dir``)."""
+    def close(self) -> List[str]:
+        """Write the last table and the plot (rank 0, with ``out_dir``); returns the files that
+        hold the stats (with the per-step ``.jsonl``), for a line that says where they are."""
         if self.out_dir is None or not is_rank0() or not self.recorder.steps:
-            return
+            return []
         with open(self._path("txt"), "w") as f:
             f.write(self.recorder.table() + "\n")
+        written = [self._path("txt"), self._path("jsonl")]
         try:
             self.recorder.plot(self._path("png"))
+            written.append(self._path("png"))
         except ImportError as e:
             if self.print_fn is not None:
                 self.print_fn(f"f8dist: no float8 stats plot: {e}")
+        return written

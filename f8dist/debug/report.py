@@ -32,7 +32,8 @@ def _block_cells(s: CastStats):
 def _row(site: CastSite, s: CastStats):
     scale = _num(s.scale_min) if s.scale_min == s.scale_max else (
         f"{_num(s.scale_min)}..{_num(s.scale_max)}"
-    )
+    ) if s.scale_min <= s.scale_max else "-"  # only empty casts: no scale
+
     return (
         site.fqn or "<root>",
         site.gemm,

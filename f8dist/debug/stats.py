@@ -115,13 +115,16 @@ def cast_stats_tensors(
         hp32.to(f64).square().sum(),
         error.to(f64).square().sum(),
     ]), blocks])  # [6 + 3 + BLOCK_HIST_BINS]
-    if hp.numel() == 0:
-        amax = torch.zeros((), dtype=f64, device=hp.device)
-    else:
-        amax = hp32.abs().max().to(f64)
-    if scale.numel() == 0:  # an empty block grid
-        scale = torch.ones((), dtype=torch.float32, device=hp.device)
-    maxes = torch.stack([amax, scale.max().to(f64), -scale.min().to(f64)])  # [3]
+    # an empty cast (a rank's empty batch or shard) adds nothing to a max: amax 0, scales -inf (the
+    # scale of amax 0, or no scale for per-row scales of no rows or an empty block grid, is no
+    # scale a value was cast with; a site that only saw empty casts shows none)
+    scale = scale.reshape(-1).to(f64)[: hp.numel()]  # [1], [rows] or [blocks]; [0] if empty
+    none = torch.full((1,), -torch.inf, dtype=f64, device=hp.device)  # [1]
+    maxes = torch.stack([
+        torch.cat([hp32.reshape(-1).abs().to(f64), none.new_zeros(1)]).max(),
+        torch.cat([scale, none]).max(),
+        torch.cat([-scale, none]).max(),
+    ])  # [3]
     return sums, maxes
 
 

@@ -48,8 +48,8 @@ def suggest_module_filter(
 
         >>> with f8dist.debug.record(model) as rec:
         ...     train_step(model)
-        >>> keep = suggest_module_filter(rec.stats(), min_sqnr_db=25)
-        >>> convert_to_float8_training(fresh_model, module_filter_fn=keep)
+        >>> to_float8 = suggest_module_filter(rec.stats(), min_sqnr_db=25)  # True: convert
+        >>> convert_to_float8_training(fresh_model, module_filter_fn=to_float8)
     """
     if not stats:
         raise ValueError("no cast statistics to suggest from: record a few training steps first")

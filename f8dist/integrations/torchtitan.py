@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from typing import Callable, List, Literal, Optional
 
+import torch
 import torch.nn as nn
 
 try:
@@ -47,6 +50,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # every public callable of it as a config function when --config names none.
 import f8dist
 from f8dist import convert, delayed, filters, fsdp
+from f8dist.integrations import torchtitan_assets
 
 __all__ = [
     "AUTO_FILTER",
@@ -143,9 +147,10 @@ class Float8LinearConverter(QuantizationConverter):
 
     * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", or the
       block-scaled "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights" and "blockwise"
-      (``f8dist.Float8LinearConfig.from_recipe_name``; block scales: single device and FSDP2
-      with high-precision all-gathers, no tensor parallel yet).
-    * ``filter_fqns``: linears whose FQN contains one of these stay high precision;
+      (``f8dist.Float8LinearConfig.from_recipe_name``; block scales: single device and FSDP2,
+      no tensor parallel yet).
+    * ``filter_fqns``: linears whose FQN contains one of these stay high precision (one string
+      is one FQN);
       "auto_filter_small_kn" adds f8dist's auto filter (``docs/auto_filter.md``) for
       ``auto_filter_tokens`` tokens per gemm (local batch size x sequence length).
     * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (tensorwise and
@@ -190,8 +195,9 @@ class Float8LinearConverter(QuantizationConverter):
                     f"{config.recipe_name!r} recipe takes its weight scale from the amax history "
                     "(synced before each optimizer step). Turn it off for this recipe"
                 )
-        fqns = [f for f in config.filter_fqns if f != AUTO_FILTER]
-        if AUTO_FILTER in config.filter_fqns:
+        filter_fqns = _fqn_list(config.filter_fqns)
+        fqns = [f for f in filter_fqns if f != AUTO_FILTER]
+        if AUTO_FILTER in filter_fqns:
             self.filter_fn = filters.auto_filter_for_recipe(
                 config.recipe_name, filter_fqns=fqns, tokens=config.auto_filter_tokens
             )
@@ -229,6 +235,16 @@ class Float8LinearConverter(QuantizationConverter):
                 len(kept), ", ".join(kept),
             )
         return model_config
+
+
+def _fqn_list(filter_fqns) -> List[str]:
+    """``filter_fqns`` as a list: one string is one FQN (iterating it would give its characters,
+    and every FQN contains one of them: nothing would be converted)."""
+    fqns = [filter_fqns] if isinstance(filter_fqns, str) else list(filter_fqns)
+    wrong = [f for f in fqns if not isinstance(f, str)]
+    if wrong:
+        raise TypeError(f"filter_fqns must be FQN strings (e.g. [\"lm_head\"]), got {wrong!r}")
+    return fqns
 
 
 def _float8_linears(model: nn.Module) -> List[Float8Linear]:
@@ -285,13 +301,38 @@ def with_float8_hooks(model_spec: ModelSpec) -> ModelSpec:
 # -- torchtitan config functions: --module f8dist.integrations.torchtitan --config NAME ------------
 
 
+def _check_launch() -> None:
+    """Under ``python -m torchtitan.train``, end in one line where the Trainer would fail deep in
+    its setup: it needs CUDA (it sets the CUDA device first) and torchrun's ``LOCAL_RANK``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or spec.name != "torchtitan.train":  # e.g. a test building the config
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "f8dist: torchtitan's Trainer needs CUDA (it sets the CUDA device before anything "
+            "else) and this machine has none; on a CPU, train with scripts/train.py (docs/training.md)"
+        )
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit(
+            "f8dist: torchtitan's Trainer runs under torchrun (it reads LOCAL_RANK): torchrun "
+            "--nproc_per_node=1 -m torchtitan.train --module f8dist.integrations.torchtitan --config NAME"
+        )
+
+
 def _llama3_debugmodel_float8(**float8):
     """torchtitan's llama3 debug model config, its linears in float8 (the output projection,
-    ``lm_head``, stays high precision: float8 logits cost accuracy for little speed)."""
+    ``lm_head``, stays high precision: float8 logits cost accuracy for little speed), reading
+    assets made by f8dist instead of a torchtitan checkout's ([Note: torchtitan assets] in
+    f8dist/integrations/torchtitan_assets.py)."""
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
+    _check_launch()
     config = llama3_debugmodel()
+    paths = torchtitan_assets.make_assets()
+    config.hf_assets_path = paths["tokenizer"]
+    config.dataloader.dataset_path = paths["dataset"]
+    config.dump_folder = paths["outputs"]
     converter = Float8LinearConverter.Config(
         model_compile_enabled=config.compile.enable and "model" in config.compile.components,
         filter_fqns=["lm_head"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -141,4 +142,20 @@ def parallelize_llama(
             )
     plan = llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
     agreement.check(model, tp_mesh)  # before sharding broadcasts: [Note: ranks that disagree]
-    return parallelize_module(model, tp_mesh, plan)
+    parallelize_module(model, tp_mesh, plan)
+    if not loss_parallel:
+        model.output.register_forward_hook(_logits_not_a_view)
+    return model
+
+
+# [Note: logits that are no view]
+# ColwiseParallel(use_local_output=True) hands back ``DTensor.to_local()``, a view of the
+# DTensor's local tensor, so the model returns a view, and FSDP2 warns on every rank that "an
+# in-place op on this view ... can cause backward to fail or produce wrong gradients". Nothing
+# else holds that local tensor: the hook re-labels the logits as a tensor of their own with
+# ``aten._unsafe_view`` (what aten::matmul does for nn.Linear's N-D output), no copy.
+
+
+def _logits_not_a_view(module: nn.Module, args, output):
+    """[Note: logits that are no view]"""
+    return torch.ops.aten._unsafe_view(output, output.shape)

@@ -1,12 +1,14 @@
 """torchrun program: scripts/train.py several times in one launch, one run per ``--variant``
-(flags appended to ``--train``); reports each run's steps and losses (see
-tests/distributed/test_train.py)."""
+(flags appended to ``--train``); reports each run's steps and losses, and every warning torch
+raised or logged in it (see tests/distributed/test_train.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import sys
+import warnings
 
 from tests.distributed.common import init, main, write_result
 
@@ -23,9 +25,17 @@ def _args(parser):
 def run(args):
     init()
     result = {}
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("torch").addHandler(handler)
     for variant in args.variant:
         name, _, flags = variant.partition("=")
-        result[name] = train.train(train.parse_args(shlex.split(args.train) + shlex.split(flags)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result[name] = train.train(train.parse_args(shlex.split(args.train) + shlex.split(flags)))
+        result[name]["torch_warnings"] = [str(w.message) for w in caught] + logged
+        logged.clear()
     write_result(args, result)
 
 

@@ -37,13 +37,20 @@ from torchtitan.models.llama3 import llama3_configs, model_registry  # noqa: E40
 
 import f8dist  # noqa: E402
 import f8dist.integrations.torchtitan as tt  # noqa: E402
+from f8dist.integrations.torchtitan_assets import ASSETS_ENV, BOS, EOS, make_assets  # noqa: E402
 from f8dist.fsdp import Float8AllGatherWeight  # noqa: E402
 from f8dist.numerics import sqnr  # noqa: E402
-from tests.distributed.harness import run_torchrun  # noqa: E402
+from tests.distributed.harness import REPO_ROOT, run_torchrun  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/config.py)
 N_LINEARS = 6 * 5  # debugmodel: 6 blocks of wqkv, wo, w1, w2, w3 (lm_head filtered)
+
+
+@pytest.fixture(autouse=True)
+def _assets_in_a_temporary_directory(tmp_path_factory, monkeypatch):
+    """The config functions make their assets ([Note: torchtitan assets]): not in ~/.cache here."""
+    monkeypatch.setenv(ASSETS_ENV, str(tmp_path_factory.getbasetemp() / "torchtitan_assets"))
 
 
 def _converter(recipe="tensorwise", **kwargs):
@@ -275,6 +282,63 @@ def test_config_functions_select_the_debug_model_with_each_recipe():
             assert c.enable_fsdp_float8_all_gather == all_gather
             assert c.precompute_float8_dynamic_scale_for_fsdp == all_gather
         assert spec.post_optimizer_build_fn.__qualname__ == "with_float8_hooks.<locals>.chained"
+
+
+def test_config_functions_read_assets_f8dist_makes_not_a_torchtitan_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./tests/assets here: torchtitan's own paths would not resolve
+    config = ConfigManager().parse_args(["--module", "f8dist.integrations.torchtitan",
+                                         "--config", "llama3_debugmodel_float8_tensorwise"])
+    paths = make_assets()
+    assert config.hf_assets_path == paths["tokenizer"] and config.dataloader.dataset_path == paths["dataset"]
+    assert config.dump_folder == paths["outputs"] and not os.path.relpath(paths["outputs"]).startswith("outputs")
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=config.hf_assets_path)
+    ids = tokenizer.encode("def f(x):\n    return x", add_bos=True, add_eos=True)
+    assert ids[0] == tokenizer.bos_id == 256 and ids[-1] == tokenizer.eos_id == 257
+    assert tokenizer.decode(ids[1:-1]) == "def f(x):\n    return x"  # bytes round-trip
+    assert tokenizer.get_vocab_size() == 258 <= config.model_spec.model.vocab_size
+    assert tokenizer.bos_token == BOS and tokenizer.eos_token == EOS
+    sample, _ = next(iter(HuggingFaceTextDataset("c4_test", config.dataloader.dataset_path, tokenizer,
+                                                 seq_len=64)))
+    assert sample["input"].shape == (64,) and int(sample["input"].max()) < 258
+    assert os.listdir(tmp_path) == []  # nothing written where it ran (it left ./outputs)
+
+
+def test_readme_command_says_what_it_needs_in_one_line(tmp_path):
+    # the README's command on a machine without CUDA: it ended in "torch._C has no attribute
+    # '_cuda_setDevice'" (under torchrun) or a KeyError on LOCAL_RANK, and left ./outputs
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT),
+               **{ASSETS_ENV: str(tmp_path / "assets")})
+    out = subprocess.run([sys.executable, "-m", "torchtitan.train", "--module", "f8dist.integrations.torchtitan",
+                          "--config", "llama3_debugmodel_float8_tensorwise"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        "f8dist: torchtitan's Trainer needs CUDA (it sets the CUDA device before anything else) and "
+        "this machine has none; on a CPU, train with scripts/train.py (docs/training.md)"), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and os.listdir(tmp_path) == []
+
+
+def test_without_torchrun_the_config_says_so(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(
+        name="torchtitan.train")))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit, match="runs under torchrun .* torchrun --nproc_per_node=1 -m torchtitan.train"):
+        tt.llama3_debugmodel_float8_tensorwise()
+
+
+def test_filter_fqns_as_one_string_is_one_fqn():
+    spec = model_registry("debugmodel", converters=[
+        tt.Float8LinearConverter.Config(recipe_name="tensorwise", filter_fqns="lm_head")])
+    # a string was iterated by character: every FQN holds an "l" or "m", nothing was converted
+    assert len(_float8_configs(spec.model)) == N_LINEARS
+    with pytest.raises(TypeError, match="filter_fqns must be FQN strings"):
+        tt.Float8LinearConverter(tt.Float8LinearConverter.Config(filter_fqns=[3]))
 
 
 def test_importing_f8dist_never_imports_torchtitan():
