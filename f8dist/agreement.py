@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig
+from f8dist.grouped import GroupedExperts
 from f8dist.placement import _whole_mesh_group, is_dtensor
 
 __all__ = [
@@ -241,17 +242,20 @@ def _get(store, key: str, seconds: float) -> Optional[str]:
 
 
 def settings(model: nn.Module) -> Settings:
-    """What the ranks sharding ``model`` must agree on: for each linear whether it is a
-    Float8Linear and its config (field by field), and the float8 TP style of each module."""
+    """What the ranks sharding ``model`` must agree on: for each linear (and each MoE layer's
+    experts) whether it is float8 and its config (field by field), the float8 TP style of each
+    module, and whether each MoE layer dispatches float8 tokens."""
     out: Settings = {}
     for name, m in model.named_modules():
         name = canonical_name(name) or "<root>"
         # a Float8Linear's config (the class is not imported here: f8dist.fsdp imports this module)
         config = getattr(m, "config", None)
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, GroupedExperts)):  # a linear, or an MoE layer's experts
             out[name, "float8"] = str(isinstance(config, Float8LinearConfig))
             if isinstance(config, Float8LinearConfig):
                 out.update(((name, field), value) for field, value in _fields(config))
+        if hasattr(m, "float8_dispatch"):  # an MoE layer: its EP dispatch (f8dist/dispatch.py)
+            out[name, "float8_dispatch"] = str(m.float8_dispatch)
         if hasattr(m, "_f8dist_tp_style"):
             out[name, "tp_style"] = m._f8dist_tp_style
     return out

@@ -22,7 +22,9 @@ from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.placement import (
     blocks_split_by_shards, is_dtensor, like, local_part, reduce_partial,
 )
-from f8dist.scaling import amax_to_scale, block_cast, in_memory, saturated_cast, tensor_amax
+from f8dist.scaling import (
+    amax_to_scale, block_cast, group_amax, group_ids, in_memory, saturated_cast, tensor_amax,
+)
 from f8dist.tensor import Float8Tensor
 
 __all__ = [
@@ -50,16 +52,44 @@ def high_precision(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _fits(fp8: Float8Tensor, spec: CastSpec) -> bool:
+def _fits(fp8: Float8Tensor, spec: CastSpec, offsets: Optional[torch.Tensor] = None) -> bool:
     """Whether float8 bytes are what casting their value with ``spec`` would give."""
+    if offsets is not None and _grouped_axis(spec, fp8.dim()) != fp8.dim() - 1:
+        return False  # per-group scales: their bytes depend on the groups
     block = spec.block_shape(fp8.dim())
     return (fp8._data.dtype == spec.dtype and fp8._axiswise_dim == spec.axiswise_dim(fp8.dim())
             and fp8._block == block and (block is None or fp8._scale.dtype == spec.scale_dtype))
 
 
+def _grouped_axis(spec: CastSpec, ndim: int) -> Optional[int]:
+    """The dim a grouped cast reduces over in an operand of ``ndim`` dims: the spec's axis in the
+    2-D layout, shifted past the experts dim of a 3-D weight; None: tensorwise (per expert)."""
+    if not spec.axiswise:
+        return None
+    return spec.axis % 2 + (ndim - 2)
+
+
+def grouped_amax(t: torch.Tensor, spec: CastSpec, offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """The amax of a grouped cast ([Note: grouped casts] in f8dist/config.py), shaped to broadcast
+    against ``t``: [E, 1, 1] / [E, N, 1] / [E, 1, K] for a 3-D weight; [M, 1] per token, or per
+    token group ([M, 1] tensorwise, [M, C] over the tokens) for a 2-D ``t`` with ``offsets``."""
+    axis = _grouped_axis(spec, t.dim())
+    if t.dim() == 3:  # [E, N, K]
+        return tensor_amax(t, (1, 2) if axis is None else axis)
+    if axis == 1:  # one scale per token: no groups needed
+        return tensor_amax(t, 1)  # [M, 1]
+    if offsets is None:
+        raise ValueError(f"{spec.site}: a grouped cast of token groups needs their offsets")
+    rows = t if axis == 0 else tensor_amax(t, 1)  # [M, C] or [M, 1]
+    per_group = group_amax(rows, offsets)  # [E, C] or [E, 1]
+    ids = group_ids(offsets, t.shape[0]).clamp(max=offsets.shape[0] - 1)  # [M]
+    return per_group[ids]  # [M, C] or [M, 1]
+
+
 def cast_to_float8(
     t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *,
     amax: Optional[torch.Tensor] = None, store: bool = False,
+    offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
@@ -68,7 +98,9 @@ def cast_to_float8(
     ``spec.axis`` (axiswise). ``amax`` given: that amax, already known (the forward's weight amax
     in backward, [Note: what the matmul keeps for backward] in f8dist/linear.py), shaped as the
     cast's own would be. ``store``: the bytes serve two gemms, so a compiled graph stores them
-    once and takes the other layout from them. Not differentiable: see :class:`ToFloat8` for that.
+    once and takes the other layout from them. ``offsets``: the token groups of a grouped cast
+    (``spec.grouped``, [Note: grouped casts] in f8dist/config.py). Not differentiable: see
+    :class:`ToFloat8` for that.
 
     Example::
 
@@ -78,7 +110,7 @@ def cast_to_float8(
     """
     local = local_part(t)
     if isinstance(local, Float8Tensor):
-        if _fits(local, spec):
+        if _fits(local, spec, offsets):
             return like(t, local.with_mm_config(spec.mm_config))
         t = high_precision(t)
     if not spec.enabled:
@@ -90,13 +122,18 @@ def cast_to_float8(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
         )
     axis = spec.axiswise_dim(t.dim())
+    if spec.grouped:
+        if scale is not None or amax is not None:
+            raise ValueError(f"{spec.site}: a grouped cast computes its own per-expert scales")
+        axis = _grouped_axis(spec, t.dim())
+        amax = grouped_amax(t, spec, offsets)
     if scale is not None and amax is not None:
         raise ValueError(f"{spec.site}: give a cast its scale or its amax, not both")
     if scale is None:
         if amax is None:
             t = in_memory(t)  # read twice: [Note: a cast that waits for its amax] (scaling.py)
             amax = logical_amax(t, axis)  # [] or t.shape with 1 at axis
-        elif amax.dim() != (0 if axis is None else t.dim()):
+        elif amax.dim() != (0 if axis is None else t.dim()) and not spec.grouped:
             raise ValueError(
                 f"{spec.site}: a given amax must have the shape of the cast's own ([] tensorwise, "
                 f"{t.dim()}-D axiswise), got {tuple(amax.shape)}"

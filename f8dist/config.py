@@ -109,6 +109,19 @@ _CONTRACTION_AXIS = {
 # (compiled, the same kernels; with dynamic token counts the graph specializes on M % 16 == 0).
 # The layer's own dims K and N still need pad_inner_dim (a clear error says so).
 
+# [Note: grouped casts]
+# An expert's gemms (f8dist/grouped.py) use the same table as a linear's, with
+# ``CastSpec.grouped``: the weight is 3-D, [experts, out, in], and the token operands (input,
+# grad_output, [M, C]) are jagged groups of rows, one per expert ([Note: token groups] in
+# f8dist/scaling.py). The cell's granularity and axis mean, per expert:
+#   * axiswise, contraction along the row (output and grad_input gemms): one scale per token, and
+#     one per expert and row (or column) of the weight, [E, N, 1] (or [E, 1, K]);
+#   * axiswise over the tokens (grad_weight): one scale per expert and column, over the expert's
+#     token group ([E, C]; stored per row as [M, C] so that the Float8Tensor dequantizes);
+#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group.
+# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand. Delayed scaling has one amax
+# history per tensor and so is refused for grouped casts.
+
 # The config field that overrides an operand's main CastConfig in one gemm
 _OVERRIDE_FIELD = {
     (Gemm.GRAD_INPUT, Operand.WEIGHT): "cast_config_weight_for_grad_input",
@@ -291,10 +304,11 @@ class DelayedScalingConfig:
 
     history_len: int = 16
     scale_fn_name: str = "max"  # how the history becomes one amax
-    # a cast whose current amax is out of range of the history scale re-scales in its own step
-    # (True), or keeps the history scale, the step only counted (False: one pass over the tensor
-    # per cast; [Note: the price of re-scaling] in f8dist/delayed.py)
-    rescale_out_of_range: bool = True
+    # a cast whose current amax is out of range of the history scale keeps the history scale, the
+    # step counted and the history restarted by the sync (False, the default: one pass over the
+    # tensor per cast), or re-scales in its own step (True: a second pass per cast); chosen by
+    # measurement, [Note: the price of re-scaling] in f8dist/delayed.py
+    rescale_out_of_range: bool = False
 
     def __post_init__(self):
         if not isinstance(self.history_len, int) or self.history_len < 1:
@@ -362,6 +376,8 @@ class CastSpec:
     block_size: Optional[Tuple[int, int]] = None
     scale_dtype: torch.dtype = torch.float32
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
+    # a cast for a grouped (expert) gemm: [Note: grouped casts]
+    grouped: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "gemm", Gemm(self.gemm))
@@ -737,6 +753,43 @@ class Float8LinearConfig:
             round_scales_to_power_of_2=self.round_scales_to_power_of_2,
             gemm=Gemm.GRAD_WEIGHT, operand=Operand.INPUT, fqn=fqn,
         )
+
+    def grouped_cast_specs(self, fqn: str = "") -> CastSpecs:
+        """The six casts of the grouped (expert) gemm ``fqn``: this config's table with
+        ``grouped=True`` ([Note: grouped casts]).
+
+        Example::
+
+            >>> specs = Float8LinearConfig.from_recipe_name("tensorwise").grouped_cast_specs("w1")
+            >>> specs["grad_input", "grad_output"].dtype  # CUDA's grouped gemm takes e4m3 only
+            torch.float8_e4m3fn
+        """
+        specs = []
+        for g, op in _CELLS:
+            spec = self.cast_spec(g, op, fqn)
+            cc = self.cast_config(g, op)
+            if spec.scaling_type is ScalingType.DELAYED:
+                raise ValueError(
+                    f"{fqn or '<root>'}: delayed scaling keeps one amax history per tensor, and a "
+                    "grouped expert gemm scales per expert; use a dynamic recipe ('rowwise', "
+                    "'tensorwise', 'rowwise_with_gw_hp') for the experts, or keep them in high "
+                    "precision with module_filter_fn"
+                )
+            if spec.blockwise:
+                raise ValueError(
+                    f"{fqn or '<root>'}: block-scaled grouped gemms (MXFP8, blockwise) are not "
+                    "supported yet; use 'rowwise', 'tensorwise' or 'rowwise_with_gw_hp' for the "
+                    "experts (convert them separately), or keep them in high precision with "
+                    "module_filter_fn"
+                )
+            if spec.enabled and cc.target_dtype is E5M2:
+                raise ValueError(
+                    f"{fqn or '<root>'}: {g}:{op} asks for e5m2, but torch._scaled_grouped_mm "
+                    "takes e4m3 operands only; leave its target_dtype None (e4m3 in grouped "
+                    "gemms) or set it to torch.float8_e4m3fn"
+                )
+            specs.append(dataclasses.replace(spec, dtype=E4M3, grouped=True))
+        return CastSpecs(tuple(specs))
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:
         """The float8 dtype ``operand`` is cast to in ``gemm``."""

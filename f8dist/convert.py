@@ -12,6 +12,7 @@ from f8dist import agreement
 from f8dist.config import Float8LinearConfig
 from f8dist.delayed import ignore_in_ddp
 from f8dist.gemm import GEMM_ALIGNMENT, block_problems
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts, is_float8_grouped_compatible
 from f8dist.linear import Float8Linear
 from f8dist.placement import is_dtensor
 
@@ -40,7 +41,11 @@ def convert_to_float8_training(
     skip_incompatible: bool = True,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` (that ``module_filter_fn(mod, fqn)`` accepts) with
-    a :class:`Float8Linear` sharing its parameters. Returns ``module`` (or the new module if
+    a :class:`Float8Linear` sharing its parameters, and every
+    :class:`~f8dist.grouped.GroupedExperts` (a mixture-of-experts layer's experts) with a
+    :class:`~f8dist.grouped.Float8GroupedExperts` whose grouped gemms run in float8 through the
+    same cast table ([Note: grouped gemms] in f8dist/grouped.py). A router is no nn.Linear (see
+    f8dist/models/moe.py) and stays in high precision. Returns ``module`` (or the new module if
     ``module`` itself is a linear). ``config``: a :class:`Float8LinearConfig` or a recipe name
     (``"rowwise"``, as ``Float8LinearConfig.from_recipe_name`` takes); None: the default config.
 
@@ -89,13 +94,20 @@ def convert_to_float8_training(
         return new
 
     def _replacement(mod: nn.Module, fqn: str) -> nn.Module:
-        if not isinstance(mod, nn.Linear):
+        grouped = isinstance(mod, GroupedExperts)  # [Note: grouped gemms] in f8dist/grouped.py
+        if not isinstance(mod, nn.Linear) and not grouped:
             return mod
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             return mod
-        if isinstance(mod, Float8Linear):
+        if isinstance(mod, (Float8Linear, Float8GroupedExperts)):
             _check_same_config(mod, config, fqn)
             return mod
+        if grouped:
+            if not is_float8_grouped_compatible(mod) and not config.emulate:
+                if skip_incompatible:
+                    skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim})")
+                    return mod
+            return Float8GroupedExperts.from_float(mod, config, fqn=fqn)
         if type(mod).forward is not nn.Linear.forward:  # [Note: nn.Linear subclasses]
             skipped_subclasses.append(f"{fqn or '<root>'} ({type(mod).__qualname__})")
             return mod
@@ -155,7 +167,7 @@ def _resolve_config(config) -> Float8LinearConfig:
     return config
 
 
-def _check_same_config(mod: Float8Linear, config: Float8LinearConfig, fqn: str) -> None:
+def _check_same_config(mod, config: Float8LinearConfig, fqn: str) -> None:
     differ = [
         f.name for f in dataclasses.fields(config)
         if getattr(mod.config, f.name) != getattr(config, f.name)

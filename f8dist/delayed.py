@@ -72,9 +72,12 @@ history's scale, lands outside :func:`in_range` proves the prediction wrong:
   numbers, and the small ones flush to zero. Heavy-tailed tensors keep most of their elements that
   far below their max.
 
-Such a cast is re-scaled from its current amax for that step, like a dynamic cast; the sync
-counts the step (``delayed_scaling_counters``, printed by the float8 stats logger) and restarts
-the history from its amax, so the next step is in range again. An all-zero tensor is never out of
+The sync counts such a step (``delayed_scaling_counters``, printed by the float8 stats logger)
+and restarts the history from its amax, so the next step is in range again. By default the cast
+itself keeps the history's scale (it saturates or flushes that step, as torchao's and Transformer
+Engine's delayed scaling do); with ``DelayedScalingConfig(rescale_out_of_range=True)`` it is
+re-scaled from its current amax for that step, like a dynamic cast ([Note: the price of
+re-scaling] says why that is not the default). An all-zero tensor is never out of
 range (it casts to exact zeros at any scale). A non-finite amax makes the cast use it too: its
 scale turns 0 or NaN and the output non-finite, as in high precision ([Note: non-finite values] in
 f8dist/scaling.py); the sync keeps that amax out of the history and counts the step. The rule is
@@ -86,14 +89,25 @@ A cast that may re-scale depends on the amax of its own tensor, so it reads the 
 for the amax, once for the cast, and a producer (SwiGLU, a norm) cannot fuse the cast into its own
 kernel: it writes the high-precision tensor for the cast to read back. A cast with the history's
 scale needs no amax before it; its amax is recorded in the same pass ([Note: record after the
-cast]). In a compiled FFN block the re-scaling rule costs about a fifth of the bytes delayed scaling
-moves (``scripts/bench_bytes.py``: rows ``delayed`` and ``delayed_counted``). No graph expresses "a
-second pass only when out of range" without a host sync per cast (``torch.cond`` decides on the
-host, and its operands and outputs are materialized).
-``DelayedScalingConfig(rescale_out_of_range=False)`` takes the cheap casts: an out-of-range step
-casts with the history scale and is only counted (the sync restarts the history), as the FSDP2
-float8 all-gather's casts always are; a non-finite value still turns the output non-finite (a
-delayed cast maps it to NaN in the same pass, [Note: non-finite values] in f8dist/scaling.py).
+cast]). No graph expresses "a second pass only when out of range" without a host sync per cast
+(``torch.cond`` decides on the host, and its operands and outputs are materialized). So the choice
+is every step's bytes against one step's precision after a range jump, and it was measured
+(docs/numerics.md, [Re-scaling or not]):
+
+* every step: in a compiled LLaMA FFN block re-scaling moves 1.534x bf16's bytes, as many as
+  tensorwise (1.533x), without it 1.207x (``scripts/bench_bytes.py``, rows ``delayed_rescaled``
+  and ``delayed``): re-scaling takes away what delayed scaling is for;
+* a range jump (``scripts/delayed_cases.py``): a drop of 2**-8 costs nothing either way; a rise of
+  4x or a drop of 2**-20 makes the step of the jump saturate or flush (7 dB, 0 dB) without
+  re-scaling, and each layer that the jump reaches only through a flushed layer loses one more
+  step; after that the restarted history gives the clean figures again.
+
+Range jumps are rare (a loss spike, a bad batch; an optimizer step moves no weight out of range)
+and counted, every step is every step: ``rescale_out_of_range=False`` is the default, the casts
+of the FSDP2 float8 all-gather never re-scale anyway, and a non-finite value turns the output
+non-finite in both modes (a delayed cast maps it to NaN in the same pass, [Note: non-finite
+values] in f8dist/scaling.py). Set ``rescale_out_of_range=True`` where one step's precision after
+a jump matters more than the bytes.
 
 The decision is per rank, on the tensor the rank casts. Bytes that are then communicated must
 share one scale on every rank: the TP styles' casts before an all-gather decide on the logical
@@ -136,8 +150,8 @@ passes over one tensor only in one order: a pointwise pass (the cast) followed b
 (the amax) share a loop, the reverse does not (``CppScheduling._why_fuse_nodes``), and a graph
 keeps the order in which the code ran. So Float8Linear's forward and backward collect such
 records in ``later`` and run them after their gemms: each weight, input and gradient is then read
-once for its cast and its amax (scripts/bench_bytes.py, row ``delayed_counted``: the FFN moves
-1.21x bf16's bytes instead of 1.36x). Eagerly the order changes nothing (the record is the same
+once for its cast and its amax (scripts/bench_bytes.py, row ``delayed``: the FFN moves 1.21x
+bf16's bytes instead of 1.36x). Eagerly the order changes nothing (the record is the same
 ``max`` into ``fp8_amax``), and a cast whose amax is not recorded (evaluation) skips it.
 
 [Note: delayed checkpoints]

@@ -146,7 +146,7 @@ def _whole_mesh_group(mesh) -> Optional[object]:
 def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_sizes: Sequence[int],
                            placements: Sequence) -> Optional[str]:
     """Why shards of a tensor of ``shape`` laid out as ``placements`` over mesh dims of
-    ``mesh_sizes`` ranks split its ``block``\ s ([Note: shards on block boundaries]); None when
+    ``mesh_sizes`` ranks split its blocks of ``block`` ([Note: shards on block boundaries]); None when
     every shard starts on a block boundary."""
     sharded_dims = []
     for size, p in zip(mesh_sizes, placements):

@@ -74,6 +74,8 @@ __all__ = [
     "round_scale_down_to_power_of_2",
     "saturated_cast",
     "dequantize",
+    "group_ids",
+    "group_amax",
     "block_amax",
     "block_scale",
     "block_cast",
@@ -112,7 +114,7 @@ def tensor_amax(x: torch.Tensor, dim: Dim = None) -> torch.Tensor:
         if x.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         amax = torch.max(torch.abs(x))  # []
-    elif x.shape[dim] == 0:  # torch.amax raises; the sum of no magnitudes is the same 0s
+    elif x.numel() == 0:  # torch.amax may raise; the sum of no magnitudes is the same 0s
         amax = torch.abs(x).sum(dim=dim, keepdim=True)  # x.shape with 1 at dim
     else:
         amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)  # x.shape with 1 at dim
@@ -293,3 +295,29 @@ def block_cast(
         return data_t.t(), scale_t.t()  # [R, C] column-major, [R / rows, C]
     scale = block_scale(block_amax(x, block), float8_dtype, **kw)
     return saturated_cast(x, expand_blocks(scale, block, x.shape), float8_dtype), scale
+
+
+# [Note: token groups]
+# A grouped gemm runs one gemm per expert over the expert's rows of a [M, C] token tensor,
+# the rows sorted by expert. ``offsets`` ([E] int32, torch._grouped_mm's convention) holds the
+# cumulative end row of each group: group e is rows [offsets[e-1], offsets[e]). A group may be
+# empty (an expert that got no tokens); rows past offsets[-1] (padding) belong to no group.
+
+
+def group_ids(offsets: torch.Tensor, m: int) -> torch.Tensor:
+    """The group of each of ``m`` rows ([m] int64, [Note: token groups]); rows past the last
+    offset get ``len(offsets)``."""
+    rows = torch.arange(m, device=offsets.device, dtype=offsets.dtype)  # [M]
+    return torch.searchsorted(offsets, rows, right=True)  # [M]
+
+
+def group_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """max(|x|) of each column over each token group: ``[E, C]`` float32 for ``x`` [M, C] with
+    ``offsets`` [E] ([Note: token groups]). An empty group's amax is 0. The amax a grouped gemm
+    that contracts over the tokens (grad_weight, per expert) scales its operands by."""
+    e = offsets.shape[0]
+    ids = group_ids(offsets, x.shape[0])  # [M]
+    out = torch.zeros((e + 1, x.shape[1]), dtype=torch.float32, device=x.device)  # [E + 1, C]
+    index = ids[:, None].expand(x.shape)  # [M, C]
+    out = out.scatter_reduce(0, index, torch.abs(x).to(torch.float32), "amax", include_self=True)
+    return out[:e]  # [E, C]: the extra row collected rows past the last group

@@ -61,10 +61,10 @@ from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_a
 from f8dist.config import DelayedScalingConfig
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, TransformerBlock, precompute_rope
 
-RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "delayed_counted"]
-# "delayed" whose out-of-range steps are only counted ([Note: the price of re-scaling])
-VARIANTS = {"delayed_counted": ("delayed", {"delayed_scaling_config": DelayedScalingConfig(
-    rescale_out_of_range=False)})}
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "delayed_rescaled"]
+# "delayed" whose out-of-range casts re-scale in their step ([Note: the price of re-scaling])
+VARIANTS = {"delayed_rescaled": ("delayed", {"delayed_scaling_config": DelayedScalingConfig(
+    rescale_out_of_range=True)})}
 # block-scaled recipes ([Note: block scales] in f8dist/config.py); "blockwise" needs dims that
 # divide by 128 (not --small's)
 BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]

@@ -122,6 +122,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, List[float]]:
             steps = result["steps"]
     if dist.get_rank() == 0:
         layout = f"dp={dist.get_world_size() // run_args.tp} tp={run_args.tp}"
+        if run_args.moe_experts:  # scripts/train.py's MoE model
+            layout += (f" ep={run_args.ep}, MoE {run_args.moe_experts} experts "
+                       f"top-{run_args.moe_top_k}")
         title = f"{run_args.steps} steps, {layout}, seed {run_args.seed}"
         os.makedirs(args.out_dir, exist_ok=True)
         table = loss_table(curves, args.tail, title)

@@ -274,6 +274,41 @@ def case_range_jumps():
     return out
 
 
+def case_rescaling_price():
+    """[Note: the price of re-scaling]: what an out-of-range step costs each mode. Range jumps at
+    step 4 (activations x 2**-k or x 4, the loss x 1e12), with re-scaling and without it
+    (``rescale_out_of_range=False``: the history scale, the step counted, the history restarted
+    by the sync): output SQNR of the jump step and the worst after it. Clean data gives both the
+    same figures (bit-identical while in range)."""
+    from f8dist.config import DelayedScalingConfig
+
+    clean = data(STEPS)
+    modes = {mode: DELAYED.replace(delayed_scaling_config=DelayedScalingConfig(rescale_out_of_range=r))
+             for mode, r in (("re-scaled", True), ("counted", False))}
+    jumps = {
+        "activations x 2**-8 from step 4": (2.0**-8, 1.0),
+        "activations x 2**-20 from step 4": (2.0**-20, 1.0),
+        "activations x 4 from step 4": (4.0, 1.0),
+        "loss x 1e12 at step 4": (1.0, 1e12),
+    }
+    out = {}
+    for name, (factor, loss) in jumps.items():
+        cells = []
+        for mode, config in modes.items():
+            def batch(step, factor=factor):
+                x, t = clean[step]
+                return (x * factor, t * factor) if step >= 4 and factor != 1.0 else (x, t)
+
+            rows, model = guarded_run(batch, loss_scale=lambda step, loss=loss: loss if step == 4 else 1.0,
+                                      config=config)
+            key = "grad_db" if loss != 1.0 else "out_db"
+            cells.append(f"{mode}: steps 4, 5: {rows[4][key]:.1f}, {rows[5][key]:.1f} dB; steps "
+                         f"6-{STEPS - 1} >= {min(r[key] for r in rows[6:]):.1f} dB")
+        what = "gradients" if loss != 1.0 else "output"
+        out[f"{name} ({what})"] = "; ".join(cells)
+    return out
+
+
 def case_half():
     try:
         rows, _ = guarded_run(lambda step: data(6)[step], steps=6, dtype=torch.float16)
@@ -288,7 +323,8 @@ def case_half():
 
 def threshold_table() -> str:
     """Data cast with a delayed scale made for an amax ``2**-k`` times its own: SQNR and the
-    share flushed to zero, and whether [Note: out of range] re-scales the cast. Gaussian data, and
+    share flushed to zero, and whether [Note: out of range] counts the cast (and, with
+    ``rescale_out_of_range=True``, re-scales it). Gaussian data, and
     heavy-tailed data (Student's t, 3 degrees of freedom), whose bulk lies far below its max."""
     from f8dist.delayed import in_range
     from f8dist.scaling import amax_to_scale, saturated_cast
@@ -311,7 +347,7 @@ def threshold_table() -> str:
             low, high = in_range(dtype)
             out = not low <= landing <= high
             cells.append(f"{sqnr(x, q):.1f}, {100 * float((q == 0).float().mean()):.0f} %"
-                         + (" (re-scaled)" if out else ""))
+                         + (" (out of range)" if out else ""))
         lines.append(f"| 2^{k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -360,7 +396,17 @@ def case_data_parallel(rank, world):
 def case_tp_drop(rank, world):
     """TP + SP with the float8 styles (a SwiGLU FFN behind a shared sequence-parallel input, then
     a column-wise projection): activations 1e6x smaller from step 3; output SQNR per step against
-    the high-precision model with the same weights."""
+    the high-precision model with the same weights, without re-scaling (the default) and with."""
+    from f8dist.config import DelayedScalingConfig
+
+    out = {}
+    for mode, rescale in (("default, no re-scaling", False), ("rescale_out_of_range=True", True)):
+        config = DELAYED.replace(delayed_scaling_config=DelayedScalingConfig(rescale_out_of_range=rescale))
+        out[f"TP + SP 2 ranks, activations drop 1e6x at step 3 ({mode})"] = _tp_drop(rank, world, config)
+    return out
+
+
+def _tp_drop(rank, world, config) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -370,7 +416,7 @@ def case_tp_drop(rank, world):
 
     torch.manual_seed(0)
     plain = nn.Sequential(FeedForward(64, 128), nn.Linear(64, 64, bias=False))
-    model = convert_to_float8_training(copy.deepcopy(plain), config=DELAYED)
+    model = convert_to_float8_training(copy.deepcopy(plain), config=config)
     parallelize_module(model, init_device_mesh("cpu", (world,)), {
         "0": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                       fwd_config_submodule_fqn="w1"),
@@ -396,8 +442,7 @@ def case_tp_drop(rank, world):
         opt.step()
         opt.zero_grad()
         dbs.append(sqnr(y_hp, y.detach()))
-    return {"TP + SP 2 ranks, activations drop 1e6x at step 3": (
-        f"output dB per step {', '.join(f'{d:.1f}' for d in dbs)}; counters: {counters(model)}")}
+    return f"output dB per step {', '.join(f'{d:.1f}' for d in dbs)}; counters: {counters(model)}"
 
 
 def case_layer_mismatch(rank, world):
@@ -454,6 +499,7 @@ def main():
         rows.update(case_eval())
         rows.update(case_bad_values())
         rows.update(case_range_jumps())
+        rows.update(case_rescaling_price())
         rows.update(case_half())
     print("| case | figures |\n|---|---|")
     for case, figures in rows.items():

@@ -59,7 +59,7 @@ fi
 if wants bytes; then
   # the block-scaled recipes have no CUDA gemm yet ([Note: the block-scaled gemm] in f8dist/gemm.py)
   part bytes "$py" scripts/bench_bytes.py --device cuda --csv "$out/bytes.csv" \
-    --recipes tensorwise rowwise rowwise_with_gw_hp delayed delayed_counted
+    --recipes tensorwise rowwise rowwise_with_gw_hp delayed delayed_rescaled
 fi
 
 if wants tests; then

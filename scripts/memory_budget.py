@@ -65,7 +65,7 @@ def per_token(dim: int, tokens: int):
     torch.manual_seed(1)
     x = torch.randn(2, tokens // 2, dim, dtype=torch.bfloat16)
     base, extra = build("block", args, "cpu", torch.bfloat16)
-    for recipe, on, config in configs():
+    for recipe, on, config in configs(args):
         module = convert(base, config)
         kept = {
             name: measure_fwd_bwd(module, x, *extra, context_fn=fn).kept_bytes / tokens

@@ -57,6 +57,8 @@ from f8dist.agreement import canonical_name
 from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
+from f8dist.models.moe import MoEArgs, MoETransformer
+from f8dist.models.moe_parallel import fully_shard_moe, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.testing.memory import storages
@@ -148,6 +150,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--n-heads", type=positive, default=4)
     p.add_argument("--n-kv-heads", type=positive, default=None)
     p.add_argument("--ffn-dim-multiplier", type=float, default=None)
+    # mixture of experts (f8dist/models/moe.py)
+    p.add_argument("--moe-experts", type=non_negative, default=0,
+                   help="routed experts per block (0: the dense LLaMA FFN)")
+    p.add_argument("--moe-top-k", type=positive, default=2, help="experts per token")
+    p.add_argument("--ep", type=positive, default=1,
+                   help="expert-parallel degree (with --moe-experts); FSDP2 shards the experts "
+                        "over the other ranks and everything else over all ranks")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
@@ -158,6 +167,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--seq-len {args.seq_len} is longer than the training text ({windows} bytes); "
                 "the model's positions and the batches are windows of it")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, known before any rank starts
+    _check_moe_args(p, args, world)
     if world % args.tp:
         p.error(f"--tp {args.tp} must divide the number of ranks ({world})")
     if args.batch_size % (world // args.tp):
@@ -202,6 +212,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """The MoE flags and the combinations train.py runs with them (the others are refused)."""
+    if not args.moe_experts:
+        if args.ep > 1:
+            p.error("--ep shards experts: it needs --moe-experts N")
+        return
+    if args.moe_top_k > args.moe_experts:
+        p.error(f"--moe-top-k {args.moe_top_k} exceeds --moe-experts {args.moe_experts}")
+    if args.moe_experts % args.ep or world % args.ep:
+        p.error(f"--ep {args.ep} must divide --moe-experts ({args.moe_experts}) and the number "
+                f"of ranks ({world})")
+    refused = {
+        "--tp": args.tp > 1, "--compile": args.compile, "--float8 delayed": args.float8 == "delayed",
+        "--float8-reduce-scatter": args.float8_reduce_scatter,
+        # selective AC replays the dispatch's collectives in backward, which its op log rejects
+        "--ac sac with --ep > 1 (--ac full runs)": args.ac == "sac" and args.ep > 1,
+    }
+    bad = [flag for flag, on in refused.items() if on]
+    if bad:
+        p.error(f"--moe-experts does not run with {', '.join(bad)} in train.py: the MoE model "
+                "trains with data parallelism (FSDP2), expert parallelism (--ep) and the dynamic "
+                "float8 recipes (tensorwise, rowwise, rowwise_with_gw_hp) in eager mode")
+
+
 def _unwritable(directory: str) -> Optional[str]:
     """Why files cannot be written in ``directory`` (made if missing), or None: checked when the
     flags are, not at the first save or the end of the run."""
@@ -243,9 +277,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_mesh(tp: int, device: torch.device) -> DeviceMesh:
+def build_mesh(tp: int, device: torch.device, ep: int = 1) -> DeviceMesh:
+    """(dp, tp); with expert parallelism (dp_shard, ep), every rank data-parallel
+    (:func:`dp_mesh_of`)."""
     world = dist.get_world_size()
+    if ep > 1:
+        return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
     return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel ranks: mesh["dp"], or all of an expert-parallel (dp_shard, ep) mesh
+    (flattened, rather than sliced by name from the root: torch deprecates that)."""
+    return mesh._flatten("dp") if "ep" in mesh.mesh_dim_names else mesh["dp"]
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -276,23 +320,31 @@ def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> 
 
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
     margs = model_args(args)
-    model = Transformer(margs)
+    if args.moe_experts:
+        model = MoETransformer(margs, MoEArgs(num_experts=args.moe_experts, top_k=args.moe_top_k))
+    else:
+        model = Transformer(margs)
     model.init_weights(seed=args.seed)  # same weights on every rank before sharding
     config = float8_config(args)
     if config is not None:
         convert_float8(model, config)
     if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
         parallelize_llama(model, mesh["tp"], float8=config is not None)
+    if args.ep > 1:  # experts over the ep ranks; float8 token dispatch with per-token casts
+        parallelize_moe(model, mesh["ep"])
     for name, block in list(model.layers.items()):
         block = apply_ac(block, args.ac)
         if args.compile:
             block.compile(fullgraph=True)
         model.layers[name] = block
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
-    dp = mesh["dp"]
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True)
+    dp = dp_mesh_of(mesh)
+    if args.ep > 1:  # [Note: EP x FSDP2] in f8dist/models/moe_parallel.py
+        fully_shard_moe(model, mesh, dp_mesh=dp, mp_policy=mp, reshard_after_forward=True)
+    else:
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True)
     if args.float8_reduce_scatter:
         enable_float8_reduce_scatter(model)
     model.to(device)
@@ -619,9 +671,9 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     """Run the training loop; returns ``{"losses": [...], "steps": [...]}`` (losses averaged over
     data-parallel ranks) on every rank."""
     device = init_distributed()
-    mesh = build_mesh(args.tp, device)
+    mesh = build_mesh(args.tp, device, args.ep)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    dp_rank, dp_size = dp_mesh_of(mesh).get_local_rank(), dp_mesh_of(mesh).size()
     torch.manual_seed(args.seed)
 
     model = build_model(args, mesh, device)
@@ -647,8 +699,9 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {margs.n_layers} layers, dim {margs.dim}, {n_params:,} params | "
               f"float8: {args.float8} | optim states: {args.optim_states} | "
-              f"mesh: dp={dp_size} tp={args.tp} | ac: {args.ac} | "
-              f"compile: {args.compile} | {device.type} x {world}", flush=True)
+              f"mesh: dp={dp_size} tp={args.tp} ep={args.ep} | ac: {args.ac} | "
+              + (f"moe: {args.moe_experts} experts top-{args.moe_top_k} | " if args.moe_experts else "")
+              + f"compile: {args.compile} | {device.type} x {world}", flush=True)
 
     if rank == 0:
         print(float8_linears_text(model, args.float8), flush=True)
@@ -683,6 +736,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
                 with measured or contextlib.nullcontext():
                     logits = model(x)  # [b / accum, S, V]
                     micro = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1)) / accum
+                    if args.moe_experts:  # the load-balancing loss ([Note: routing], moe.py)
+                        micro = micro + model.aux_loss() / accum
                 micro.backward()
                 loss = loss + micro.detach()
         grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)

@@ -115,3 +115,17 @@ def test_agreeing_ranks_get_ok(monkeypatch):
     ranks.publish(2, mine)
     agreement.agree(mine, ranks.group, what="w", fix="f")
     assert ranks.store.get("f8dist/agreement/g/0/verdict") == b"ok"
+
+
+def test_settings_cover_experts_and_the_float8_dispatch():
+    from f8dist.models.moe import MoE, MoEArgs
+
+    moe = MoE(32, 64, MoEArgs(num_experts=4, top_k=2))
+    plain = agreement.settings(moe)
+    assert plain["experts", "float8"] == "False" and plain["<root>", "float8_dispatch"] == "True"
+    convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    converted = agreement.settings(moe)
+    assert converted["experts", "float8"] == "True"
+    assert converted["experts", "round_scales_to_power_of_2"] == "True"
+    moe.float8_dispatch = False
+    assert agreement.settings(moe)["<root>", "float8_dispatch"] == "False"

@@ -230,3 +230,14 @@ def test_torchaos_deprecated_field_is_accepted_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Float8LinearConfig()  # the default does not warn
+
+
+def test_grouped_cast_specs_are_the_table_per_expert_in_e4m3():
+    config = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
+    specs = config.grouped_cast_specs("moe.experts.w1")
+    plain = config.cast_specs("moe.experts.w1")
+    for g, op in (("output", "input"), ("grad_input", "weight"), ("grad_weight", "input")):
+        s, p = specs[g, op], plain[g, op]
+        assert s.grouped and not p.grouped and s.fqn == "moe.experts.w1"
+        assert (s.granularity, s.axis, s.scaling_type) == (p.granularity, p.axis, p.scaling_type)
+    assert Float8LinearConfig().grouped_cast_specs()["grad_input", "grad_output"].dtype == torch.float8_e4m3fn

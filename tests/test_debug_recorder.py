@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import f8dist
 from f8dist import cast as cast_module
 from f8dist.config import CastSpec
-from f8dist.debug import CastStats, cast_stats_tensors, record
+from f8dist.debug import CastStats, StatsRecorder, cast_stats_tensors, record
 
 E4M3 = torch.float8_e4m3fn
 
@@ -181,3 +181,21 @@ def test_an_empty_batch_is_recorded(recipe, capsys):
     for site, s in alone.stats().items():
         merged = rec.stats()[site]
         assert (merged.scale_min, merged.scale_max) == (s.scale_min, s.scale_max), site
+
+
+def test_expert_casts_are_recorded_per_expert_weight_fqn():
+    from f8dist.models.moe import MoE, MoEArgs
+
+    moe = MoE(32, 64, MoEArgs(num_experts=4, top_k=2))
+    moe.init_weights(0.02, torch.Generator().manual_seed(0))
+    f8dist.convert_to_float8_training(
+        moe, config=f8dist.Float8LinearConfig.from_recipe_name("rowwise"))
+    rec = StatsRecorder(moe)
+    with rec:
+        moe(torch.randn(2, 8, 32)).sum().backward()
+    sites = {(s.fqn, str(s.gemm), str(s.operand)) for s in rec.stats()}
+    for w in ("w1", "w2", "w3"):
+        assert (f"experts.{w}", "grad_weight", "grad_output") in sites
+        assert (f"experts.{w}", "output", "weight") in sites
+    assert ("experts.w1", "output", "input") in sites  # w1 and w3 share one cast of the tokens
+    assert not any(fqn.startswith("router") for fqn, _, _ in sites)

@@ -226,3 +226,14 @@ def test_block_casts_match_torchao_mx_bit_for_bit():
         ours = saturated_cast(x, expand_blocks(scale, (1, 32), x.shape), E4M3)
         assert torch.equal(ours.view(torch.uint8), data.view(torch.uint8))
         assert torch.equal(1.0 / scale.float(), exp.float().reshape(64, 8))
+
+
+def test_group_amax_per_column_of_each_token_group():
+    from f8dist.scaling import group_amax, group_ids
+    x = torch.randn(10, 3)
+    offsets = torch.tensor([4, 4, 9], dtype=torch.int32)  # group 1 empty, row 9 in none
+    assert group_ids(offsets, 10).tolist() == [0] * 4 + [2] * 5 + [3]
+    amax = group_amax(x, offsets)
+    assert amax.shape == (3, 3) and amax.dtype == torch.float32
+    assert torch.equal(amax[0], x[:4].abs().amax(0)) and torch.equal(amax[1], torch.zeros(3))
+    assert torch.equal(amax[2], x[4:9].abs().amax(0))

@@ -34,6 +34,10 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--grad-accum-steps", "0"], "argument --grad-accum-steps: must be a positive integer, got 0"),
     (["--batch-size", "6", "--grad-accum-steps", "4"], "--grad-accum-steps 4 must divide each rank's batch"),
+    (["--ep", "2"], "--ep shards experts: it needs --moe-experts N"),
+    (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 exceeds --moe-experts 2"),
+    (["--moe-experts", "4", "--compile"], "--moe-experts does not run with --compile"),
+    (["--moe-experts", "4", "--float8", "delayed"], "does not run with --float8 delayed"),
     (["--max-norm", "-1"], "--max-norm must be positive (inf: no clipping), got -1.0"),  # reversed grads
     (["--max-norm", "0"], "--max-norm must be positive"),
     (["--max-norm", "nan"], "--max-norm must be positive"),
@@ -55,6 +59,9 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "3"], "--tp 3 must divide the number of ranks (4)"),
     (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
+    (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
+    (["--moe-experts", "4", "--tp", "2"], "--moe-experts does not run with --tp"),
+    (["--moe-experts", "4", "--ep", "2", "--ac", "sac"], "--ac sac with --ep > 1 (--ac full runs)"),
     (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])

@@ -28,6 +28,7 @@ import torch.nn as nn
 from f8dist import cast as _cast_module
 from f8dist.config import CastSite, Gemm, Operand
 from f8dist.debug.stats import CastStats, cast_stats_tensors
+from f8dist.grouped import WEIGHTS as EXPERT_WEIGHTS, Float8GroupedExperts
 from f8dist.linear import Float8Linear
 from f8dist.placement import has_partial, is_dtensor, local_part, reduce_over_shards
 from f8dist.tensor import Float8Tensor
@@ -80,8 +81,9 @@ def _reduce_over_shards(
 
 class StatsRecorder:
     """Collects :class:`~f8dist.debug.stats.CastStats` for every float8 cast of ``model``'s
-    :class:`~f8dist.linear.Float8Linear` modules while entered (a context manager, re-entrant
-    across steps). Statistics are kept per step (``set_step``) and per
+    :class:`~f8dist.linear.Float8Linear` modules and expert weights (of
+    :class:`~f8dist.grouped.Float8GroupedExperts`, FQNs ``....experts.w1`` ...) while entered (a
+    context manager, re-entrant across steps). Statistics are kept per step (``set_step``) and per
     :class:`~f8dist.cast.CastSite`; several casts of one site in a step (gradient accumulation, a
     module called twice) are merged.
 
@@ -101,7 +103,12 @@ class StatsRecorder:
     """
 
     def __init__(self, model: nn.Module, *, callback: Optional[Callback] = None):
-        fqns = [m.fqn for m in model.modules() if isinstance(m, Float8Linear)]
+        fqns = []  # a linear's casts, and each expert weight's ([Note: grouped gemms])
+        for m in model.modules():
+            if isinstance(m, Float8Linear):
+                fqns.append(m.fqn)
+            elif isinstance(m, Float8GroupedExperts):
+                fqns.extend(f"{m.fqn}.{w}" if m.fqn else w for w in EXPERT_WEIGHTS)
         if not fqns:
             raise ValueError(
                 f"f8dist.debug: {type(model).__name__} has no Float8Linear module, so there are no "

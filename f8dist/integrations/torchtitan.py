@@ -14,6 +14,11 @@ compile, FSDP2), moves it with ``to_empty`` and initializes it with ``init_weigh
   delayed-scaling buffers (``to_empty`` leaves them uninitialized); with float8 all-gather its
   weight is a ``Float8AllGatherWeight`` from construction on, so torchtitan's FSDP apply function
   shards it like any weight and all-gathers it in float8;
+* :class:`Float8GroupedExpertsConverter` replaces each ``GroupedExperts.Config`` (the routed
+  experts of torchtitan's MoE models, e.g. deepseek_v3) with a :class:`Float8GroupedExperts.Config`:
+  the same module and parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), whose three grouped gemms
+  run through f8dist's float8 grouped gemms, cast by the recipe's table per expert
+  ([Note: grouped gemms] in f8dist/grouped.py); routers, dispatch and combine are untouched;
 * :func:`post_optimizer_build_fn` registers what f8dist needs around the optimizer step: the
   delayed-scaling sync before it, the FSDP scale precompute after it; :func:`with_float8_hooks`
   chains it after the ``post_optimizer_build_fn`` a ``ModelSpec`` already has;
@@ -38,6 +43,7 @@ import torch.nn as nn
 try:
     from torchtitan.components.quantization import QuantizationConverter
     from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.protocols.module import Module
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -49,13 +55,15 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # Modules, not functions: this module is also a torchtitan config registry, and torchtitan lists
 # every public callable of it as a config function when --config names none.
 import f8dist
-from f8dist import convert, delayed, filters, fsdp
+from f8dist import convert, delayed, filters, fsdp, grouped, placement
 from f8dist.integrations import torchtitan_assets
 
 __all__ = [
     "AUTO_FILTER",
     "Float8Linear",
     "Float8LinearConverter",
+    "Float8GroupedExperts",
+    "Float8GroupedExpertsConverter",
     "post_optimizer_build_fn",
     "with_float8_hooks",
     "llama3_debugmodel_float8_tensorwise",
@@ -237,6 +245,92 @@ class Float8LinearConverter(QuantizationConverter):
         return model_config
 
 
+class Float8GroupedExperts(GroupedExperts):
+    """torchtitan's ``GroupedExperts`` whose grouped gemms run in float8 (f8dist's
+    :func:`~f8dist.grouped.float8_grouped_mm`, cast by ``recipe_name``'s table per expert); its
+    parameters, state dict and init are torchtitan's.
+
+    Example::
+
+        >>> experts = Float8GroupedExperts.Config(dim=64, hidden_dim=64, num_experts=4,
+        ...                                       recipe_name="rowwise", fqn="layers.1.moe").build()
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        recipe_name: RecipeName = "rowwise"
+        fqn: str = ""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.fqn = config.fqn
+        self.specs = grouped.grouped_specs(_float8_config(config.recipe_name, False, False),
+                                           config.fqn)
+
+    def forward(self, x_RD, num_tokens_per_expert_E):
+        weights = (placement.local_part(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        x_RD_bf16 = grouped.cast_tokens(x_RD.bfloat16(), self.specs)  # as torchtitan's, in bf16
+
+        def mm(name, a, w, offs):
+            return grouped.float8_grouped_mm(a, w.bfloat16(), offs, self.specs[name])
+
+        return grouped.swiglu_experts(x_RD_bf16, *weights, offsets_E, mm).type_as(x_RD)
+
+
+class Float8GroupedExpertsConverter(QuantizationConverter):
+    """Convert the ``GroupedExperts.Config``\\ s of a torchtitan MoE model config (e.g.
+    deepseek_v3) to :class:`Float8GroupedExperts`.
+
+    * ``recipe_name``: "tensorwise", "rowwise" or "rowwise_with_gw_hp" (delayed scaling keeps one
+      amax history per tensor; experts scale per expert);
+    * ``filter_fqns``: experts whose FQN contains one of these stay high precision.
+
+    Experts whose dims are not multiples of 16 stay high precision, with a log note.
+
+    Example::
+
+        >>> from torchtitan.models.deepseek_v3 import model_registry
+        >>> experts = Float8GroupedExpertsConverter.Config(recipe_name="rowwise")
+        >>> spec = model_registry("debugmodel", converters=[experts])
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        recipe_name: RecipeName = "rowwise"
+        filter_fqns: List[str] = dataclasses.field(default_factory=list)
+
+    def __init__(self, config: Config):
+        self.config = config
+        # validates the recipe for grouped gemms (delayed is refused with what to use instead)
+        f8dist.Float8LinearConfig.from_recipe_name(config.recipe_name).grouped_cast_specs()
+        self.filter_fqns = _fqn_list(config.filter_fqns)
+
+    def convert(self, model_config: Module.Config) -> Module.Config:
+        converted, kept = [], []
+        for fqn, experts, parent, attr in model_config.traverse(GroupedExperts.Config):
+            if type(experts) is not GroupedExperts.Config:
+                continue
+            if any(f in fqn for f in self.filter_fqns):
+                continue
+            if experts.dim % 16 or experts.hidden_dim % 16:
+                kept.append(f"{fqn} ({experts.dim} <-> {experts.hidden_dim})")
+                continue
+            new = Float8GroupedExperts.Config(
+                **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)},
+                recipe_name=self.config.recipe_name, fqn=fqn,
+            )
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            converted.append(fqn)
+        logger.info("f8dist: %d grouped experts converted to float8 (%s recipe)", len(converted),
+                    self.config.recipe_name)
+        if kept:
+            logger.warning("f8dist: kept %d grouped experts in high precision because their dims "
+                           "are not multiples of 16: %s", len(kept), ", ".join(kept))
+        return model_config
 def _fqn_list(filter_fqns) -> List[str]:
     """``filter_fqns`` as a list: one string is one FQN (iterating it would give its characters,
     and every FQN contains one of them: nothing would be converted)."""

@@ -223,15 +223,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.block(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer(
             "rope", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
             persistent=False,
         )
+
+    def block(self, layer_id: int, args: ModelArgs) -> nn.Module:
+        """Block ``layer_id`` (a subclass's hook: f8dist/models/moe.py makes MoE blocks)."""
+        return TransformerBlock(layer_id, args)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.args.max_seq_len:

@@ -24,8 +24,9 @@ Per step (forward, backward, sync, SGD), for ``enable_amax_init`` on and off:
 * the forward's sequence-parallel all-gathers move 1 byte per element, and so does backward's
   all-gather of w2's gradient.
 
-Then (amax init on) the inputs and targets drop 1e4x (SwiGLU squares it: w2's input drops 1e8x):
-the output SQNR against the high-precision model per step, and the delayed-scaling counters
+Then (amax init on, with ``rescale_out_of_range=True``; amax init off runs the default, which does
+not re-scale) the inputs and targets drop 1e4x (SwiGLU squares it: w2's input drops 1e8x): the
+output SQNR against the high-precision model per step, and the delayed-scaling counters
 ([Note: out of range]).
 """
 
@@ -39,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from f8dist import Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist import DelayedScalingConfig, Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
 from f8dist.delayed import delayed_scaling_counters
 from f8dist.testing import count_collectives
 from f8dist.models.llama import FeedForward
@@ -92,7 +93,9 @@ def _buffers(model):
 
 
 def scenario(rank, world, amax_init: bool) -> dict:
-    config = Float8LinearConfig.from_recipe_name("delayed").replace(enable_amax_init=amax_init)
+    config = Float8LinearConfig.from_recipe_name("delayed").replace(
+        enable_amax_init=amax_init,  # and the drop below re-scales (the default does not)
+        delayed_scaling_config=DelayedScalingConfig(rescale_out_of_range=amax_init))
     torch.manual_seed(0)
     plain = Net()
     for p in plain.parameters():

@@ -41,6 +41,7 @@ from f8dist.integrations.torchtitan_assets import ASSETS_ENV, BOS, EOS, make_ass
 from f8dist.fsdp import Float8AllGatherWeight  # noqa: E402
 from f8dist.numerics import sqnr  # noqa: E402
 from tests.distributed.harness import REPO_ROOT, run_torchrun  # noqa: E402
+from tests.test_grouped import run_experts  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/config.py)
@@ -394,3 +395,62 @@ def test_fsdp_two_ranks_losses_bytes_and_collectives():
         assert step == {"all_reduce": {"calls": 1, "input_bytes": payload, "output_bytes": payload}}
     for variant in ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"):
         assert r[variant]["optimizer_step"] == [{}] * len(bf16["losses"]), variant
+
+
+# -- grouped experts (deepseek_v3 debug model) -----------------------------------------------------
+
+EXPERTS = "layers.1.moe.routed_experts.inner_experts"
+
+
+def _deepseek(*converters):
+    """The deepseek_v3 debug model cut to its first two blocks (a dense one, a MoE one)."""
+    from torchtitan.models.deepseek_v3 import model_registry as deepseek_registry
+
+    return _build(_two_blocks(deepseek_registry("debugmodel", converters=list(converters))))
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference():
+    return _deepseek()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_grouped_experts_converter_on_the_deepseek_v3_debug_model(recipe, deepseek_reference):
+    from torchtitan.models.common.moe import GroupedExperts
+
+    ref = deepseek_reference
+    ref.zero_grad(set_to_none=True)  # shared by the recipes
+    model = _deepseek(tt.Float8GroupedExpertsConverter.Config(recipe_name=recipe))
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    assert experts and all(isinstance(m, tt.Float8GroupedExperts) and m.fqn == n
+                           for n, m in experts.items())
+    assert experts[EXPERTS].specs["w2"]["output", "weight"].fqn == EXPERTS + ".w2"
+    ref_sd, sd = ref.state_dict(), model.state_dict()  # torchtitan's keys, init bit for bit
+    assert set(sd) == set(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert not any(isinstance(m, f8dist.Float8Linear) for m in model.modules())  # experts only
+
+    # the experts alone: float8 grouped gemms against torchtitan's bf16 ones, an empty expert
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 256, generator=g)
+    counts = torch.tensor([5, 0, 11, 3, 9, 0, 7, 5])
+    outs = [run_experts(ref.get_submodule(EXPERTS), x, counts, ("w1_EFD", "w2_EDF")),
+            run_experts(model.get_submodule(EXPERTS), x, counts, ("w1_EFD", "w2_EDF"))]
+    for a, b in zip(*outs):
+        assert sqnr(a, b) > 20
+    assert torch.equal(outs[1][3][1], torch.zeros_like(outs[1][3][1]))
+    # the whole model runs through them
+    tokens = torch.randint(0, 2000, (1, 16), generator=g)
+    assert sqnr(ref(tokens), model(tokens)) > 30
+
+
+def test_grouped_experts_converter_refuses_delayed_and_keeps_filtered_experts():
+    with pytest.raises(ValueError, match="dynamic recipe"):
+        tt.Float8GroupedExpertsConverter(tt.Float8GroupedExpertsConverter.Config(recipe_name="delayed"))
+    model = _deepseek(tt.Float8GroupedExpertsConverter.Config(filter_fqns=["layers.1."]))
+    assert not isinstance(model.get_submodule(EXPERTS), tt.Float8GroupedExperts)
+    spec = tt.Float8GroupedExpertsConverter(tt.Float8GroupedExpertsConverter.Config(
+        filter_fqns=["layers.1."])).convert(__import__(
+            "torchtitan.models.deepseek_v3", fromlist=["model_registry"]).model_registry(
+            "debugmodel").model)
+    assert isinstance(spec.layers[2].moe.routed_experts.inner_experts,
+                      tt.Float8GroupedExperts.Config)

@@ -1,0 +1,139 @@
+"""Expert parallelism: token dispatch to the experts' ranks and combine back, all-to-all.
+
+[Note: expert parallelism]
+With ``E`` experts over an EP group of ``W`` ranks, rank ``r`` holds experts
+``[r * E / W, (r + 1) * E / W)`` (the experts' weights are DTensors sharded on dim 0). Each rank
+routes its own tokens and sorts its assignments by expert ([Note: routing] in
+f8dist/models/moe.py), so the tokens for rank ``r``'s experts are one contiguous chunk:
+
+1. the token counts per expert are exchanged (an all-to-all of ``E`` int64 per rank) and the
+   chunk sizes are read on the host (one sync per layer, as every EP implementation has);
+2. dispatch: an all-to-all sends each chunk to its rank; what arrives is ordered by source rank,
+   then by local expert, and is permuted to expert-major order (each local expert's group holds
+   the tokens of rank 0, then rank 1, ...: the order of one device running the concatenated
+   batches);
+3. the local experts run their grouped gemms over those groups;
+4. combine: the inverse permutation and the reverse all-to-all bring each output back to the
+   rank and position of its assignment.
+
+Backward runs the same all-to-alls in the other direction, in high precision.
+
+[Note: float8 dispatch]
+When the experts' up projections cast their tokens per token (rowwise: ``token_spec`` of
+:class:`~f8dist.grouped.Float8GroupedExperts`), the tokens are cast on the source rank, before the
+dispatch, and the all-to-all carries their float8 bytes (as uint8: gloo carries no float8 dtype)
+and their float32 scales, ``dim + 4`` bytes per token instead of ``2 * dim`` in bf16 (0.5 + 2/dim
+of bf16). A per-token scale depends on the token alone, so casting before the dispatch gives the
+bytes casting after it would, bit for bit, and the grouped gemm takes them without re-casting.
+The combine runs in high precision (the experts' outputs are summed with the router's weights),
+and so does backward's dispatch of the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from f8dist.placement import local_part
+from f8dist.tensor import Float8Tensor
+
+__all__ = ["expert_parallel", "all_to_all"]
+
+
+def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
+    """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
+    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch])."""
+    wire = x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
+    out = wire.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, wire.contiguous(), recv, send, group=group)
+    return out.view(x.dtype)
+
+
+def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
+    """:func:`all_to_all` for high-precision rows or per-token float8 ones (bytes and scales)."""
+    if isinstance(x, Float8Tensor):
+        data = all_to_all(x._data, send, recv, group)  # [M_recv, dim] float8
+        scale = all_to_all(x._scale.expand(x.shape[0], 1).contiguous(), send, recv, group)
+        return Float8Tensor(data, scale, x._orig_dtype, x._axiswise_dim, x._mm_config)
+    return all_to_all(x, send, recv, group)
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]``, also for per-token float8 rows."""
+    if isinstance(x, Float8Tensor):
+        data = x._data.view(torch.uint8)[index].view(x._data.dtype)
+        return Float8Tensor(data, x._scale[index], x._orig_dtype, x._axiswise_dim, x._mm_config)
+    return x[index]
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _Dispatch(torch.autograd.Function):
+    """Steps 2 of [Note: expert parallelism]: rows to their experts' ranks, expert-major."""
+
+    @staticmethod
+    def forward(ctx, x, perm, send, recv, group):
+        ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+        return _rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _rows(grad.contiguous(), _inverse(ctx.perm))  # source-rank order
+        return all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Step 4 of [Note: expert parallelism]: outputs back to their assignments' ranks."""
+
+    @staticmethod
+    def forward(ctx, out, perm, send, recv, group):
+        ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+        out = _rows(out, _inverse(perm))  # source-rank order
+        return all_to_all(out, recv, send, group)  # [M, dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = all_to_all(grad.contiguous(), ctx.send, ctx.recv, ctx.group)
+        return _rows(grad, ctx.perm), None, None, None, None
+
+
+def _plan(counts: torch.Tensor, group) -> Tuple[List[int], List[int], torch.Tensor, torch.Tensor]:
+    """Step 1: (rows to send to each rank, rows from each rank, the expert-major permutation of
+    the received rows, the local experts' offsets)."""
+    w = dist.get_world_size(group)
+    e = counts.shape[0]
+    if e % w:
+        raise ValueError(f"expert parallelism over {w} ranks needs num_experts ({e}) to be a "
+                         f"multiple of it")
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)  # [W * E_local]
+    received = received.view(w, e // w)  # [W, E_local]: rows from rank r for local expert j
+    send = counts.view(w, e // w).sum(dim=1).tolist()
+    recv = received.sum(dim=1).tolist()
+    # the local expert of each received row, in arrival order (source rank, then expert)
+    experts = torch.arange(e // w, device=counts.device).repeat(w)  # [W * E_local]
+    local = torch.repeat_interleave(experts, received.reshape(-1))  # [M_recv]
+    perm = torch.argsort(local, stable=True)  # expert-major, source rank within
+    offsets = torch.cumsum(received.sum(dim=0), 0).to(torch.int32)  # [E_local]
+    return send, recv, perm, offsets
+
+
+def expert_parallel(experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor,
+                    group) -> torch.Tensor:
+    """The outputs of ``experts`` (sharded on dim 0 over ``group``) for ``tokens`` [M, dim],
+    sorted by expert with ``counts`` [E] per expert: dispatch, local grouped gemms, combine
+    ([Note: expert parallelism]). ``tokens`` may be per-token float8 ([Note: float8 dispatch]).
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> out = expert_parallel(moe.experts, tokens, counts, ep_mesh.get_group())
+    """
+    send, recv, perm, offsets = _plan(counts, group)
+    local = _Dispatch.apply(tokens, perm, send, recv, group)  # [M_recv, dim]
+    out = experts(local, offsets)  # [M_recv, dim]
+    return _Combine.apply(local_part(out), perm, send, recv, group)  # [M, dim]

@@ -1,0 +1,20 @@
+"""Expert parallelism against one device on 2 and 4 gloo ranks; the checks run inside
+tests/distributed/moe_ep.py, the figures are re-checked here."""
+
+from tests.distributed.harness import run_torchrun
+
+DIM = 256  # of the tokens whose dispatch bytes are counted
+
+
+def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch():
+    r = run_torchrun("moe_ep", 2)
+    assert r["world"] == 2 and r["empty_groups_on_a_rank"] and r["experts_without_tokens"] > 0
+    b = r["dispatch_bytes"]
+    assert b["bf16"] == 64 * DIM * 2
+    assert b["float8"] == 64 * (DIM + 4)  # 1 byte per element + a float32 scale per token
+    assert b["float8"] / b["bf16"] <= 0.53
+
+
+def test_expert_parallel_on_4_ranks_matches_one_device_bit_for_bit():
+    r = run_torchrun("moe_ep", 4, "--recipes", "rowwise")
+    assert r["world"] == 4 and r["empty_groups_on_a_rank"], r

@@ -1,0 +1,30 @@
+"""scripts/train.py with a mixture-of-experts model on 2 CPU ranks: expert parallelism (--ep 2,
+float8 token dispatch) in bf16 (full activation checkpointing) and float8 rowwise, both learn and float8 ends within 3 % of bf16;
+a checkpoint saved under EP (experts sharded over the ep ranks) resumes under FSDP2 alone (--ep 1,
+experts sharded by FSDP2), resharded by DCP, and continues the EP run's losses up to summation
+order."""
+
+from tests.distributed.harness import run_torchrun
+
+STEPS, EVERY = 10, 6
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_train_moe_with_expert_parallelism_and_a_resharded_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = (f"--steps {STEPS} --log-every 100 --warmup-steps 2 --seq-len 32 --batch-size 4 "
+             "--moe-experts 4 --moe-top-k 2")
+    r = run_torchrun("train_moe", 2, "--train", flags, "--ckpt-dir", ckpt, "--every", EVERY,
+                     timeout=300)
+    bf16, fp8, resumed = r["bf16"]["losses"], r["rowwise"]["losses"], r["resumed"]
+    for losses in (bf16, fp8):
+        assert _mean(losses[-3:]) < 0.8 * _mean(losses[:3]), losses  # it learned
+    assert abs(_mean(fp8[-3:]) - _mean(bf16[-3:])) / _mean(bf16[-3:]) < 0.03, (bf16, fp8)
+    assert fp8 != bf16
+    # the rowwise run's last checkpoint removed, --resume took step 6's, saved under EP
+    assert resumed["steps"] == list(range(EVERY + 1, STEPS + 1)), resumed
+    for a, b in zip(resumed["losses"], fp8[EVERY:]):
+        assert abs(a - b) / b < 0.01, (resumed["losses"], fp8[EVERY:])

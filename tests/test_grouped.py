@@ -1,0 +1,148 @@
+import pytest
+import torch
+import torch.nn as nn
+
+from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts, float8_grouped_mm, grouped_mm
+from f8dist.numerics import sqnr
+
+OFFSETS = torch.tensor([7, 7, 30, 48], dtype=torch.int32)  # expert 1 gets no token
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+
+
+def _operands(dtype=torch.bfloat16, m=48):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, 32, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(4, 16, 32, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(m, 16, generator=g).to(dtype)
+    return x, w, grad
+
+
+def _run(fn, x, w, grad, offsets=OFFSETS):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = fn(x, w, offsets)
+    out.backward(grad.to(out.dtype))
+    return out, x.grad, w.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_sqnr_per_gemm_against_the_high_precision_grouped_gemm(recipe):
+    x, w, grad = _operands()
+    specs = Float8LinearConfig.from_recipe_name(recipe).grouped_cast_specs("experts.w1")
+    out, gx, gw = _run(lambda x, w, o: float8_grouped_mm(x, w, o, specs), x, w, grad)
+    ref = _run(grouped_mm, x.float(), w.float(), grad.float())
+    assert out.dtype == gx.dtype == gw.dtype == torch.bfloat16
+    assert sqnr(ref[0], out) > 25 and sqnr(ref[1], gx) > 25
+    assert sqnr(ref[2], gw) > (40 if recipe == "rowwise_with_gw_hp" else 25)
+    assert torch.equal(gw[1], torch.zeros_like(gw[1]))  # the expert without tokens
+
+
+def test_rowwise_equals_a_float8_linear_per_expert_bit_for_bit():
+    """The grouped casts are the dense ones per expert: the same bytes, the same products."""
+    x, w, grad = _operands()
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    specs = config.grouped_cast_specs("experts.w1")
+    out, gx, gw = _run(lambda x, w, o: float8_grouped_mm(x, w, o, specs), x, w, grad)
+    start = 0
+    for e, end in enumerate(OFFSETS.tolist()):
+        if start == end:
+            continue
+        lin = Float8Linear.from_float(nn.Linear(32, 16, bias=False), config)
+        lin.weight = nn.Parameter(w[e].detach().clone())
+        xe = x[start:end].detach().clone().requires_grad_()
+        oe = lin(xe)
+        oe.backward(grad[start:end])
+        assert torch.equal(oe, out[start:end]) and torch.equal(xe.grad, gx[start:end])
+        assert torch.equal(lin.weight.grad, gw[e])
+        start = end
+
+
+@pytest.mark.parametrize("m", [0, 3])
+def test_any_token_count(m):
+    x, w, grad = _operands(m=m)
+    offsets = torch.tensor([0, m, m, m], dtype=torch.int32)
+    specs = Float8LinearConfig.from_recipe_name("rowwise").grouped_cast_specs()
+    out, gx, gw = _run(lambda x, w, o: float8_grouped_mm(x, w, o, specs), x, w, grad, offsets)
+    ref = _run(grouped_mm, x.float(), w.float(), grad.float(), offsets)
+    assert out.shape == (m, 16) and gx.shape == (m, 32)
+    assert torch.equal(gw[0], torch.zeros_like(gw[0])) and torch.equal(gw[2:], torch.zeros_like(gw[2:]))
+    if m:
+        assert sqnr(ref[0], out) > 25 and sqnr(ref[2], gw) > 25
+
+
+def run_experts(mod, x, groups, weights=("w1", "w2")):
+    """(output, input grad, the ``weights``' grads) of an experts module on ``x`` and its token
+    ``groups`` (offsets or counts, as the module takes), loss ``sum(out ** 2)``."""
+    xi = x.clone().requires_grad_()
+    out = mod(xi, groups)
+    out.square().sum().backward()
+    return (out, xi.grad, *(getattr(mod, w).grad.clone() for w in weights))
+
+
+def _experts(dtype=torch.float32):
+    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4, dtype=dtype)
+    experts.init_weights(0.02, torch.Generator().manual_seed(0))
+    return experts
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_experts_against_high_precision(recipe):
+    ref = _experts()
+    f8 = convert_to_float8_training(
+        nn.ModuleDict({"experts": _experts()}), config=Float8LinearConfig.from_recipe_name(recipe)
+    )["experts"]
+    assert isinstance(f8, Float8GroupedExperts) and f8.fqn == "experts"
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    outs = [run_experts(mod, x, OFFSETS) for mod in (ref, f8)]
+    for a, b in zip(*outs):
+        assert sqnr(a, b) > 20
+    assert torch.equal(f8.w2.grad[1], torch.zeros_like(f8.w2.grad[1]))
+
+
+def test_conversion_follows_the_filter_and_keeps_the_state_dict():
+    model = nn.ModuleDict({"experts": _experts(), "shared": nn.Linear(32, 32)})
+    keys = set(model.state_dict())
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "experts")
+    assert type(model["experts"]) is GroupedExperts and isinstance(model["shared"], Float8Linear)
+    convert_to_float8_training(model)
+    assert isinstance(model["experts"], Float8GroupedExperts) and set(model.state_dict()) == keys
+    assert model["experts"].specs["w2"]["output", "weight"].fqn == "experts.w2"
+    convert_to_float8_training(model)  # again, same config: a no-op
+    with pytest.raises(ValueError, match="already"):
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
+
+
+def test_unaligned_experts_stay_high_precision_or_raise():
+    experts = nn.ModuleDict({"e": GroupedExperts(dim=24, hidden_dim=64, num_experts=2)})
+    convert_to_float8_training(experts)
+    assert type(experts["e"]) is GroupedExperts
+    with pytest.raises(ValueError, match="multiples of 16"):
+        convert_to_float8_training(experts, skip_incompatible=False)
+
+
+def test_delayed_and_e5m2_are_refused_for_experts_with_what_to_do():
+    with pytest.raises(ValueError, match="dynamic recipe"):
+        convert_to_float8_training(nn.ModuleDict({"e": _experts()}),
+                                   config=Float8LinearConfig.from_recipe_name("delayed"))
+    from f8dist.config import CastConfig, E5M2
+    config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=E5M2))
+    with pytest.raises(ValueError, match="e4m3 operands only"):
+        config.grouped_cast_specs("e")
+
+
+def test_block_scaled_recipes_are_refused_for_experts_with_what_to_do():
+    with pytest.raises(ValueError, match="block-scaled grouped gemms"):
+        Float8LinearConfig.from_recipe_name("mxfp8").grouped_cast_specs("e")
+
+
+def test_compiled_float8_experts_give_eagers_bits():
+    """fullgraph: the grouped kernel is one custom op, the casts and padding trace."""
+    torch._dynamo.reset()
+    experts = convert_to_float8_training(
+        nn.ModuleDict({"e": _experts()}), config=Float8LinearConfig.from_recipe_name("rowwise"))["e"]
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    eager = run_experts(experts, x, OFFSETS)
+    experts.zero_grad(set_to_none=True)
+    compiled = torch.compile(experts, fullgraph=True)
+    for a, b in zip(eager, run_experts(compiled, x, OFFSETS)):
+        assert torch.equal(a, b)
