@@ -355,7 +355,9 @@ def threshold_table() -> str:
 # -- two ranks -----------------------------------------------------------------------------------
 
 def case_data_parallel(rank, world):
-    """FSDP2, different data per rank, against one device on the global batch."""
+    """FSDP2, different data per rank, against one device on the global batch (on the first step
+    the ranks' micro-batches accumulated, each cast from its own amax: [Note: first step] in
+    f8dist/delayed.py)."""
     from torch.distributed.fsdp import fully_shard
 
     out = {}
@@ -372,7 +374,9 @@ def case_data_parallel(rank, world):
         exact, close = [], []
         for step in range(6):
             x, t = torch.randn(16 * world, 64, generator=g), torch.randn(16 * world, 64, generator=g)
-            F.mse_loss(ref(x), t).backward()
+            parts = world if step == 0 else 1
+            for xc, tc in zip(x.chunk(parts), t.chunk(parts)):
+                (F.mse_loss(ref(xc), tc, reduction="sum") / t.numel()).backward()
             sync(ref)
             opt_ref.step()
             opt_ref.zero_grad()
