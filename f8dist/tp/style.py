@@ -199,12 +199,12 @@ def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, styl
         )
 
 
-def _check_blocks(module: Float8Linear, mesh: DeviceMesh, sharded: str, style: str) -> None:
-    """Fail at parallelize time if a shard splits a block of a block-scaled cast ([Note: block
-    scales on tensor-parallel shards]), by the rule of f8dist/placement.py."""
+def _check_blocks(module: Float8Linear, tp: int, sharded: str, style: str) -> None:
+    """Fail at parallelize time if a shard over ``tp`` ranks splits a block of a block-scaled
+    cast ([Note: block scales on tensor-parallel shards]), by the rule of f8dist/placement.py."""
     if module.config.pad_inner_dim:
         return
-    tp, in_f, out_f = mesh.size(), module.in_features, module.out_features
+    in_f, out_f = module.in_features, module.out_features
     # the 2-D operands a shard cuts, with the dim it cuts (the token count M does not matter)
     cut = {Operand.WEIGHT: ((out_f, in_f), 0 if sharded == "out" else 1)}
     cut[Operand.INPUT if sharded == "in" else Operand.GRAD_OUTPUT] = (
@@ -253,6 +253,13 @@ class _Float8LinearStyle:
 
     _sharded_features: str  # "out" (colwise) or "in" (rowwise)
 
+    def check_blocks(self, module: nn.Module, tp: int) -> None:
+        """Raise, naming the fix, if sharding ``module`` over ``tp`` ranks would split a block of
+        its block-scaled casts: what ``_apply`` checks, callable before any process group exists
+        (a training script's flag check, on a model built on the meta device)."""
+        module = _float8_linear(module, type(self).__name__)
+        _check_blocks(module, tp, self._sharded_features, type(self).__name__)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         _check_castable_layouts(type(self).__name__, self.input_layouts)
@@ -261,7 +268,7 @@ class _Float8LinearStyle:
         name = type(self).__name__
         module = _float8_linear(module, name)
         _check_local_gemm(module, device_mesh, self._sharded_features, name)
-        _check_blocks(module, device_mesh, self._sharded_features, name)
+        _check_blocks(module, device_mesh.size(), self._sharded_features, name)
         agreement.record_style(module, self)
         _replicate_in_place(module, device_mesh)
         return super()._apply(module, device_mesh)
