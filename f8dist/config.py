@@ -189,6 +189,14 @@ class ScaleRounding(_Name):
 # is zero-padded, which changes neither its amax nor any product: the token dim M may be anything;
 # the layer's own dims K and N must divide into blocks (or pad_inner_dim).
 #
+# [Note: row blocks of N-D activations]
+# A 1 x inner block along the last dim is local to one token, so an N-D activation ([B, S, K],
+# what a sequence-parallel style casts before its all-gather) takes row blocks as its [B * S, K]
+# view does: ``_block = (1, inner)`` and scales [B, S, ceil(K / inner)]. They follow the data
+# through reshapes that keep the last dim and through splits, cats and all-gathers of the other
+# dims (f8dist/tensor.py), so a cast before the all-gather gives the bytes and scales of a cast
+# after it, bit for bit.
+#
 # [Note: e8m0 rounding]
 # RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
 # 2 that maps the block's amax inside the format, so no element saturates. It is what NVIDIA's
@@ -409,16 +417,19 @@ class CastSpec:
 
     def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
         """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
-        ``axis``); None unless blockwise. Block scales are defined for 2-D operands."""
+        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, and for
+        N-D ones whose blocks are rows of the last dim (a [B, S, K] activation in 1 x K blocks:
+        [Note: row blocks of N-D activations])."""
         if not self.blockwise:
             return None
-        if ndim != 2:
-            raise NotImplementedError(
-                f"{self.site}: block scales are defined for 2-D operands, got a {ndim}-D one; "
-                "use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
-            )
         outer, inner = self.block_size
-        return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if ndim != 2 and not (outer == 1 and self.axis % ndim == ndim - 1):
+            raise NotImplementedError(
+                f"{self.site}: block scales are defined for 2-D operands and for rows of an N-D "
+                f"one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
+                f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
+            )
+        return (outer, inner) if self.axis % ndim == ndim - 1 else (inner, outer)
 
     @property
     def site(self) -> "CastSite":

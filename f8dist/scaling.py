@@ -264,7 +264,12 @@ def block_scale(
 
 def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     """Block scales [ceil(R / rows), ceil(C / cols)] as one float32 scale per element of a
-    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by)."""
+    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by); for an
+    N-D ``shape`` in row blocks, scales [..., ceil(C / cols)] ([Note: row blocks of N-D
+    activations] in f8dist/config.py)."""
+    if len(shape) != 2:  # [..., C]: rows of the [prod(...), C] view
+        rows = scale.reshape(-1, scale.shape[-1])  # [prod(...), ceil(C / cols)]
+        return expand_blocks(rows, block, (rows.shape[0], shape[-1])).reshape(shape)  # [..., C]
     (nr, nc), (br, bc) = scale.shape, block
     full = scale.to(torch.float32)[:, None, :, None].expand(nr, br, nc, bc)
     return full.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]  # [R, C]
@@ -276,15 +281,19 @@ def block_cast(
     round_to_power_of_2: bool = False,
 ) -> tuple:
     """``(data, scale)``: the 2-D ``x`` cast to float8 with one scale per ``block`` (float32
-    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)].
+    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)]; an N-D ``x`` in row
+    blocks gives scales [..., ceil(C / cols)].
 
     A block that is one row of ``x`` (or one column) is cast as rows of a [R * C / cols, cols] view
     (of ``x.t()``): the amax of a row then the cast of the same row, which a compiled graph fuses
     into one pass over ``x``, as it fuses a rowwise cast. Other blocks (squares, and rows that do
     not divide ``x``) take the grid of :func:`block_amax`.
     """
-    (r, c), (br, bc) = x.shape, block
     kw = dict(scale_dtype=scale_dtype, rounding=rounding, round_to_power_of_2=round_to_power_of_2)
+    if x.dim() != 2:  # [..., C] in row blocks: rows of its [prod(...), C] view
+        data, scale = block_cast(x.reshape(-1, x.shape[-1]), block, float8_dtype, **kw)
+        return data.reshape(x.shape), scale.reshape(*x.shape[:-1], scale.shape[-1])
+    (r, c), (br, bc) = x.shape, block
     if br == 1 and c % bc == 0:
         rows = x.reshape(r * (c // bc), bc)  # [R * C / cols, cols]
         scale = block_scale(tensor_amax(rows, -1), float8_dtype, **kw)  # [R * C / cols, 1]
