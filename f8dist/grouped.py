@@ -17,8 +17,23 @@ column over the expert's tokens in grad_weight; tensorwise: a scale per expert (
 token group); rowwise_with_gw_hp: grad_weight in high precision. An expert with no tokens has an
 empty group: no output rows, a zero weight gradient.
 
+[Note: block grouped gemms]
+With block scales ([Note: block scales] in f8dist/config.py: "mxfp8", "mxfp8_wgrad_with_hp",
+"mxfp8_square_weights", "blockwise") the cells are the same and each expert's gemm is the dense
+block-scaled gemm on its group. output and grad_input: the tokens in 1 x inner blocks along K
+(N), local to a token, the weight in blocks of its own per expert ([E, N/bn, K/bk] scales).
+grad_weight contracts each expert's tokens, so both of its operands are blocked along the
+tokens, within each group: the groups are first padded to a multiple of the inner block with zero
+rows (``pad_groups``; exact: zeros raise no amax and add no product), so that no block holds the
+tokens of two experts, then cast from high precision, and the kernel takes the padded offsets.
+A grouped gemm is then, per expert, a block-scaled ``Float8Linear`` on the expert's tokens, bit
+for bit ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py). The experts' dims must
+divide into the blocks (``block_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
+"blockwise").
+
 [Note: one cast of the tokens]
-The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise),
+The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise,
+or blocks inside a token's row: the block recipes),
 :class:`Float8GroupedExperts` casts the tokens once (``ToFloat8``) and both gemms take those bytes;
 expert parallelism casts at the same point, before the dispatch all-to-all (f8dist/dispatch.py),
 so one device and EP multiply the same float8 tokens. The grad_weight gemms re-cast the float8
@@ -28,7 +43,7 @@ scales only a shift of exponents, exact but for e4m3 subnormals).
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -36,8 +51,8 @@ import torch.nn.functional as F
 
 from f8dist.cast import ToFloat8, cast_to_float8, high_precision
 from f8dist.config import CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
-from f8dist.gemm import GEMM_ALIGNMENT
-from f8dist.grouped_gemm import scaled_grouped_mm
+from f8dist.gemm import GEMM_ALIGNMENT, block_problems
+from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
 from f8dist.placement import local_part
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "float8_grouped_mm", "grouped_mm",
@@ -92,6 +107,8 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         if gemm is GRAD_INPUT:
             return torch._grouped_mm(a, b.to(a.dtype), offs=offsets)  # [M, K]
         return torch._grouped_mm(a.t(), b.to(a.dtype), offs=offsets)  # [E, N, K]
+    if specs[gemm, left].blockwise:
+        return _block_gemm(gemm, a, b, offsets, specs, out_dtype)
     a8 = cast_to_float8(a, specs[gemm, left], offsets=offsets)
     b8 = cast_to_float8(b, specs[gemm, right], offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
@@ -110,6 +127,32 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     b_scale = _per_group(b8._scale.expand(m, b8._scale.shape[-1]), offsets, k)  # [E, K]
     return scaled_grouped_mm(a8._data.t(), a_scale, b8._data, b_scale, offsets,
                              out_dtype=out_dtype, mm_config=cfg)
+
+
+def _block_gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                specs: CastSpecs, out_dtype: torch.dtype) -> torch.Tensor:
+    """One gemm of [Note: grouped gemms] with block scales ([Note: block grouped gemms])."""
+    left, right = gemm.operands
+    sa, sb = specs[gemm, left], specs[gemm, right]
+    if gemm is GRAD_WEIGHT:  # tokens blocked within each group: groups padded to the block
+        a, b = local_part(high_precision(a)), local_part(high_precision(b))  # [M, N], [M, K]
+        padded, rows, m_padded = pad_groups(offsets, a.shape[0], sa.block_size[1])
+        a, b = scatter_rows(a, rows, m_padded), scatter_rows(b, rows, m_padded)  # [M', *]
+        offsets = padded
+    a8 = local_part(cast_to_float8(a, sa))  # blocks of tokens need no offsets
+    b8 = local_part(cast_to_float8(b, sb))
+    cfg = sa.mm_config
+    if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its grid
+        return block_scaled_grouped_mm(
+            a8._data, a8._scale, a8._block, b8._data.transpose(-2, -1),
+            b8._scale.transpose(-2, -1), b8._block[::-1], offsets, out_dtype=out_dtype,
+            mm_config=cfg)
+    if gemm is GRAD_INPUT:  # [M, N] x [E, N, K]
+        return block_scaled_grouped_mm(a8._data, a8._scale, a8._block, b8._data, b8._scale,
+                                       b8._block, offsets, out_dtype=out_dtype, mm_config=cfg)
+    return block_scaled_grouped_mm(  # [N, M'] x [M', K] -> [E, N, K]
+        a8._data.t(), a8._scale.t(), a8._block[::-1], b8._data, b8._scale, b8._block,
+        offsets, out_dtype=out_dtype, mm_config=cfg)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
@@ -222,7 +265,8 @@ def token_spec(specs: Dict[str, CastSpecs]) -> Optional[CastSpec]:
     """The per-token cast of the tokens when the up projections take one ([Note: one cast of
     the tokens]); None otherwise (high precision, or tensorwise: per-group scales)."""
     spec = specs["w1"][OUTPUT, INPUT]
-    return spec if spec.enabled and spec.axiswise else None
+    per_token = spec.axiswise or (spec.blockwise and spec.block_shape(2)[0] == 1)
+    return spec if spec.enabled and per_token else None
 
 
 def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
@@ -232,9 +276,27 @@ def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
     return x if spec is None else ToFloat8.apply(x, spec, None)
 
 
-def is_float8_grouped_compatible(mod: GroupedExperts) -> bool:
-    """Whether ``torch._scaled_grouped_mm`` can take the experts' gemms (dims % 16 == 0)."""
-    return mod.dim % GEMM_ALIGNMENT == 0 and mod.hidden_dim % GEMM_ALIGNMENT == 0
+def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[str]:
+    """Why the experts' float8 grouped gemms cannot take ``mod``'s dims under ``config``:
+    ``torch._scaled_grouped_mm``'s alignment (dims % 16) and the block recipes' blocks
+    ([Note: block grouped gemms]); empty when they can."""
+    dims = {"dim": mod.dim, "hidden_dim": mod.hidden_dim}
+    bad = [f"{name}={v} (multiple of {GEMM_ALIGNMENT})" for name, v in dims.items()
+           if v % GEMM_ALIGNMENT]
+    specs = grouped_specs(config, "")
+    for name, (k, n) in (("w1", (mod.dim, mod.hidden_dim)), ("w2", (mod.hidden_dim, mod.dim))):
+        for problem in block_problems(specs[name], k, n):
+            problem = problem.replace("in_features", "dim" if name == "w1" else "hidden_dim")
+            problem = problem.replace("out_features", "hidden_dim" if name == "w1" else "dim")
+            if problem not in bad:
+                bad.append(problem)
+    return bad
+
+
+def is_float8_grouped_compatible(mod: GroupedExperts,
+                                 config: Optional[Float8LinearConfig] = None) -> bool:
+    """Whether the float8 grouped gemms can take the experts' gemms (:func:`grouped_problems`)."""
+    return not grouped_problems(mod, config if config is not None else Float8LinearConfig())
 
 
 class Float8GroupedExperts(GroupedExperts):
@@ -252,11 +314,13 @@ class Float8GroupedExperts(GroupedExperts):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.config = config if config is not None else Float8LinearConfig()
-        if not self.config.emulate and not is_float8_grouped_compatible(self):
+        bad = [] if self.config.emulate else grouped_problems(self, self.config)
+        if bad:
             raise ValueError(
-                f"Float8GroupedExperts {fqn or '<root>'}: torch._scaled_grouped_mm needs dim "
-                f"({self.dim}) and hidden_dim ({self.hidden_dim}) to be multiples of "
-                f"{GEMM_ALIGNMENT}; keep the experts in high precision with module_filter_fn"
+                f"Float8GroupedExperts {fqn or '<root>'}: its float8 grouped gemms need dim "
+                f"({self.dim}) and hidden_dim ({self.hidden_dim}) to divide into their alignment "
+                f"and blocks, got {', '.join(bad)}; keep the experts in high precision with "
+                "module_filter_fn"
             )
         self.fqn = fqn  # the experts' name in the model; their weights' casts are fqn.w1 ...
         self.specs = grouped_specs(self.config, fqn)  # resolved once

@@ -13,6 +13,14 @@ def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch():
     assert b["bf16"] == 64 * DIM * 2
     assert b["float8"] == 64 * (DIM + 4)  # 1 byte per element + a float32 scale per token
     assert b["float8"] / b["bf16"] <= 0.53
+    # 1 byte per element + a scale per token's block: 1 x 32 e8m0, 1 x 128 float32
+    assert b["mxfp8"] == b["blockwise"] == 64 * (DIM + DIM // 32)
+
+
+def test_expert_parallel_with_128_blocks_matches_one_device_bit_for_bit():
+    """DeepSeek's 1 x 128 token blocks dispatched in float8 ([Note: float8 dispatch])."""
+    r = run_torchrun("moe_ep", 2, "--recipes", "blockwise", "--dim", "128", "--hidden", "128")
+    assert r["world"] == 2 and r["empty_groups_on_a_rank"], r
 
 
 def test_expert_parallel_on_4_ranks_matches_one_device_bit_for_bit():
