@@ -775,13 +775,6 @@ class Float8LinearConfig:
         for g, op in _CELLS:
             spec = self.cast_spec(g, op, fqn)
             cc = self.cast_config(g, op)
-            if spec.scaling_type is ScalingType.DELAYED:
-                raise ValueError(
-                    f"{fqn or '<root>'}: delayed scaling keeps one amax history per tensor, and a "
-                    "grouped expert gemm scales per expert; use a dynamic recipe ('rowwise', "
-                    "'tensorwise', 'rowwise_with_gw_hp') for the experts, or keep them in high "
-                    "precision with module_filter_fn"
-                )
             if spec.enabled and cc.target_dtype is E5M2:
                 raise ValueError(
                     f"{fqn or '<root>'}: {g}:{op} asks for e5m2, but torch._scaled_grouped_mm "

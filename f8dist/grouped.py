@@ -31,6 +31,24 @@ for bit ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py). The ex
 divide into the blocks (``block_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
 "blockwise").
 
+[Note: delayed experts]
+Delayed scaling ([Note: delayed scaling] in f8dist/delayed.py) keeps one amax history per expert
+weight FQN (``<experts>.w1`` ...) and operand, per tensor: the 3-D weight's amax over every
+expert, the tokens' over every group, one e4m3 scale each (``ExpertWeightScaling``, a child
+``delayed_scaling.w1`` ... of the experts holding torchao's ``fp8_amax_*`` buffers, so that
+``sync_float8_amax_and_scale_history``, the counters, checkpoints and telemetry treat it as a
+linear's). Per tensor, not per expert, because (1) a history predicts the next step's amax, and
+an expert's token group changes with the routing every step (its size, its tokens; an expert may
+get none), while the layer's tokens as a whole do not; (2) the state stays a few replicated
+scalars whatever the number of experts, so a checkpoint reshards across EP degrees as plain
+tensors and the sync's one all-reduce is unchanged; the price is one scale for experts whose
+ranges differ, which a per-expert recipe (rowwise, the block recipes) does not pay. Under expert
+parallelism a rank holds a shard of the weights (dim 0) and of the tokens (the groups of its
+experts: [Note: tokens of sharded experts] in f8dist/placement.py), so the first step's amaxes are
+reduced over exactly the EP axis, and the sync's MAX over all ranks makes every history that of
+one device running the global batch: EP gives one device's bits (tests/distributed/
+test_moe_ep.py).
+
 [Note: one cast of the tokens]
 The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise,
 or blocks inside a token's row: the block recipes),
@@ -43,22 +61,27 @@ scales only a shift of exponents, exact but for e4m3 subnormals).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from f8dist.cast import ToFloat8, cast_to_float8, high_precision
-from f8dist.config import CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.delayed import (
+    DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
+)
 from f8dist.gemm import GEMM_ALIGNMENT, block_problems
 from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
-from f8dist.placement import local_part
+from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "float8_grouped_mm", "grouped_mm",
            "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens"]
 
 OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
+Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
+Delayed = Optional[Tuple[DelayedScaling, bool]]
 INPUT, WEIGHT, GRAD_OUTPUT = Operand
 WEIGHTS = ("w1", "w2", "w3")
 
@@ -85,6 +108,12 @@ def _rows(scale: torch.Tensor, m: int) -> torch.Tensor:
     return scale.expand(m, 1)[:, 0].contiguous()
 
 
+def _token_scales(scale: torch.Tensor, m: int) -> torch.Tensor:
+    """A token operand's scales ([M, C] or [M, 1] per group, or [] for a delayed one) as rows:
+    [M, C] or [M, 1]."""
+    return scale.expand(m, scale.shape[-1] if scale.dim() else 1)
+
+
 def _select(scale: torch.Tensor, w_shape, dim: int) -> torch.Tensor:
     """A 3-D weight's scale ([E, 1, 1], [E, N, 1] or [E, 1, K]) as one per expert and output
     column of the gemm (``dim`` of the weight): [E, w_shape[dim]]."""
@@ -94,10 +123,11 @@ def _select(scale: torch.Tensor, w_shape, dim: int) -> torch.Tensor:
 
 
 def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-          specs: CastSpecs) -> torch.Tensor:
+          specs: CastSpecs, scales: Scales = None) -> torch.Tensor:
     """One gemm of [Note: grouped gemms], in float8 as ``specs`` say or in high precision.
     output: a=x [M, K], b=w [E, N, K]; grad_input: a=grad_output [M, N], b=w; grad_weight:
-    a=grad_output [M, N], b=x [M, K] -> [E, N, K]."""
+    a=grad_output [M, N], b=x [M, K] -> [E, N, K]. ``scales``: delayed scales by (gemm,
+    operand) ([Note: delayed experts])."""
     left, right = gemm.operands
     out_dtype = a.dtype
     if not specs.gemm_in_float8(gemm):
@@ -109,8 +139,9 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         return torch._grouped_mm(a.t(), b.to(a.dtype), offs=offsets)  # [E, N, K]
     if specs[gemm, left].blockwise:
         return _block_gemm(gemm, a, b, offsets, specs, out_dtype)
-    a8 = cast_to_float8(a, specs[gemm, left], offsets=offsets)
-    b8 = cast_to_float8(b, specs[gemm, right], offsets=offsets)
+    scales = scales or {}
+    a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
+    b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
     cfg = specs[gemm, left].mm_config
     m = a8.shape[0]
@@ -123,8 +154,8 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         return scaled_grouped_mm(a8._data, _rows(a8._scale, m), b8._data, w_scale, offsets,
                                  out_dtype=out_dtype, mm_config=cfg)
     n, k = a8.shape[1], b8.shape[1]  # [N, M] x [M, K] per group
-    a_scale = _per_group(a8._scale.expand(m, a8._scale.shape[-1]), offsets, n)  # [E, N]
-    b_scale = _per_group(b8._scale.expand(m, b8._scale.shape[-1]), offsets, k)  # [E, K]
+    a_scale = _per_group(_token_scales(a8._scale, m), offsets, n)  # [E, N]
+    b_scale = _per_group(_token_scales(b8._scale, m), offsets, k)  # [E, K]
     return scaled_grouped_mm(a8._data.t(), a_scale, b8._data, b_scale, offsets,
                              out_dtype=out_dtype, mm_config=cfg)
 
@@ -157,29 +188,42 @@ def _block_gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
 
 class _Float8GroupedMM(torch.autograd.Function):
     """``x[rows of e] @ w[e].t()`` through float8 grouped gemms ([Note: grouped gemms]).
-    ``x`` [M, K] (high precision or per-token float8), ``w`` [E, N, K], ``offsets`` [E] int32."""
+    ``x`` [M, K] (high precision or per-token float8), ``w`` [E, N, K], ``offsets`` [E] int32;
+    ``scales``, ``delayed``, ``sharding``: delayed scaling's ([Note: delayed experts])."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, specs: CastSpecs):
-        out = _gemm(OUTPUT, x, w, offsets, specs)  # [M, N]
+    def forward(ctx, x, w, offsets, specs: CastSpecs, scales: Scales, delayed: Delayed,
+                sharding):
+        out = _gemm(OUTPUT, x, w, offsets, specs, scales)  # [M, N]
         ctx.save_for_backward(x, w, offsets)
-        ctx.specs = specs
+        ctx.specs, ctx.scales, ctx.delayed, ctx.sharding = specs, scales, delayed, sharding
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         x, w, offsets = ctx.saved_tensors
-        specs = ctx.specs
+        specs, scales = ctx.specs, ctx.scales
         grad_output = grad_output.contiguous()  # [M, N]
-        grad_x = _gemm(GRAD_INPUT, grad_output, w, offsets, specs)  # [M, K]
-        grad_w = _gemm(GRAD_WEIGHT, grad_output, x, offsets, specs)  # [E, N, K]
-        return grad_x, grad_w.to(w.dtype), None, None
+        later = []  # [Note: record after the cast] in f8dist/delayed.py
+        if ctx.delayed is not None:  # a delayed grad_output scale is known now
+            state, record = ctx.delayed
+            scales = {**scales, **state.grad_output_scales(grad_output, record, later,
+                                                           ctx.sharding)}
+        grad_x = _gemm(GRAD_INPUT, grad_output, w, offsets, specs, scales)  # [M, K]
+        grad_w = _gemm(GRAD_WEIGHT, grad_output, x, offsets, specs, scales)  # [E, N, K]
+        for amax_record in later:
+            amax_record()
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None
 
 
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                      specs: CastSpecs) -> torch.Tensor:
+                      specs: CastSpecs, scales: Scales = None, delayed: Delayed = None,
+                      sharding=None) -> torch.Tensor:
     """``x[rows of e] @ w[e].t()`` with float8 grouped gemms cast as ``specs`` say
-    (``Float8LinearConfig.grouped_cast_specs``): x [M, K], w [E, N, K] -> [M, N].
+    (``Float8LinearConfig.grouped_cast_specs``): x [M, K], w [E, N, K] -> [M, N]. ``scales``:
+    the forward's delayed scales, ``delayed``: (state, whether the forward recorded), which gives
+    backward its grad_output scale, ``sharding``: the operands' (mesh, placements) under expert
+    parallelism ([Note: delayed experts]).
 
     Example::
 
@@ -189,7 +233,8 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         >>> float8_grouped_mm(x, w, offsets, specs).shape
         torch.Size([40, 16])
     """
-    return _Float8GroupedMM.apply(x, w, offsets.to(torch.int32), specs)
+    return _Float8GroupedMM.apply(x, w, offsets.to(torch.int32), specs, scales or {}, delayed,
+                                  sharding)
 
 
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -299,6 +344,55 @@ def is_float8_grouped_compatible(mod: GroupedExperts,
     return not grouped_problems(mod, config if config is not None else Float8LinearConfig())
 
 
+class ExpertWeightScaling(nn.Module):
+    """The delayed-scaling state of one expert weight ([Note: delayed experts]): the
+    ``fp8_amax_*``, ``fp8_amax_history_*``, ``fp8_scale_*`` buffers of its casts (a
+    :class:`~f8dist.delayed.DelayedScaling`, ``delayed``), FQN ``<experts>.w1`` ...; a child of
+    its :class:`Float8GroupedExperts` (``delayed_scaling.w1``), whose weight it reads.
+
+    Example::
+
+        >>> experts = Float8GroupedExperts.from_float(GroupedExperts(32, 64, 4),
+        ...     Float8LinearConfig.from_recipe_name("delayed"), fqn="moe.experts")
+        >>> experts.delayed_scaling["w1"].fqn, experts.delayed_scaling["w1"].fp8_scale_input
+        ('moe.experts.w1', tensor(1.))
+    """
+
+    def __init__(self, experts: "Float8GroupedExperts", name: str):
+        super().__init__()
+        self.config, self.name = experts.config, name
+        self.fqn = f"{experts.fqn}.{name}" if experts.fqn else name
+        self.__dict__["_experts"] = experts  # not a child: state_dict and modules() skip it
+        self.delayed = DelayedScaling.attach(self, E4M3)  # e4m3: [Note: grouped casts]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The expert weight (the parameter, a DTensor under expert parallelism)."""
+        return getattr(self.__dict__["_experts"], self.name)
+
+    def sharding(self) -> Optional[Dict[Operand, tuple]]:
+        """(mesh, placements) of the weight's and the tokens' local shards under expert
+        parallelism ([Note: tokens of sharded experts] in f8dist/placement.py); None otherwise."""
+        w = self.weight
+        if not is_dtensor(w):
+            return None
+        mesh, tokens = w.device_mesh, (w.device_mesh, expert_token_placements(w.placements))
+        return {WEIGHT: (mesh, w.placements), INPUT: tokens, GRAD_OUTPUT: tokens}
+
+    def _apply(self, fn, recurse=True):  # the delayed buffers stay float32
+        return apply_to_delayed_module(self.delayed, fn,
+                                       lambda f: super(ExpertWeightScaling, self)._apply(f, recurse))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        load_delayed_state(self.delayed, state_dict, prefix, missing_keys)
+
+    def extra_repr(self) -> str:
+        return f"fqn={self.fqn!r}"
+
+
 class Float8GroupedExperts(GroupedExperts):
     """:class:`GroupedExperts` whose grouped gemms run in float8 as ``config`` says
     ([Note: grouped gemms]); its state dict is GroupedExperts'. Made by
@@ -324,6 +418,16 @@ class Float8GroupedExperts(GroupedExperts):
             )
         self.fqn = fqn  # the experts' name in the model; their weights' casts are fqn.w1 ...
         self.specs = grouped_specs(self.config, fqn)  # resolved once
+        self._attach_delayed()
+
+    def _attach_delayed(self) -> None:
+        """One :class:`ExpertWeightScaling` per weight when the config has delayed casts
+        ([Note: delayed experts]), on the weights' device."""
+        if delayed_operands(self.config):
+            self.delayed_scaling = nn.ModuleDict(
+                {name: ExpertWeightScaling(self, name) for name in WEIGHTS})
+        else:
+            self.delayed_scaling = None
 
     @classmethod
     def from_float(cls, mod: GroupedExperts, config: Optional[Float8LinearConfig] = None,
@@ -333,6 +437,7 @@ class Float8GroupedExperts(GroupedExperts):
             new = cls(mod.dim, mod.hidden_dim, mod.num_experts, config=config, fqn=fqn)
         for name in WEIGHTS:
             setattr(new, name, getattr(mod, name))
+        new._attach_delayed()  # its buffers on the weights' device (they were made on meta)
         return new
 
     @property
@@ -346,7 +451,15 @@ class Float8GroupedExperts(GroupedExperts):
         return super().forward(cast_tokens(x, self.specs), offsets)
 
     def _mm(self, name: str, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor):
-        return float8_grouped_mm(x, w, offsets, self.specs[name])
+        if self.delayed_scaling is None:
+            return float8_grouped_mm(x, w, offsets, self.specs[name])
+        scaling = self.delayed_scaling[name]  # [Note: delayed experts]
+        state, record, later, sharding = scaling.delayed, scaling.delayed.training(), [], scaling.sharding()
+        scales = state.forward_scales(x, w, record, later, sharding)
+        out = float8_grouped_mm(x, w, offsets, self.specs[name], scales, (state, record), sharding)
+        for amax_record in later:  # [Note: record after the cast] in f8dist/delayed.py
+            amax_record()
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

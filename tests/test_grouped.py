@@ -1,9 +1,16 @@
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
-from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts, float8_grouped_mm, grouped_mm
+from f8dist import (
+    Float8Linear, Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history,
+)
+from f8dist.delayed import delayed_scaling_counters
+from f8dist.grouped import (
+    WEIGHTS, Float8GroupedExperts, GroupedExperts, float8_grouped_mm, grouped_mm,
+)
 from f8dist.cast import cast_to_float8
 from f8dist.numerics import sqnr
 
@@ -121,10 +128,36 @@ def test_unaligned_experts_stay_high_precision_or_raise():
         convert_to_float8_training(experts, skip_incompatible=False)
 
 
-def test_delayed_and_e5m2_are_refused_for_experts_with_what_to_do():
-    with pytest.raises(ValueError, match="dynamic recipe"):
-        convert_to_float8_training(nn.ModuleDict({"e": _experts()}),
-                                   config=Float8LinearConfig.from_recipe_name("delayed"))
+def test_delayed_experts_keep_a_history_per_expert_weight_fqn():
+    """[Note: delayed experts]: one e4m3 history per weight and operand, per tensor; the sync
+    rolls them, the state dict holds them, a plain checkpoint loads (next step a first step)."""
+    ref = _experts()
+    model = convert_to_float8_training(nn.ModuleDict({"e": copy.deepcopy(ref)}),
+                                       config=Float8LinearConfig.from_recipe_name("delayed"))
+    f8 = model["e"]
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    for factor in (1.0, 0.75):  # a shrinking range: a delayed scale saturates nothing
+        outs = [run_experts(mod, x * factor, OFFSETS, WEIGHTS) for mod in (ref, f8)]
+        for a, b in zip(*outs):  # one scale for all experts' tokens, through three gemms
+            assert sqnr(a, b) > 18
+        sync_float8_amax_and_scale_history(model)
+        ref.zero_grad(), f8.zero_grad()
+    assert set(delayed_scaling_counters(model)) == {"e.w1", "e.w2", "e.w3"}
+    w2 = f8.delayed_scaling["w2"]
+    assert torch.equal(w2.fp8_amax_history_weight[:2], ref.w2.abs().amax().expand(2))
+    assert w2.fp8_scale_weight == 448 / ref.w2.abs().amax()  # e4m3, not the recipe's e5m2
+    amax = torch.stack([(x * f).abs().amax() for f in (0.75, 1.0)])  # newest first
+    assert torch.equal(f8.delayed_scaling["w1"].fp8_amax_history_input[:2], amax)
+    sd = model.state_dict()
+    assert "e.delayed_scaling.w1.fp8_amax_history_grad_output" in sd
+    plain = {k: v for k, v in sd.items() if "fp8" not in k}
+    model.half()
+    assert w2.fp8_scale_weight.dtype == torch.float32
+    model.load_state_dict(plain)  # strict: the delayed state restarts
+    assert w2.fp8_scale_weight == 1.0 and not w2.delayed.synced
+
+
+def test_e5m2_is_refused_for_experts_with_what_to_do():
     from f8dist.config import CastConfig, E5M2
     config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=E5M2))
     with pytest.raises(ValueError, match="e4m3 operands only"):

@@ -26,3 +26,10 @@ def test_expert_parallel_with_128_blocks_matches_one_device_bit_for_bit():
 def test_expert_parallel_on_4_ranks_matches_one_device_bit_for_bit():
     r = run_torchrun("moe_ep", 4, "--recipes", "rowwise")
     assert r["world"] == 4 and r["empty_groups_on_a_rank"], r
+
+
+def test_delayed_experts_under_expert_parallelism_match_one_device_bit_for_bit():
+    """[Note: delayed experts]: histories per expert weight FQN, first-step amaxes over the EP
+    axis, the sync over all ranks."""
+    r = run_torchrun("moe_ep_delayed", 2)
+    assert r["world"] == 2 and r["buffers_checked"] == 3 * 3 * 3 * 4, r  # steps x w x op x buffer
