@@ -240,3 +240,22 @@ def test_compiled_float8_experts_give_eagers_bits(recipe):
     compiled = torch.compile(experts, fullgraph=True)
     for a, b in zip(eager, run_experts(compiled, x, OFFSETS)):
         assert torch.equal(a, b)
+
+
+def test_mxfp8_grouped_gemm_matches_torchaos_emulated_one():
+    """torchao 0.18's emulated MXFP8 grouped gemm (torchao.prototype.moe_training) on the same
+    tensors: bit for bit with groups of whole 32-token blocks (docs/moe.md has larger figures)."""
+    mx = pytest.importorskip("torchao.prototype.moe_training.mxfp8_grouped_mm")
+    from torchao.prototype.moe_training.config import KernelPreference
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 64, generator=g).bfloat16(), torch.randn(4, 64, 64, generator=g).bfloat16()
+    grad = torch.randn(128, 64, generator=g).bfloat16()
+    offsets = torch.tensor([32, 32, 96, 128], dtype=torch.int32)  # an expert without tokens
+    specs = Float8LinearConfig.from_recipe_name("mxfp8").grouped_cast_specs()
+    ours = _run(lambda a, b, o: float8_grouped_mm(a, b, o, specs), x, w, grad, offsets)
+    theirs = _run(lambda a, b, o: mx._to_mxfp8_then_scaled_grouped_mm(
+        a, b.transpose(-2, -1), o, out_dtype=torch.bfloat16,
+        kernel_preference=KernelPreference.EMULATED), x, w, grad, offsets)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b), sqnr(b, a)
