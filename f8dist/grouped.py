@@ -14,8 +14,9 @@ and each of their six operands is cast as the same cell of the same Float8Linear
 per expert ([Note: grouped casts] in f8dist/config.py): ``config.grouped_cast_specs(fqn)``.
 rowwise: a scale per token, per expert and row (or column) of the weight, and per expert and
 column over the expert's tokens in grad_weight; tensorwise: a scale per expert (its weight, its
-token group); rowwise_with_gw_hp: grad_weight in high precision. An expert with no tokens has an
-empty group: no output rows, a zero weight gradient.
+token group); rowwise_with_gw_hp: grad_weight in high precision; block scales: [Note: block
+grouped gemms]; delayed: [Note: delayed experts]. An expert with no tokens has an empty group: no
+output rows, a zero weight gradient.
 
 [Note: block grouped gemms]
 With block scales ([Note: block scales] in f8dist/config.py: "mxfp8", "mxfp8_wgrad_with_hp",

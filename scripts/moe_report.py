@@ -135,16 +135,16 @@ def dispatch_bytes(dims, tokens: int) -> str:
         return out
 
     dispatch._all_to_all_tokens = counted
-    rows = [f"token dispatch of an expert-parallel MoE layer (rowwise, {2 * world} experts, "
+    rows = [f"token dispatch of an expert-parallel MoE layer ({2 * world} experts, "
             f"top-2, {tokens} tokens per rank, {world} ranks): bytes rank 0 sends per forward",
-            "", "| dim | bf16 dispatch | float8 dispatch | float8 / bf16 | outputs equal |",
-            "|---|---|---|---|---|"]
+            "", "| recipe | dim | bf16 dispatch | float8 dispatch | float8 / bf16 | outputs equal |",
+            "|---|---|---|---|---|---|"]
     try:
-        for dim in dims:
+        for recipe, dim in ((r, d) for r in ("rowwise", "mxfp8") for d in dims):
             moe = MoE(dim, dim, MoEArgs(num_experts=2 * world, top_k=2, shared_expert=False))
             moe.init_weights(0.02, torch.Generator().manual_seed(0))
             moe.to(torch.bfloat16)
-            convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name("rowwise"))
+            convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name(recipe))
             x = torch.randn(1, tokens, dim, generator=torch.Generator().manual_seed(1 + rank))
             result = {}
             for fd in (False, True):
@@ -154,7 +154,7 @@ def dispatch_bytes(dims, tokens: int) -> str:
                     out = layer(x.bfloat16())
                 result[fd] = (sent["bytes"], out)
             (hp, out_hp), (f8, out_f8) = result[False], result[True]
-            rows.append(f"| {dim} | {hp:,} | {f8:,} | {f8 / hp:.3f} | "
+            rows.append(f"| {recipe} | {dim} | {hp:,} | {f8:,} | {f8 / hp:.3f} | "
                         f"{torch.equal(out_hp, out_f8)} |")
     finally:
         dispatch._all_to_all_tokens = tokens_of
