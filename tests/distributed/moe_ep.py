@@ -1,9 +1,10 @@
 """Expert parallelism (f8dist/models/moe_parallel.py) against one device, on every rank of the
-launch: one MoE layer, bf16, each rank routing its own uneven slice of a batch in which some
-experts get no token on some ranks. Checked here: outputs, input and expert-weight gradients bit
-for bit equal to one device running the whole batch, with float8 dispatch and without; the
-router's and the shared expert's gradients (summed over the ranks, as data parallelism does)
-within float32 summation order. Reported: the dispatch's bytes, float8 vs bf16."""
+launch: one MoE layer, bf16 or float8 (``--recipes``: the dynamic and block recipes), each rank
+routing its own uneven slice of a batch in which some experts get no token on some ranks.
+Checked here: outputs, input and expert-weight gradients bit for bit equal to one device running
+the whole batch, with float8 dispatch and without; the router's and the shared expert's gradients
+(summed over the ranks, as data parallelism does) within float32 summation order. Reported: the
+dispatch's bytes, float8 (rowwise, mxfp8, blockwise) vs bf16."""
 
 import copy
 

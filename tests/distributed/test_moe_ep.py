@@ -1,5 +1,6 @@
 """Expert parallelism against one device on 2 and 4 gloo ranks; the checks run inside
-tests/distributed/moe_ep.py, the figures are re-checked here."""
+tests/distributed/moe_ep.py (dynamic and block recipes) and moe_ep_delayed.py (delayed scaling),
+the figures are re-checked here."""
 
 from tests.distributed.harness import run_torchrun
 
