@@ -77,8 +77,9 @@ from f8dist.gemm import GEMM_ALIGNMENT, block_problems
 from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
 from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
-__all__ = ["GroupedExperts", "Float8GroupedExperts", "float8_grouped_mm", "grouped_mm",
-           "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens"]
+__all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
+           "grouped_mm", "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens",
+           "grouped_problems"]
 
 OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
 Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]

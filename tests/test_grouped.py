@@ -13,6 +13,7 @@ from f8dist.grouped import (
 )
 from f8dist.cast import cast_to_float8
 from f8dist.numerics import sqnr
+from tests.floors import on_cpu
 
 OFFSETS = torch.tensor([7, 7, 30, 48], dtype=torch.int32)  # expert 1 gets no token
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -177,6 +178,7 @@ def _block_operands(recipe):
 
 
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+@on_cpu  # block-scaled gemms have a CPU kernel only
 def test_block_grouped_gemm_is_a_block_scaled_float8_linear_per_expert_bit_for_bit(recipe):
     """[Note: block grouped gemms]: groups of 7 and 23 tokens (not multiples of the blocks, one
     empty) give, per expert, the dense block-scaled gemms of a Float8Linear on its tokens."""
@@ -242,6 +244,7 @@ def test_compiled_float8_experts_give_eagers_bits(recipe):
         assert torch.equal(a, b)
 
 
+@on_cpu  # block-scaled gemms have a CPU kernel only
 def test_mxfp8_grouped_gemm_matches_torchaos_emulated_one():
     """torchao 0.18's emulated MXFP8 grouped gemm (torchao.prototype.moe_training) on the same
     tensors: bit for bit with groups of whole 32-token blocks (docs/moe.md has larger figures)."""

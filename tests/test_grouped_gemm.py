@@ -7,7 +7,7 @@ from f8dist.grouped_gemm import (
     scaled_grouped_mm,
 )
 from f8dist.numerics import sqnr
-from tests.floors import exact_gemm_db
+from tests.floors import exact_gemm_db, on_cpu
 
 EMULATE = ScaledMMConfig(emulate=True)
 # uneven groups, one empty, none a multiple of 16
@@ -108,6 +108,7 @@ def test_pad_groups_to_a_block_of_32_rows():
     assert rows[5:21].tolist() == list(range(32, 48)) and rows[21:].tolist() == list(range(64, 83))
 
 
+@on_cpu  # the CPU block kernel
 def test_the_block_kernel_refuses_blocks_that_would_span_two_groups():
     """2d x 2d contracts the tokens: each group must be whole blocks ([Note: the CPU block
     grouped kernel]); the caller pads them."""
