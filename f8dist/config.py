@@ -118,9 +118,14 @@ _CONTRACTION_AXIS = {
 #     one per expert and row (or column) of the weight, [E, N, 1] (or [E, 1, K]);
 #   * axiswise over the tokens (grad_weight): one scale per expert and column, over the expert's
 #     token group ([E, C]; stored per row as [M, C] so that the Float8Tensor dequantizes);
-#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group.
-# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand. Delayed scaling has one amax
-# history per tensor and so is refused for grouped casts.
+#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group;
+#   * blockwise ([Note: block scales]): the weight blocked per expert ([E, N/bn, K/bk] scales,
+#     [Note: blocks of expert weights] in f8dist/scaling.py); tokens blocked along the row
+#     (output, grad_input: 1 x inner blocks, local to a token) or, in grad_weight, along the
+#     tokens within each expert's group: the gemm pads every group to a multiple of the block
+#     first (zero rows, exact), so that no block holds tokens of two experts ([Note: block
+#     grouped gemms] in f8dist/grouped.py).
+# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand.
 
 # The config field that overrides an operand's main CastConfig in one gemm
 _OVERRIDE_FIELD = {
@@ -417,19 +422,22 @@ class CastSpec:
 
     def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
         """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
-        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, and for
-        N-D ones whose blocks are rows of the last dim (a [B, S, K] activation in 1 x K blocks:
-        [Note: row blocks of N-D activations])."""
+        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, for the
+        3-D weights of grouped casts, blocked per expert in their last two dims ([Note: grouped
+        casts]), and for N-D operands whose blocks are rows of the last dim (a [B, S, K]
+        activation in 1 x K blocks: [Note: row blocks of N-D activations])."""
         if not self.blockwise:
             return None
         outer, inner = self.block_size
-        if ndim != 2 and not (outer == 1 and self.axis % ndim == ndim - 1):
-            raise NotImplementedError(
-                f"{self.site}: block scales are defined for 2-D operands and for rows of an N-D "
-                f"one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
-                f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
-            )
-        return (outer, inner) if self.axis % ndim == ndim - 1 else (inner, outer)
+        if ndim == 2 or (ndim == 3 and self.grouped):  # a matrix, or each expert's matrix
+            return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if outer == 1 and self.axis % ndim == ndim - 1:  # rows of the last dim
+            return (outer, inner)
+        raise NotImplementedError(
+            f"{self.site}: block scales are defined for 2-D operands, expert weights and rows of "
+            f"an N-D one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
+            f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
+        )
 
     @property
     def site(self) -> "CastSite":
@@ -779,20 +787,6 @@ class Float8LinearConfig:
         for g, op in _CELLS:
             spec = self.cast_spec(g, op, fqn)
             cc = self.cast_config(g, op)
-            if spec.scaling_type is ScalingType.DELAYED:
-                raise ValueError(
-                    f"{fqn or '<root>'}: delayed scaling keeps one amax history per tensor, and a "
-                    "grouped expert gemm scales per expert; use a dynamic recipe ('rowwise', "
-                    "'tensorwise', 'rowwise_with_gw_hp') for the experts, or keep them in high "
-                    "precision with module_filter_fn"
-                )
-            if spec.blockwise:
-                raise ValueError(
-                    f"{fqn or '<root>'}: block-scaled grouped gemms (MXFP8, blockwise) are not "
-                    "supported yet; use 'rowwise', 'tensorwise' or 'rowwise_with_gw_hp' for the "
-                    "experts (convert them separately), or keep them in high precision with "
-                    "module_filter_fn"
-                )
             if spec.enabled and cc.target_dtype is E5M2:
                 raise ValueError(
                     f"{fqn or '<root>'}: {g}:{op} asks for e5m2, but torch._scaled_grouped_mm "
