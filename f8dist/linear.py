@@ -41,6 +41,11 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
     exponents, so the second rounding changes nothing but e4m3 subnormals. The two options are
     exclusive (the config says so). scripts/memory_report.py measures the choices (bytes kept,
     grad_weight SQNR; docs/performance.md).
+  A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
+  linears that read the same input with the same spec ([Note: one cast per input] in
+  f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
+  ``recompute_swiglu_product``) is not kept at all: backward recomputes it ([Note: a product
+  recomputed in backward] in f8dist/swiglu.py).
 """
 
 from __future__ import annotations

@@ -155,3 +155,26 @@ def test_recomputed_product_compiled_matches_eager():
 def test_recompute_needs_float8_activations():
     with pytest.raises(ValueError, match="float8_activations_for_backward=True"):
         Float8LinearConfig(recompute_swiglu_product=True)
+
+
+def test_recompute_under_tensor_parallelism_raises_naming_the_fix():
+    """A rowwise-parallel w2 reads a DTensor: backward would recompute the local product only,
+    so it raises instead (not built)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from f8dist.swiglu import swiglu_for
+
+    w2 = _ffn_parts("rowwise", True)
+    gate, up = _inputs()
+    product, kwargs = swiglu_for(gate, up, w2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = DTensor.from_local(product, mesh, [Shard(2)])
+        with pytest.raises(NotImplementedError, match="turn recompute_swiglu_product off"):
+            w2(sharded, **kwargs)
+    finally:
+        dist.destroy_process_group()
