@@ -612,6 +612,12 @@ class Float8LinearConfig:
     # of casting in backward), and SwiGLU's inputs (f8dist/swiglu.py, activation_spec); see
     # [Note: what the matmul keeps for backward] in linear.py
     float8_activations_for_backward: bool = False
+    # with float8_activations_for_backward, for the linear that reads a SwiGLU's product (an FFN's
+    # w2): keep nothing of its input and recompute it in backward from the float8 gate and up the
+    # SwiGLU keeps anyway ([Note: a product recomputed in backward] in f8dist/swiglu.py). Its
+    # grad_weight gemm then reads silu(gate8) * up8, not the product of the high-precision values:
+    # other numerics (docs/performance.md), hence off by default
+    recompute_swiglu_product: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -656,6 +662,14 @@ class Float8LinearConfig:
         if not isinstance(self.float8_activations_for_backward, bool):
             raise TypeError("Float8LinearConfig.float8_activations_for_backward must be a bool, "
                             f"got {self.float8_activations_for_backward!r}")
+        if not isinstance(self.recompute_swiglu_product, bool):
+            raise TypeError("Float8LinearConfig.recompute_swiglu_product must be a bool, "
+                            f"got {self.recompute_swiglu_product!r}")
+        if self.recompute_swiglu_product and not self.float8_activations_for_backward:
+            raise ValueError(
+                "recompute_swiglu_product recomputes an FFN's w2 input in backward from the float8 "
+                "gate and up that float8_activations_for_backward keeps: set "
+                "float8_activations_for_backward=True too, or drop recompute_swiglu_product")
         if self.float8_activations_for_backward and self.axiswise_requantize_input_for_grad_weight:
             raise ValueError(
                 "float8_activations_for_backward and axiswise_requantize_input_for_grad_weight "

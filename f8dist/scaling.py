@@ -141,7 +141,9 @@ def round_scale_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     the bit. inf stays inf; NaN stays NaN.
     """
     assert scale.dtype == torch.float32, scale.dtype
-    bits = scale.view(torch.int32) & torch.tensor(-8388608, dtype=torch.int32, device=scale.device)
+    # a Python scalar, not a tensor constant: the casts of one tensor stay identical subgraphs,
+    # which a compiled graph merges ([Note: one cast per input] in f8dist/cast.py)
+    bits = scale.view(torch.int32) & -8388608
     rounded = bits.view(torch.float32)  # 0xFF800000 keeps sign and exponent
     return torch.where(torch.isnan(scale), scale, rounded)
 
