@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from f8dist.cast import ToFloat8, cast_to_float8, high_precision
 from f8dist.config import CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import GEMM_ALIGNMENT
 from f8dist.grouped_gemm import scaled_grouped_mm
 from f8dist.placement import local_part
@@ -269,7 +270,16 @@ class Float8GroupedExperts(GroupedExperts):
             new = cls(mod.dim, mod.hidden_dim, mod.num_experts, config=config, fqn=fqn)
         for name in WEIGHTS:
             setattr(new, name, getattr(mod, name))
+        if new.config.enable_fsdp_float8_all_gather:  # [Note: float8 all-gather of expert weights]
+            wrap_weight_for_float8_all_gather(new, WEIGHTS)
         return new
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self.config.enable_fsdp_float8_all_gather:  # assign=True put plain weights in place
+            wrap_weight_for_float8_all_gather(self, WEIGHTS)
 
     @property
     def token_spec(self) -> Optional[CastSpec]:
