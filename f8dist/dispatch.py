@@ -35,6 +35,7 @@ from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from f8dist.placement import local_part
 from f8dist.tensor import Float8Tensor
@@ -44,11 +45,12 @@ __all__ = ["expert_parallel", "all_to_all"]
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
     """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
-    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch])."""
+    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch]). A functional
+    collective: split sizes may be symbolic (LocalTensorMode's per-rank sizes, a compiled graph's
+    unbacked ints)."""
     wire = x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
-    out = wire.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, wire.contiguous(), recv, send, group=group)
-    return out.view(x.dtype)
+    out = funcol.all_to_all_single(wire.contiguous(), recv, send, group)  # [sum(recv), C]
+    return funcol.wait_tensor(out).view(x.dtype)
 
 
 def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
