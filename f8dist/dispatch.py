@@ -111,9 +111,8 @@ def _plan(counts: torch.Tensor, group) -> Tuple[List[int], List[int], torch.Tens
     if e % w:
         raise ValueError(f"expert parallelism over {w} ranks needs num_experts ({e}) to be a "
                          f"multiple of it")
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=group)  # [W * E_local]
-    received = received.view(w, e // w)  # [W, E_local]: rows from rank r for local expert j
+    received = funcol.all_to_all_single(counts.contiguous(), None, None, group)  # [W * E_local]
+    received = funcol.wait_tensor(received).view(w, e // w)  # [W, E_local]: rows from rank r for local expert j
     send = counts.view(w, e // w).sum(dim=1).tolist()
     recv = received.sum(dim=1).tolist()
     # the local expert of each received row, in arrival order (source rank, then expert)

@@ -226,8 +226,6 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
     refused = {
         "--tp": args.tp > 1, "--compile": args.compile, "--float8 delayed": args.float8 == "delayed",
         "--float8-reduce-scatter": args.float8_reduce_scatter,
-        # selective AC replays the dispatch's collectives in backward, which its op log rejects
-        "--ac sac with --ep > 1 (--ac full runs)": args.ac == "sac" and args.ep > 1,
     }
     bad = [flag for flag, on in refused.items() if on]
     if bad:

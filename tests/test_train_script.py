@@ -61,7 +61,6 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
     (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
     (["--moe-experts", "4", "--tp", "2"], "--moe-experts does not run with --tp"),
-    (["--moe-experts", "4", "--ep", "2", "--ac", "sac"], "--ac sac with --ep > 1 (--ac full runs)"),
     (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
