@@ -60,7 +60,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
     (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
-    (["--moe-experts", "4", "--tp", "2"], "--moe-experts does not run with --tp"),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2"], "does not run with --tp with --ep > 1"),
     (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
@@ -71,6 +71,15 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
+    ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
+])
+def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train.parse_args(argv).moe_experts == 4
 
 
 def test_only_rank0_prints_a_flag_error(capsys, monkeypatch):
