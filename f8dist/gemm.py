@@ -56,8 +56,17 @@ dequantizing scales, the blocks summed in float32. A K that is not a multiple of
 grad_weight gemm's tokens) is zero-padded, exact. On CUDA block-scaled kernels take layouts of
 their own: MXFP8 (``torch._scaled_mm`` with e8m0 scales, sm100+) wants the scales of a and b in
 the 128x4 "swizzled" tile layout (``to_blocked``) and K a multiple of 32; DeepSeek's 1x128 x
-128x128 (sm90, torch >= 2.9) wants float32 scales, a's outer-dim-major ([M, K/128] with stride
-(1, M)). Neither is wired up yet: on CUDA a block-scaled gemm raises, naming
+128x128 (sm90) wants float32 scales in layouts of its own (``_cuda_block_scales``).
+
+On CUDA, ``_cuda_block_scaled_mm`` runs ``torch.nn.functional.scaled_mm`` (torch >= 2.10) for
+DeepSeek's blocks on sm90: per-token 1x128 x 128x128 weight blocks (the output and grad_input
+gemms of ``"blockwise"``) and 1x128 x 1x128 (its grad_weight gemm, blocks along the tokens). The
+operand ``a`` [M, K] with ``(1, 128)`` blocks is ``BlockWise1x128`` with scales [M, K/128]
+outer-dim-major (stride (1, M)); ``(128, 128)`` is ``BlockWise128x128`` with scales
+[round_up(K/128, 4), M/128], stride (1, round_up(K/128, 4)). ``b`` [K, N] is described by its
+transpose ``b.t()`` [N, K] the same way (its ``(128, 1)`` blocks are ``BlockWise1x128``). K is
+zero-padded to a multiple of 128 (exact). MXFP8 (1x32 e8m0 scales, the "swizzled" 128x4 layout)
+needs sm100 (Blackwell), and 32x32 squares have no CUDA kernel: those raise, naming
 ``Float8LinearConfig(emulate=True)`` (dequantize, then a high-precision matmul) as the way to run.
 """
 
@@ -177,15 +186,58 @@ def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_
         a_hp = a_data.to(torch.float32) / expand_blocks(a_scale, a_block, a_data.shape)
         b_hp = b_data.to(torch.float32) / expand_blocks(b_scale, b_block, b_data.shape)
         return torch.mm(a_hp, b_hp).to(out_dtype)
-    if a_data.device.type != "cpu":
-        raise NotImplementedError(
-            f"block-scaled float8 gemms run on the CPU kernel only; on {a_data.device.type} set "
-            "Float8LinearConfig(emulate=True) or use a tensorwise or rowwise recipe ([Note: the "
-            "block-scaled gemm] in f8dist/gemm.py says what CUDA's kernels need)")
     inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
     inv_b = b_scale.to(torch.float32).reciprocal()
+    if a_data.device.type != "cpu":
+        # torch's block kernels refuse fast accumulation ("scaled_gemm doesn't support fast
+        # accum with 128x128 blockwise scaling", H200, torch 2.11); DeepSeek's kernels promote
+        # their sums to float32 at every 128-block anyway
+        return _cuda_block_scaled_mm(a_data, b_data, inv_a, inv_b, tuple(a_block), tuple(b_block),
+                                     out_dtype=out_dtype)
     return cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
                                list(a_block), list(b_block), out_dtype)
+
+
+# torch's scaling type of an operand's blocks, seen with its contraction dim last ([Note: the
+# block-scaled gemm]); the pairs CUDA's DeepSeek kernels (sm90) take
+_CUDA_BLOCKS = {(1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128"}
+_CUDA_BLOCK_PAIRS = {((1, 128), (128, 128)), ((128, 128), (1, 128)), ((1, 128), (1, 128))}
+
+
+def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """Dequantizing scales [outer blocks, K/128] of an operand with its contraction dim last, in
+    the layout CUDA's DeepSeek kernels take ([Note: the block-scaled gemm])."""
+    inv = inv.to(torch.float32)
+    if block[0] == 1:  # [outer, K/128], outer-dim-major
+        return inv.t().contiguous().t()
+    nk = inv.shape[1]
+    if nk % 4:
+        inv = F.pad(inv, (0, -nk % 4), value=1.0)  # [outer/128, round_up(K/128, 4)]
+    # the strides are the layout: never those of whatever view ``inv`` came in as
+    return inv.contiguous().t()  # [round_up(K/128, 4), outer/128]
+
+
+def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
+    """``a`` [M, K] @ ``b`` [K, N] on CUDA's block-scaled kernel ([Note: the block-scaled gemm])."""
+    bt_block = (b_block[1], b_block[0])  # b's blocks seen from b.t() [N, K]
+    scaled = getattr(F, "scaled_mm", None)
+    major = torch.cuda.get_device_capability(a.device)[0] if a.device.type == "cuda" else None
+    if scaled is None or major != 9 or (a_block, bt_block) not in _CUDA_BLOCK_PAIRS:
+        raise NotImplementedError(
+            f"no {a.device.type} kernel for float8 blocks {a_block} x {b_block} here: CUDA runs "
+            "DeepSeek's 1x128 / 128x128 blocks (the 'blockwise' recipe) on sm90 with torch >= "
+            "2.10, and MXFP8 (1x32) needs sm100. Set Float8LinearConfig(emulate=True) (dequantize, "
+            "then a high-precision matmul) or use another recipe ([Note: the block-scaled gemm] in "
+            "f8dist/gemm.py)")
+    kinds = getattr(F, "ScalingType", None) or F._ScalingType
+    pad = -a.shape[1] % 128
+    a = F.pad(a, (0, pad)) if pad else a.contiguous()  # [M, K'] row-major
+    b = (F.pad(b.t(), (0, pad)) if pad else b.t().contiguous()).t()  # [K', N] column-major
+    sa = _cuda_block_scales(inv_a, a_block)
+    sb = _cuda_block_scales(inv_b.t(), bt_block)
+    return scaled(a, b, sa, getattr(kinds, _CUDA_BLOCKS[a_block]),
+                  sb, getattr(kinds, _CUDA_BLOCKS[bt_block]),
+                  output_dtype=out_dtype)
 
 
 @torch.library.custom_op("f8dist::cpu_scaled_mm", mutates_args=())

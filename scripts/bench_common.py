@@ -112,7 +112,16 @@ def torchao_converter() -> Optional[Callable]:
     from torchao.float8 import Float8LinearConfig as AoConfig
     from torchao.float8 import convert_to_float8_training as ao_convert
 
-    return lambda model, recipe: ao_convert(model, config=AoConfig.from_recipe_name(recipe))
+    def convert(model, recipe):
+        if recipe == "blockwise":  # torchao's DeepSeek-style prototype (sm90)
+            from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig
+            from torchao.quantization import quantize_
+
+            quantize_(model, Float8BlockwiseLinearConfig())
+            return model
+        return ao_convert(model, config=AoConfig.from_recipe_name(recipe))
+
+    return convert
 
 
 def median_times(

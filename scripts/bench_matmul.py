@@ -1,4 +1,5 @@
-"""Benchmark the float8 gemm alone: ``torch._scaled_mm`` (tensorwise and rowwise scales) vs bf16 mm.
+"""Benchmark the float8 gemm alone: ``torch._scaled_mm`` (tensorwise and rowwise scales, and DeepSeek's
+1x128 x 128x128 block scales where the device has the kernel) vs bf16 mm.
 
 Prints TFLOP/s of each and its ratio to bf16 (> 1: float8 is faster), and writes them to CSV.
 
@@ -17,9 +18,10 @@ from bench_common import GemmShape, add_common_args, median_times, report, shape
 
 COLUMNS = [
     "shape", "M", "K", "N",
-    "bf16_tflops", "tensorwise_tflops", "rowwise_tflops",
-    "tensorwise_vs_bf16", "rowwise_vs_bf16",
+    "bf16_tflops", "tensorwise_tflops", "rowwise_tflops", "blockwise_tflops",
+    "tensorwise_vs_bf16", "rowwise_vs_bf16", "blockwise_vs_bf16",
 ]
+FLOAT8 = ("tensorwise", "rowwise", "blockwise")
 
 
 def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
@@ -43,13 +45,30 @@ def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
     rowwise = scaled(row_a, col_b)
     if _runs(rowwise):  # the CPU's _scaled_mm has per-row scales from torch 2.13
         candidates["rowwise"] = rowwise
+    blockwise = _blockwise(a8, b8)
+    if _runs(blockwise):  # CUDA sm90 ([Note: the block-scaled gemm] in f8dist/gemm.py)
+        candidates["blockwise"] = blockwise
     return candidates
+
+
+def _blockwise(a8, b8):
+    """f8dist's gemm of 1x128 activation blocks and 128x128 weight blocks, unit scales (CUDA's
+    block kernels have no fast accumulation)."""
+    from f8dist.config import ScaledMMConfig
+    from f8dist.gemm import scaled_mm
+
+    (m, k), n = a8.shape, b8.shape[1]
+    sa = torch.ones(m, -(-k // 128), device=a8.device)  # [M, K/128]
+    sb = torch.ones(-(-k // 128), -(-n // 128), device=a8.device)  # [K/128, N/128]
+    cfg = ScaledMMConfig()
+    return lambda: scaled_mm(a8, sa, b8, sb, out_dtype=torch.bfloat16, mm_config=cfg,
+                             a_block=(1, 128), b_block=(128, 128))
 
 
 def _runs(fn) -> bool:
     try:
         fn()
-    except RuntimeError:
+    except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
 
@@ -70,9 +89,9 @@ def main(argv=None) -> list:
         )
         tflops = {name: shape.flops / t / 1e12 for name, t in times.items()}
         row = {"shape": shape.name, "M": shape.m, "K": shape.k, "N": shape.n}
-        for name in ("bf16", "tensorwise", "rowwise"):  # None: this torch cannot run it here
+        for name in ("bf16", *FLOAT8):  # None: this torch or device cannot run it here
             row[f"{name}_tflops"] = tflops.get(name)
-        for name in ("tensorwise", "rowwise"):
+        for name in FLOAT8:
             row[f"{name}_vs_bf16"] = tflops[name] / tflops["bf16"] if name in tflops else None
         rows.append(row)
     report(rows, COLUMNS, title="torch._scaled_mm vs bf16 mm (TFLOP/s; ratio > 1: float8 faster)",

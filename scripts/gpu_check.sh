@@ -6,9 +6,13 @@
 #
 # Parts (in this order, timings first so nothing else runs beside them):
 #   env    the device, driver and torch
+#   block  scripts/cuda_block_check.py: CUDA's block-scaled gemm (the "blockwise" recipe, sm90)
+#          against f8dist's exact CPU kernel on the same float8 data, and a blockwise Float8Linear
+#          on CUDA against the CPU, eager and compiled
 #   bench  bench_matmul and bench_linear on the LLaMa-2-70B shapes, compiled: bf16 vs f8dist vs
-#          torchao in one run (torchao's columns when it is importable)
+#          torchao in one run (torchao's columns when it is importable; BENCH_RECIPES picks)
 #   train  scripts/train.py, bf16 and each float8 recipe, compiled, one process: tps and memory
+#          (TRAIN_RECIPES and TRAIN_STEPS pick)
 #   bytes  scripts/bench_bytes.py on CUDA (inductor's byte accounting with Triton kernels)
 #   tests  the test suite with CUDA as the default device (tests/conftest.py; the block-scaled
 #          recipes' tests stay on the CPU: their gemm has a CPU kernel only); the multi-process
@@ -21,7 +25,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
-parts=${PARTS:-env bench train bytes tests}
+parts=${PARTS:-env block bench train bytes tests}
+bench_recipes=${BENCH_RECIPES:-tensorwise rowwise rowwise_with_gw_hp blockwise}
+train_recipes=${TRAIN_RECIPES:-none tensorwise rowwise rowwise_with_gw_hp delayed blockwise}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -43,23 +49,29 @@ if wants env; then
   part env "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 fi
 
+if wants block; then
+  part block "$py" scripts/cuda_block_check.py --csv "$out/block.csv"
+fi
+
 if wants bench; then
   part bench "$py" scripts/bench_matmul.py --shapes llama70b --device cuda --csv "$out/matmul.csv"
   part bench "$py" scripts/bench_linear.py --shapes llama70b --device cuda --modes compile \
-    --csv "$out/linear.csv"
+    --recipes $bench_recipes --csv "$out/linear.csv"
 fi
 
 if wants train; then
-  for recipe in none tensorwise rowwise rowwise_with_gw_hp delayed; do
-    part train "$py" scripts/train.py --float8 "$recipe" --compile --steps 40 --log-every 10 \
-      --dim 2048 --n-layers 4 --n-heads 16 --seq-len 2048 --batch-size 8 --warmup-steps 5
+  for recipe in $train_recipes; do
+    part train "$py" scripts/train.py --float8 "$recipe" --compile --steps "${TRAIN_STEPS:-40}" --log-every 10 \
+      --dim 2048 --n-layers 4 --n-heads 16 --seq-len 2048 --batch-size 8 --warmup-steps 5 \
+      --ffn-dim-multiplier 1.5  # FFN 8192 wide: whole 128-blocks for the block-scaled recipes
   done
 fi
 
 if wants bytes; then
-  # the block-scaled recipes have no CUDA gemm yet ([Note: the block-scaled gemm] in f8dist/gemm.py)
+  # of the block-scaled recipes only blockwise has a CUDA gemm, on sm90 ([Note: the block-scaled
+  # gemm] in f8dist/gemm.py)
   part bytes "$py" scripts/bench_bytes.py --device cuda --csv "$out/bytes.csv" \
-    --recipes tensorwise rowwise rowwise_with_gw_hp delayed delayed_rescaled
+    --recipes tensorwise rowwise rowwise_with_gw_hp delayed delayed_rescaled blockwise
 fi
 
 if wants tests; then

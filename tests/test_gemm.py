@@ -217,15 +217,53 @@ def test_block_scaled_gemm_needs_block_scales_on_both_sides():
 
 
 def test_block_scaled_gemm_off_the_cpu_raises_naming_the_way_out():
-    # [Note: the block-scaled gemm]: CUDA's block-scaled kernels are not wired up; any device
-    # but the CPU (here meta, which stands for it without a GPU) gets the error, emulate runs
+    # [Note: the block-scaled gemm]: off the CPU only CUDA's sm90 DeepSeek kernels run; any other
+    # device or block (here MXFP8 on meta, which stands for one without a GPU) gets the error,
+    # and emulate runs
     from f8dist.gemm import scaled_mm
 
     a, s_a = torch.empty(16, 64, dtype=E4M3, device="meta"), torch.empty(16, 2, device="meta")
     b, s_b = torch.empty(64, 32, dtype=E4M3, device="meta"), torch.empty(2, 32, device="meta")
-    with pytest.raises(NotImplementedError, match="CPU kernel only.*emulate=True"):
+    with pytest.raises(NotImplementedError, match="no meta kernel for float8 blocks.*MXFP8.*sm100.*emulate=True"):
         scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16, mm_config=ScaledMMConfig(),
                   a_block=(1, 32), b_block=(32, 1))
     out = scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16,
                     mm_config=ScaledMMConfig(emulate=True), a_block=(1, 32), b_block=(32, 1))
     assert out.shape == (16, 32) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("a_block, b_block", [
+    ((1, 128), (128, 128)),  # output and grad_input of "blockwise"
+    ((1, 128), (128, 1)),  # grad_weight: blocks along the tokens
+    ((128, 128), (128, 1)),
+])
+@pytest.mark.parametrize("m, k, n", [(256, 384, 512), (200, 640, 256), (256, 8192, 1280)])
+def test_cuda_block_scales_pass_torchs_own_checks(a_block, b_block, m, k, n):
+    # the scales f8dist hands CUDA's DeepSeek kernels ([Note: the block-scaled gemm]) in the
+    # shapes and strides torch's scaled_mm checks, by its meta kernel (no GPU needed)
+    import torch.nn.functional as F
+
+    from f8dist.gemm import _CUDA_BLOCKS, _cuda_block_scales
+
+    if a_block[0] == 128 and m % 128:
+        m = 256  # an operand of 128x128 blocks is a weight: its dims are whole blocks
+    a = torch.empty(m, k, dtype=E4M3, device="meta")
+    b = torch.empty(n, k, dtype=E4M3, device="meta").t()  # [K, N] column-major
+    inv_a = torch.empty(-(-m // a_block[0]), k // 128, device="meta")  # [M/bm, K/128]
+    inv_b = torch.empty(k // 128, -(-n // b_block[1]), device="meta")  # [K/128, N/bn]
+    bt_block = b_block[::-1]
+    kinds = F.ScalingType
+    # the scales come in row-major or as a transposed view ([K/128, N/128] of an [N/128, K/128]
+    # tensor): the layout handed to torch must not depend on the view
+    for inv_b in (inv_b, inv_b.t().contiguous().t()):
+        out = F.scaled_mm(
+            a, b, _cuda_block_scales(inv_a, a_block), getattr(kinds, _CUDA_BLOCKS[a_block]),
+            _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
+            output_dtype=torch.bfloat16)
+        assert out.shape == (m, n)
+    # and a layout torch rejects is caught by the same check: the scales row-major instead
+    with pytest.raises(RuntimeError):
+        F.scaled_mm(a, b, inv_a.contiguous() if a_block[0] == 1 else inv_a.t().contiguous(),
+                    getattr(kinds, _CUDA_BLOCKS[a_block]),
+                    _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
+                    output_dtype=torch.bfloat16)
