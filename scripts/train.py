@@ -223,6 +223,11 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
     if args.moe_experts % args.ep or world % args.ep:
         p.error(f"--ep {args.ep} must divide --moe-experts ({args.moe_experts}) and the number "
                 f"of ranks ({world})")
+    if args.float8_all_gather and args.ep == 1 and (args.moe_experts % (world // args.tp)):
+        # [Note: float8 all-gather of expert weights] in f8dist/fsdp/weight.py
+        p.error(f"--float8-all-gather shards the experts dim over the {world // args.tp} "
+                f"data-parallel ranks, which must divide --moe-experts ({args.moe_experts}); "
+                "change --moe-experts or use --ep")
     refused = {
         # [Note: MoE under tensor parallelism] in f8dist/models/moe_parallel.py: no 3-D mesh
         "--tp with --ep > 1": args.tp > 1 and args.ep > 1,

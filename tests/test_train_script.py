@@ -61,6 +61,8 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
     (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
     (["--moe-experts", "4", "--ep", "2", "--tp", "2"], "does not run with --tp with --ep > 1"),
+    (["--moe-experts", "6", "--float8", "tensorwise", "--float8-all-gather"],
+     "which must divide --moe-experts (6)"),
     (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
