@@ -225,7 +225,9 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
 # A Float8GroupedExperts' weights w1, w2, w3 ([experts, out, in], f8dist/grouped.py) are wrapped
 # like a Float8Linear's weight when its config sets enable_fsdp_float8_all_gather, which needs a
 # tensorwise weight cast: for experts, one scale per expert ([Note: grouped casts] in
-# f8dist/config.py), one float8 copy serving the output and grad_input gemms. (Rowwise recipes
+# f8dist/config.py), one float8 copy serving the output and grad_input gemms; dynamic only
+# (``gathers_float8``: the experts' delayed and block-scaled weights, which the config allows
+# with the all-gather for linears, are gathered in high precision). (Rowwise recipes
 # scale the weight per row in the output gemm and per column in the grad_input gemm, so one float8
 # copy cannot serve both: their weights, dense or expert, are all-gathered in high precision, as
 # the config enforces.) Each rank casts its shard as part of the logical weight: the per-expert
@@ -244,10 +246,19 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
 # bit for bit (tests/distributed/test_fsdp_experts.py).
 
 
+def gathers_float8(spec) -> bool:
+    """Whether FSDP2 all-gathers an expert weight whose output-gemm cast is ``spec`` in float8
+    ([Note: float8 all-gather of expert weights]): a dynamic per-expert (tensorwise) cast; the
+    experts' delayed and block-scaled casts are gathered in high precision."""
+    return (spec.enabled and not spec.axiswise and not spec.blockwise
+            and spec.scaling_type is ScalingType.DYNAMIC)
+
+
 def _experts_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
     shard = weight._tensor  # [E_local, N, K] sharded on dim 0 or 1 by FSDP2
-    if spec.axiswise or spec.blockwise:  # the config allows neither with the float8 all-gather
-        raise NotImplementedError(f"{spec.site}: float8 all-gather of expert weights is tensorwise")
+    if not gathers_float8(spec):  # Float8GroupedExperts wraps no such weight
+        raise NotImplementedError(f"{spec.site}: float8 all-gather of expert weights is dynamic "
+                                  "tensorwise")
     fsdp_dim = 0 if tuple(shard.shape[1:]) == tuple(outer_size[1:]) else 1
     if fsdp_dim == 0 and outer_size[0] % mesh.size():
         raise ValueError(
