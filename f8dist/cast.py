@@ -111,10 +111,11 @@ def shared_casts(t: torch.Tensor) -> Optional[Dict[tuple, torch.Tensor]]:
 
 def _fits(fp8: Float8Tensor, spec: CastSpec, offsets: Optional[torch.Tensor] = None) -> bool:
     """Whether float8 bytes are what casting their value with ``spec`` would give."""
-    if offsets is not None and _grouped_axis(spec, fp8.dim()) != fp8.dim() - 1:
-        return False  # per-group scales: their bytes depend on the groups
+    if offsets is not None and fp8.dim() == 2 and _grouped_axis(spec, 2) != 1:
+        return False  # tokens with per-group scales: their bytes depend on the groups
     block = spec.block_shape(fp8.dim())
-    return (fp8._data.dtype == spec.dtype and fp8._axiswise_dim == spec.axiswise_dim(fp8.dim())
+    axis = _grouped_axis(spec, fp8.dim()) if spec.grouped else spec.axiswise_dim(fp8.dim())
+    return (fp8._data.dtype == spec.dtype and fp8._axiswise_dim == axis
             and fp8._block == block and (block is None or fp8._scale.dtype == spec.scale_dtype))
 
 
@@ -191,7 +192,7 @@ def cast_to_float8(
         if scale is not None or amax is not None:
             raise ValueError(f"{spec.site}: a grouped cast computes its own per-expert scales")
         axis = _grouped_axis(spec, t.dim())
-        amax = grouped_amax(t, spec, offsets)
+        amax = reduce_partial(grouped_amax(t, spec, offsets))  # a DTensor's: [Note: amax]
     if scale is not None and amax is not None:
         raise ValueError(f"{spec.site}: give a cast its scale or its amax, not both")
     if scale is None:

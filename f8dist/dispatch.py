@@ -34,11 +34,14 @@ and so does backward's dispatch of the gradients.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
+from f8dist.cast import cast_to_float8
+from f8dist.config import CastSpec
 from f8dist.placement import local_part
 from f8dist.tensor import Float8Tensor, rewrap
 
@@ -56,11 +59,11 @@ def _scale_rows(x: Float8Tensor) -> torch.Tensor:
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
     """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
-    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch])."""
+    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch]). A functional
+    collective, which per-op SAC can save (f8dist/sac.py)."""
     wire = x.view(torch.uint8) if x.dtype in _FLOAT8 else x
-    out = wire.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, wire.contiguous(), recv, send, group=group)
-    return out.view(x.dtype)
+    out = funcol.all_to_all_single(wire.contiguous(), recv, send, group)  # [sum(recv), C]
+    return funcol.wait_tensor(out).view(x.dtype)
 
 
 def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
@@ -85,17 +88,22 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 
 class _Dispatch(torch.autograd.Function):
-    """Steps 2 of [Note: expert parallelism]: rows to their experts' ranks, expert-major."""
+    """Steps 2 of [Note: expert parallelism]: rows to their experts' ranks, expert-major; cast
+    per token first when ``spec`` is given ([Note: float8 dispatch]). The cast happens inside, so
+    that no float8 tensor that needs a gradient leaves a compiled graph at the dispatch's graph
+    break (its gradient is a high-precision tensor)."""
 
     @staticmethod
-    def forward(ctx, x, perm, send, recv, group):
+    def forward(ctx, x, perm, send, recv, group, spec: Optional[CastSpec]):
         ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+        if spec is not None:
+            x = cast_to_float8(x, spec)  # [M, dim] per-token float8
         return _rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
 
     @staticmethod
     def backward(ctx, grad):
         grad = _rows(grad.contiguous(), _inverse(ctx.perm))  # source-rank order
-        return all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+        return all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -121,9 +129,9 @@ def _plan(counts: torch.Tensor, group) -> Tuple[List[int], List[int], torch.Tens
     if e % w:
         raise ValueError(f"expert parallelism over {w} ranks needs num_experts ({e}) to be a "
                          f"multiple of it")
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=group)  # [W * E_local]
-    received = received.view(w, e // w)  # [W, E_local]: rows from rank r for local expert j
+    received = funcol.all_to_all_single(counts.contiguous(), None, None, group)  # [W * E_local]
+    # [W, E_local]: rows from rank r for local expert j
+    received = funcol.wait_tensor(received).view(w, e // w)
     send = counts.view(w, e // w).sum(dim=1).tolist()
     recv = received.sum(dim=1).tolist()
     # the local expert of each received row, in arrival order (source rank, then expert)
@@ -135,10 +143,11 @@ def _plan(counts: torch.Tensor, group) -> Tuple[List[int], List[int], torch.Tens
 
 
 def expert_parallel(experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor,
-                    group) -> torch.Tensor:
+                    group, spec: Optional[CastSpec] = None) -> torch.Tensor:
     """The outputs of ``experts`` (sharded on dim 0 over ``group``) for ``tokens`` [M, dim],
     sorted by expert with ``counts`` [E] per expert: dispatch, local grouped gemms, combine
-    ([Note: expert parallelism]). ``tokens`` may be per-token float8 ([Note: float8 dispatch]).
+    ([Note: expert parallelism]). ``spec``: the per-token cast the experts' up projections take,
+    done before the dispatch ([Note: float8 dispatch]); None dispatches ``tokens`` as they are.
 
     Example::
 
@@ -146,6 +155,6 @@ def expert_parallel(experts: torch.nn.Module, tokens: torch.Tensor, counts: torc
         >>> out = expert_parallel(moe.experts, tokens, counts, ep_mesh.get_group())
     """
     send, recv, perm, offsets = _plan(counts, group)
-    local = _Dispatch.apply(tokens, perm, send, recv, group)  # [M_recv, dim]
+    local = _Dispatch.apply(tokens, perm, send, recv, group, spec)  # [M_recv, dim]
     out = experts(local, offsets)  # [M_recv, dim]
     return _Combine.apply(local_part(out), perm, send, recv, group)  # [M, dim]

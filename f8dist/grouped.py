@@ -73,6 +73,7 @@ from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, O
 from f8dist.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
 )
+from f8dist.fsdp.weight import gathers_float8, wrap_weight_for_float8_all_gather
 from f8dist.gemm import GEMM_ALIGNMENT, block_problems
 from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
 from f8dist.placement import expert_token_placements, is_dtensor, local_part
@@ -439,8 +440,21 @@ class Float8GroupedExperts(GroupedExperts):
             new = cls(mod.dim, mod.hidden_dim, mod.num_experts, config=config, fqn=fqn)
         for name in WEIGHTS:
             setattr(new, name, getattr(mod, name))
+        new._wrap_for_float8_all_gather()
         new._attach_delayed()  # its buffers on the weights' device (they were made on meta)
         return new
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._wrap_for_float8_all_gather()  # assign=True put plain weights in place
+
+    def _wrap_for_float8_all_gather(self) -> None:
+        """[Note: float8 all-gather of expert weights] in f8dist/fsdp/weight.py."""
+        if self.config.enable_fsdp_float8_all_gather and all(
+                gathers_float8(self.specs[name][OUTPUT, WEIGHT]) for name in WEIGHTS):
+            wrap_weight_for_float8_all_gather(self, WEIGHTS)
 
     @property
     def token_spec(self) -> Optional[CastSpec]:

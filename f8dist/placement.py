@@ -11,6 +11,8 @@ axes whose placement shards the tensor, and over no other axis:
     FSDP2 weight (Shard(0) over dp)                       all-reduce over dp
     TP weight or sequence-sharded activation               all-reduce over tp
     2-D FSDP x TP weight                                  one all-reduce over dp and tp
+    expert weight [E, N, K], one amax per expert          over the axes sharding dims 1, 2 only
+      (FSDP2 on dim 1 under EP x FSDP2: dp_shard; EP or FSDP2 on dim 0: none)
 
 Then every rank casts its shard with the scale one device would compute from the whole tensor, and
 results match one device. The rule has two forms here, one per kind of caller:

@@ -11,7 +11,19 @@ Worth keeping are outputs that are expensive to recompute and small compared wit
 * the amax reductions behind float8 scales (``aten.amax``, ``aten.max``): one number per tensor,
   per row or per block (4 bytes per 32 or 128 elements), and under FSDP/TP the input of an
   all-reduce that would otherwise rerun in backward;
-* ``reduce_scatter_tensor`` outputs (sequence/tensor parallel), as torchtitan does.
+* ``reduce_scatter_tensor`` outputs (sequence/tensor parallel), as torchtitan does, and
+  ``all_to_all_single`` outputs: expert parallelism's token dispatch and combine (and the token
+  counts that plan them, f8dist/dispatch.py), so that backward's recompute re-runs the routing
+  and the experts locally from the received tokens and communicates no more than without
+  checkpointing (one all-to-all per direction and layer in backward, none replayed).
+
+[Note: SAC around a nested FSDP2 unit]
+EP x FSDP2 (f8dist/models/moe_parallel.py) makes the experts an FSDP2 unit inside the
+checkpointed block. Its hooks open profiler ranges (``profiler._record_function_enter_new``), as
+dispatcher ops, and they open more of them in the recompute (which runs inside backward) than in
+forward; torch's selective checkpointing logs every op of the region by invocation index and
+rejects the recompute's extra ones. A profiler range computes nothing, so f8dist's SAC modes pass
+``profiler`` ops through unlogged.
 
 Never a pointwise op. The cast computes ``abs(x)`` before its amax; ``abs`` of a weight is as
 large as the (unsharded) weight, so saving it kept a full high-precision copy of every weight alive
@@ -51,7 +63,8 @@ ATTENTION_OPS = (
 
 AMAX_OPS = (aten.amax.default, aten.max.default)
 
-COLLECTIVE_OPS = (torch.ops._c10d_functional.reduce_scatter_tensor.default,)
+COLLECTIVE_OPS = (torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                  torch.ops._c10d_functional.all_to_all_single.default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,4 +158,23 @@ def float8_sac_context_fn(config: Optional[Float8SACConfig] = None):
             f"float8_sac_context_fn takes a Float8SACConfig, got {type(config).__name__}; bind one "
             "with functools.partial(float8_sac_context_fn, Float8SACConfig(...))"
         )
-    return create_selective_checkpoint_contexts(float8_sac_policy(config))
+    forward, recompute = create_selective_checkpoint_contexts(float8_sac_policy(config))
+    return _unlogged_profiler_ops(forward), _unlogged_profiler_ops(recompute)
+
+
+_UNLOGGED: dict = {}  # torch's SAC mode class -> its subclass passing profiler ops through
+
+
+def _unlogged_profiler_ops(mode):
+    """``mode`` (one of torch's two SAC dispatch modes) passing ``profiler`` ops through unlogged
+    ([Note: SAC around a nested FSDP2 unit])."""
+    base = type(mode)
+    if base not in _UNLOGGED:
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "profiler":
+                return func(*args, **(kwargs or {}))
+            return base.__torch_dispatch__(self, func, types, args, kwargs)
+
+        _UNLOGGED[base] = type(base.__name__, (base,), {"__torch_dispatch__": __torch_dispatch__})
+    mode.__class__ = _UNLOGGED[base]
+    return mode

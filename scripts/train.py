@@ -58,7 +58,7 @@ from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_llama
 from f8dist.models.moe import MoEArgs, MoETransformer
-from f8dist.models.moe_parallel import fully_shard_moe, parallelize_moe
+from f8dist.models.moe_parallel import fully_shard_moe, moe_tp_plan, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.testing.memory import storages
@@ -223,17 +223,22 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
     if args.moe_experts % args.ep or world % args.ep:
         p.error(f"--ep {args.ep} must divide --moe-experts ({args.moe_experts}) and the number "
                 f"of ranks ({world})")
+    if args.float8_all_gather and args.ep == 1 and (args.moe_experts % (world // args.tp)):
+        # [Note: float8 all-gather of expert weights] in f8dist/fsdp/weight.py
+        p.error(f"--float8-all-gather shards the experts dim over the {world // args.tp} "
+                f"data-parallel ranks, which must divide --moe-experts ({args.moe_experts}); "
+                "change --moe-experts or use --ep")
     refused = {
-        "--tp": args.tp > 1, "--compile": args.compile,
+        # [Note: MoE under tensor parallelism] in f8dist/models/moe_parallel.py: no 3-D mesh
+        "--tp with --ep > 1": args.tp > 1 and args.ep > 1,
+        "--compile": args.compile,
         "--float8-reduce-scatter": args.float8_reduce_scatter,
-        # selective AC replays the dispatch's collectives in backward, which its op log rejects
-        "--ac sac with --ep > 1 (--ac full runs)": args.ac == "sac" and args.ep > 1,
     }
     bad = [flag for flag, on in refused.items() if on]
     if bad:
         p.error(f"--moe-experts does not run with {', '.join(bad)} in train.py: the MoE model "
-                "trains with data parallelism (FSDP2) and expert parallelism (--ep), every float8 "
-                "recipe, in eager mode")
+                "trains with data parallelism (FSDP2), expert parallelism (--ep) or tensor-parallel "
+                "attention (--tp), every float8 recipe, in eager mode")
 
 
 def _unwritable(directory: str) -> Optional[str]:
@@ -329,7 +334,9 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
     if config is not None:
         convert_float8(model, config)
     if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
-        parallelize_llama(model, mesh["tp"], float8=config is not None)
+        # an MoE layer runs whole on every TP rank: [Note: MoE under tensor parallelism]
+        parallelize_llama(model, mesh["tp"], float8=config is not None,
+                          ffn_plan=moe_tp_plan if args.moe_experts else None)
     if args.ep > 1:  # experts over the ep ranks; float8 token dispatch with per-token casts
         parallelize_moe(model, mesh["ep"])
     for name, block in list(model.layers.items()):

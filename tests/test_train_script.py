@@ -59,8 +59,9 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
     (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
     (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
-    (["--moe-experts", "4", "--tp", "2"], "--moe-experts does not run with --tp"),
-    (["--moe-experts", "4", "--ep", "2", "--ac", "sac"], "--ac sac with --ep > 1 (--ac full runs)"),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2"], "does not run with --tp with --ep > 1"),
+    (["--moe-experts", "6", "--float8", "tensorwise", "--float8-all-gather"],
+     "which must divide --moe-experts (6)"),
     # 128x128 weight blocks: dim 128 over 2 tp ranks leaves 64 rows of wq per rank
     (["--tp", "2", "--float8", "blockwise", "--dim", "128", "--ffn-dim-multiplier", "1.5"],
      "attention.wq (128 -> 128) over 2 ranks: the output gemm's weight cast has (128, 128) blocks"),
@@ -73,6 +74,15 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
+    ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
+])
+def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train.parse_args(argv).moe_experts == 4
 
 
 def test_only_rank0_prints_a_flag_error(capsys, monkeypatch):

@@ -123,13 +123,15 @@ class Float8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         shard = self._tensor  # [rows, K], rows <= padded rows (0 for an empty shard)
+        spec = _weight_spec(self, module, self._config)
+        if spec.grouped:  # a 3-D expert weight: [Note: float8 all-gather of expert weights]
+            return _experts_pre_all_gather(self, outer_size, mesh, module, spec)
         if tuple(shard.shape[1:]) != tuple(outer_size[1:]):
             raise NotImplementedError(
                 f"float8 all-gather supports FSDP2 sharding on dim 0 only; got a shard of shape "
                 f"{tuple(shard.shape)} of a weight of shape {tuple(outer_size)}. Use the default "
                 "shard_placement_fn or enable_fsdp_float8_all_gather=False."
             )
-        spec = _weight_spec(module, self._config)
         if spec.blockwise:
             return _block_pre_all_gather(self, outer_size, mesh, module, spec)
         scale = self._scale_for_all_gather(mesh, module, spec)
@@ -152,6 +154,8 @@ class Float8AllGatherWeight(torch.Tensor):
     ):
         if metadata[0] == "blocks":
             return _block_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+        if metadata[0] == "experts":
+            return _experts_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
         (data,) = all_gather_outputs  # [world * padded_rows, K] uint8
         scale, fp8_dtype = metadata
         data = data.view(fp8_dtype)
@@ -217,6 +221,75 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
     return (data, scale), ("blocks", spec.dtype, fp8._scale.dtype, fp8._block)
 
 
+# [Note: float8 all-gather of expert weights]
+# A Float8GroupedExperts' weights w1, w2, w3 ([experts, out, in], f8dist/grouped.py) are wrapped
+# like a Float8Linear's weight when its config sets enable_fsdp_float8_all_gather, which needs a
+# tensorwise weight cast: for experts, one scale per expert ([Note: grouped casts] in
+# f8dist/config.py), one float8 copy serving the output and grad_input gemms; dynamic only
+# (``gathers_float8``: the experts' delayed and block-scaled weights, which the config allows
+# with the all-gather for linears, are gathered in high precision). (Rowwise recipes
+# scale the weight per row in the output gemm and per column in the grad_input gemm, so one float8
+# copy cannot serve both: their weights, dense or expert, are all-gathered in high precision, as
+# the config enforces.) Each rank casts its shard as part of the logical weight: the per-expert
+# amax is the DTensor reduction over dims 1 and 2, made Replicate over the mesh axes that shard
+# those dims ([Note: amax] in f8dist/placement.py), so
+#
+# * FSDP2 on dim 1 (EP x FSDP2, [Note: EP x FSDP2] in f8dist/models/moe_parallel.py): one
+#   all-reduce of the local experts' amaxes over dp_shard; the scales are then the same on every
+#   dp_shard rank and ride along as metadata, the all-gather carries 1 byte per element;
+# * FSDP2 on dim 0 (experts sharded by FSDP2 alone): each rank holds whole experts, whose scales
+#   need no collective and differ between ranks, so they are gathered with the bytes (a second
+#   all-gather input, 4 bytes per expert); FSDP2 then needs num_experts to be a multiple of its
+#   ranks (its uneven shards take inputs of the padded shard's size only), else this raises.
+#
+# Every rank thus casts the bytes one device casts from the whole weight: one device's numbers,
+# bit for bit (tests/distributed/test_fsdp_experts.py).
+
+
+def gathers_float8(spec) -> bool:
+    """Whether FSDP2 all-gathers an expert weight whose output-gemm cast is ``spec`` in float8
+    ([Note: float8 all-gather of expert weights]): a dynamic per-expert (tensorwise) cast; the
+    experts' delayed and block-scaled casts are gathered in high precision."""
+    return (spec.enabled and not spec.axiswise and not spec.blockwise
+            and spec.scaling_type is ScalingType.DYNAMIC)
+
+
+def _experts_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
+    shard = weight._tensor  # [E_local, N, K] sharded on dim 0 or 1 by FSDP2
+    if not gathers_float8(spec):  # Float8GroupedExperts wraps no such weight
+        raise NotImplementedError(f"{spec.site}: float8 all-gather of expert weights is dynamic "
+                                  "tensorwise")
+    fsdp_dim = 0 if tuple(shard.shape[1:]) == tuple(outer_size[1:]) else 1
+    if fsdp_dim == 0 and outer_size[0] % mesh.size():
+        raise ValueError(
+            f"{spec.site}: the float8 all-gather of expert weights sharded on the experts dim by "
+            f"FSDP2 needs num_experts ({outer_size[0]}) to be a multiple of its {mesh.size()} "
+            "ranks; change the number of experts or ranks, shard on dim 1 (fully_shard_moe), or "
+            "set enable_fsdp_float8_all_gather=False"
+        )
+    fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
+    data = fp8._data.view(torch.uint8)  # [E_local, N, K]
+    scale = fp8._scale.contiguous()  # [E_local, 1, 1] float32
+    if fsdp_dim == 1:  # the scales are the same on every FSDP2 rank
+        return (data,), ("experts", spec.dtype, scale.clone())
+    return (data, scale.view(torch.uint8)), ("experts", spec.dtype, None)  # [E_local, 1, 4]
+
+
+def _experts_post_all_gather(outputs, metadata, param_dtype, out):
+    _, fp8_dtype, scale = metadata
+    data = outputs[0].view(fp8_dtype)  # [E, N, K]
+    if scale is None:  # gathered: [E, 1, 4] uint8
+        scale = outputs[1].view(torch.float32)  # [E, 1, 1]
+    if out is not None:
+        target = local_part(out)
+        if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            target._data.copy_(data)
+        if target._scale.untyped_storage().data_ptr() != scale.untyped_storage().data_ptr():
+            target._scale.copy_(scale)
+        return
+    return Float8Tensor(data, scale, param_dtype), tuple(outputs)
+
+
 def _block_post_all_gather(outputs, metadata, param_dtype, out):
     data, scale = outputs  # [world * padded_rows, K], [world * padded_rows / br, bytes] uint8
     _, fp8_dtype, scale_dtype, block = metadata
@@ -230,11 +303,19 @@ def _block_post_all_gather(outputs, metadata, param_dtype, out):
     return Float8Tensor(data, scale, param_dtype, None, block=block), (data, scale)
 
 
-def _weight_spec(module, config: Float8LinearConfig):
-    """The output gemm's weight cast of the linear owning the weight (FSDP2's 1-argument hook
-    passes no module: then the wrapper's config, unnamed)."""
-    if module is not None and hasattr(module, "specs"):
-        return module.specs[Gemm.OUTPUT, Operand.WEIGHT]
+def _weight_spec(local: torch.Tensor, module, config: Float8LinearConfig):
+    """The output gemm's weight cast of the module owning the weight whose local tensor is
+    ``local``: a Float8Linear's, or the grouped cast of one of a Float8GroupedExperts' weights
+    (its ``specs`` hold one CastSpecs per weight name). FSDP2's 1-argument hook passes no module:
+    then the wrapper's config, unnamed."""
+    specs = getattr(module, "specs", None)
+    if isinstance(specs, dict):  # grouped experts: which of w1, w2, w3
+        for name, p in module.named_parameters(recurse=False):
+            if p is local or getattr(p, "_local_tensor", None) is local:
+                return specs[name][Gemm.OUTPUT, Operand.WEIGHT]
+        raise RuntimeError(f"{type(module).__name__} holds no parameter {type(local).__name__}")
+    if specs is not None:
+        return specs[Gemm.OUTPUT, Operand.WEIGHT]
     return config.cast_spec(Gemm.OUTPUT, Operand.WEIGHT)
 
 
@@ -261,31 +342,33 @@ def _sharding_of(local: torch.Tensor, module, mesh):
     return mesh, [Shard(0)] * mesh.ndim
 
 
-def wrap_weight_for_float8_all_gather(module: torch.nn.Module) -> None:
-    """Make ``module.weight`` (a Float8Linear's) a :class:`Float8AllGatherWeight` parameter sharing
-    its storage, and keep the module's ``state_dict`` in plain high-precision tensors (the keys
-    and values of ``nn.Linear``), so checkpoints load into models with or without float8.
+def wrap_weight_for_float8_all_gather(module: torch.nn.Module,
+                                      names: Tuple[str, ...] = ("weight",)) -> None:
+    """Make each parameter ``names`` of ``module`` (a Float8Linear's weight, a
+    Float8GroupedExperts' w1, w2, w3) a :class:`Float8AllGatherWeight` parameter sharing its
+    storage, and keep the module's ``state_dict`` in plain high-precision tensors (the keys and
+    values of ``nn.Linear`` / ``GroupedExperts``), so checkpoints load into models with or
+    without float8.
 
-    Float8Linear calls it again after ``load_state_dict(sd, assign=True)``, which puts the
+    The modules call it again after ``load_state_dict(sd, assign=True)``, which puts the
     checkpoint's plain tensor in place of the wrapper (FSDP2 would then all-gather that weight in
     high precision)."""
-    weight = module.weight
-    if isinstance(weight, Float8AllGatherWeight) or is_dtensor(weight):  # done, or FSDP2's now
-        return
-    module.weight = torch.nn.Parameter(
-        Float8AllGatherWeight(weight.detach(), module.config), requires_grad=weight.requires_grad
-    )
+    for name in names:
+        weight = getattr(module, name)
+        if isinstance(weight, Float8AllGatherWeight) or is_dtensor(weight):  # done, or sharded
+            continue
+        setattr(module, name, torch.nn.Parameter(
+            Float8AllGatherWeight(weight.detach(), module.config),
+            requires_grad=weight.requires_grad))
     if not getattr(module, "_plain_weight_hook", False):
-        module._register_state_dict_hook(_plain_weight_in_state_dict)
+        module._register_state_dict_hook(_plain_weights_in_state_dict)
         module._plain_weight_hook = True
 
 
-def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):
-    key = prefix + "weight"
-    value = state_dict.get(key)
-    if value is None:
-        return
-    if isinstance(value, Float8AllGatherWeight):
-        state_dict[key] = value._tensor
-    elif is_dtensor(value) and isinstance(value._local_tensor, Float8AllGatherWeight):
-        state_dict[key] = like(value, value._local_tensor._tensor)
+def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata):
+    for name, _ in module.named_parameters(prefix=prefix[:-1], recurse=False):
+        value = state_dict.get(name)
+        if isinstance(value, Float8AllGatherWeight):
+            state_dict[name] = value._tensor
+        elif is_dtensor(value) and isinstance(value._local_tensor, Float8AllGatherWeight):
+            state_dict[name] = like(value, value._local_tensor._tensor)

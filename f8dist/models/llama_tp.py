@@ -14,7 +14,7 @@ axis, for 2-D).
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -53,15 +53,36 @@ def _shared_input(parent: nn.Module, first: str, float8: bool, **layouts) -> Par
     return PrepareModuleInput(**layouts)
 
 
+# the plan of one block's FFN: (its FQN prefix "layers.N.", the block, float8) -> FQN -> style
+FFNPlan = Callable[[str, nn.Module, bool], Dict[str, ParallelStyle]]
+
+
+def swiglu_tp_plan(prefix: str, block: nn.Module, float8: bool) -> Dict[str, ParallelStyle]:
+    """The dense SwiGLU FFN's styles: w1/w3 column-sharded behind one shared input all-gather,
+    w2 row-sharded with a reduce-scatter back to sequence shards."""
+    ffn = block.feed_forward
+    return {
+        prefix + "feed_forward": _shared_input(
+            ffn, "w1", float8,
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        ),
+        prefix + "feed_forward.w1": _colwise(ffn.w1, float8),
+        prefix + "feed_forward.w2": _rowwise(ffn.w2, float8, output_layouts=Shard(1)),
+        prefix + "feed_forward.w3": _colwise(ffn.w3, float8),
+    }
+
+
 def llama_tp_plan(
-    model: nn.Module, *, float8: bool = True, loss_parallel: bool = False
+    model: nn.Module, *, float8: bool = True, loss_parallel: bool = False,
+    ffn_plan: Optional[FFNPlan] = None,
 ) -> Dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (FQN -> style) for a :class:`~f8dist.models.llama.Transformer`.
 
     ``float8=True`` needs a converted model (a Float8Linear somewhere); linears left in high
     precision keep PyTorch's styles. ``loss_parallel=True`` leaves the logits sharded on the vocab
     dim (as a DTensor) for ``torch.distributed.tensor.parallel.loss_parallel``; else they are
-    replicated local tensors.
+    replicated local tensors. ``ffn_plan``: the styles of each block's FFN (default
+    :func:`swiglu_tp_plan`; the MoE model's is ``f8dist.models.moe_parallel.moe_tp_plan``).
     """
     for name in ("tok_embeddings", "layers", "norm", "output"):
         if not hasattr(model, name):
@@ -88,7 +109,7 @@ def llama_tp_plan(
     }
     for layer_name, block in model.layers.named_children():
         p = f"layers.{layer_name}."
-        attn, ffn = block.attention, block.feed_forward
+        attn = block.attention
         plan.update({
             p + "attention_norm": SequenceParallel(),
             p + "attention": _shared_input(
@@ -100,19 +121,14 @@ def llama_tp_plan(
             p + "attention.wv": _colwise(attn.wv, float8),
             p + "attention.wo": _rowwise(attn.wo, float8, output_layouts=Shard(1)),
             p + "ffn_norm": SequenceParallel(),
-            p + "feed_forward": _shared_input(
-                ffn, "w1", float8,
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-            ),
-            p + "feed_forward.w1": _colwise(ffn.w1, float8),
-            p + "feed_forward.w2": _rowwise(ffn.w2, float8, output_layouts=Shard(1)),
-            p + "feed_forward.w3": _colwise(ffn.w3, float8),
         })
+        plan.update((ffn_plan or swiglu_tp_plan)(p, block, float8))
     return plan
 
 
 def parallelize_llama(
-    model: nn.Module, tp_mesh: DeviceMesh, *, float8: bool = True, loss_parallel: bool = False
+    model: nn.Module, tp_mesh: DeviceMesh, *, float8: bool = True, loss_parallel: bool = False,
+    ffn_plan: Optional[FFNPlan] = None,
 ) -> nn.Module:
     """Apply :func:`llama_tp_plan` to ``model`` over the 1-D ``tp_mesh``, in place.
 
@@ -140,7 +156,7 @@ def parallelize_llama(
                 f"tensor parallelism over {tp_mesh.size()} ranks shards attention heads, so "
                 f"n_heads and n_kv_heads must be multiples of it; got {heads}"
             )
-    plan = llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel)
+    plan = llama_tp_plan(model, float8=float8, loss_parallel=loss_parallel, ffn_plan=ffn_plan)
     agreement.check(model, tp_mesh)  # before sharding broadcasts: [Note: ranks that disagree]
     parallelize_module(model, tp_mesh, plan)
     if not loss_parallel:

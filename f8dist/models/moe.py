@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts, cast_tokens
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts, token_spec
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
 
 __all__ = ["MoEArgs", "MoE", "MoETransformer", "TokenChoiceRouter"]
@@ -168,9 +168,10 @@ class MoE(nn.Module):
             return self.experts(tokens, offsets)
         from f8dist.dispatch import expert_parallel  # a distributed import, when EP is used
 
+        spec = None  # the per-token cast before the dispatch: [Note: float8 dispatch]
         if isinstance(self.experts, Float8GroupedExperts) and self.float8_dispatch:
-            tokens = cast_tokens(tokens, self.experts.specs)  # [Note: float8 dispatch]
-        return expert_parallel(self.experts, tokens, counts, self.ep_group)
+            spec = token_spec(self.experts.specs)
+        return expert_parallel(self.experts, tokens, counts, self.ep_group, spec)
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
         nn.init.trunc_normal_(self.router.gate, mean=0.0, std=0.02, a=-2.0, b=2.0,

@@ -16,19 +16,33 @@ mean over the dp_shard ranks only, so the experts' gradients are divided by the 
 (``GroupedExperts.grad_scale``, in backward before the reduce-scatter: FSDP2's own
 ``set_gradient_divide_factor`` needs ReduceOp.PREMUL_SUM, which gloo lacks) to be the mean over
 all data-parallel ranks, as the other parameters'.
+
+[Note: MoE under tensor parallelism]
+``parallelize_llama(model, tp_mesh, ffn_plan=moe_tp_plan)`` shards the MoE transformer's attention
+and output as the dense plan does (f8dist/models/llama_tp.py: wq/wk/wv column-, wo row-sharded,
+norms sequence parallel), and keeps each MoE layer whole on every TP rank: its input, sequence
+sharded after ``ffn_norm``, is all-gathered over tp; every TP rank routes and runs the experts
+(and the shared expert) on the whole sequence, the same computation on the same tokens, and keeps
+its own sequence shard of the output. Backward all-gathers the output's gradient, so each TP rank
+computes the whole gradient of the MoE's parameters and of its input, the same on every TP rank:
+no reduction over tp, and the routing, the capacity limit and the load-balancing loss see the
+sequence one device sees. The price: the MoE's compute is repeated on the tp ranks (experts
+replicated over tp; the all-gather and the gradient all-gather carry high-precision activations).
+Expert parallelism with TP (a 3-D mesh) is not implemented.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 
 from f8dist.models.moe import MoE
 
-__all__ = ["parallelize_moe", "fully_shard_moe"]
+__all__ = ["parallelize_moe", "fully_shard_moe", "moe_tp_plan"]
 
 
 def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: bool = True
@@ -88,3 +102,25 @@ def fully_shard_moe(model: nn.Module, mesh: DeviceMesh, *, ep_dim: str = "ep",
         fully_shard(block, mesh=flat, **kwargs)
     fully_shard(model, mesh=flat, **kwargs)
     return model
+
+
+def moe_tp_plan(prefix: str, block: nn.Module, float8: bool) -> Dict[str, ParallelStyle]:
+    """The tensor-parallel style of an MoE block's FFN ([Note: MoE under tensor parallelism]):
+    the ``ffn_plan`` of ``parallelize_llama`` for a :class:`~f8dist.models.moe.MoETransformer`.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> parallelize_llama(moe_model, mesh["tp"], float8=True, ffn_plan=moe_tp_plan)
+    """
+    if not isinstance(getattr(block, "moe", None), MoE):
+        raise TypeError(f"moe_tp_plan: block {prefix[:-1]} has no MoE named 'moe'")
+    if block.moe.ep_group is not None:
+        raise NotImplementedError(
+            f"{prefix}moe is expert parallel: tensor parallelism with expert parallelism (a 3-D "
+            "mesh) is not implemented; use one of them"
+        )
+    return {prefix + "moe": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True,
+    )}

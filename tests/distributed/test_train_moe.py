@@ -1,6 +1,6 @@
 """scripts/train.py with a mixture-of-experts model on 2 CPU ranks: expert parallelism (--ep 2,
-float8 token dispatch) in bf16 (full activation checkpointing), float8 rowwise and delayed, all
-learn and float8 ends within 3 % of bf16;
+float8 token dispatch) in bf16 (per-op selective activation checkpointing), float8 rowwise and
+delayed, all learn and float8 ends within 3 % of bf16;
 a checkpoint saved under EP (experts sharded over the ep ranks) resumes under FSDP2 alone (--ep 1,
 experts sharded by FSDP2), resharded by DCP, and continues the EP run's losses up to summation
 order."""

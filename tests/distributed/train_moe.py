@@ -1,5 +1,5 @@
 """torchrun program: scripts/train.py with a mixture-of-experts model (see
-tests/distributed/test_train_moe.py): bf16 (with full activation checkpointing), float8
+tests/distributed/test_train_moe.py): bf16 (with per-op selective activation checkpointing), float8
 rowwise and delayed under expert parallelism, the
 latter checkpointing; its last checkpoint removed, the one before resumes under FSDP2 alone."""
 
@@ -31,7 +31,7 @@ def run(args):
     ckpt = ["--checkpoint-dir", args.ckpt_dir]
     result = {
         "bf16": train.train(train.parse_args(common + ["--float8", "none", "--ep", "2",
-                                                       "--ac", "full"])),
+                                                       "--ac", "sac"])),
         "rowwise": train.train(train.parse_args(
             common + ["--float8", "rowwise", "--ep", "2", "--checkpoint-every", str(args.every)]
             + ckpt)),

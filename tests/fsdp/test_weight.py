@@ -1,6 +1,8 @@
 """One-device tests of Float8AllGatherWeight: the wrapper's op behaviour, its FSDP2 hooks (with a
 precomputed scale, so no process group is needed) and its state_dict."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -117,3 +119,28 @@ def test_float8_linear_with_fp8_all_gather_matches_without_and_keeps_plain_state
     f8.load_state_dict(back.state_dict())  # and back
     assert type(f8.weight) is Float8AllGatherWeight
     assert torch.equal(f8.weight._tensor, back.weight)
+
+
+def test_float8_experts_with_fp8_all_gather_match_without_and_keep_plain_state_dict():
+    """[Note: float8 all-gather of expert weights]: w1, w2, w3 wrapped, the same numbers, a
+    GroupedExperts state dict of plain tensors, wrapped again after load_state_dict(assign=True)."""
+    from f8dist.grouped import Float8GroupedExperts, GroupedExperts
+
+    experts = GroupedExperts(32, 16, 4)
+    experts.init_weights(0.02, torch.Generator().manual_seed(0))
+    tensorwise = Float8LinearConfig.from_recipe_name("tensorwise")
+    ref = Float8GroupedExperts.from_float(copy.deepcopy(experts), tensorwise)
+    f8 = Float8GroupedExperts.from_float(experts, tensorwise.replace(enable_fsdp_float8_all_gather=True))
+    assert all(type(getattr(f8, w)) is Float8AllGatherWeight for w in ("w1", "w2", "w3"))
+    x = torch.randn(10, 32)
+    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 gets no token
+    y, y_ref = f8(x, offsets), ref(x, offsets)
+    assert torch.equal(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    assert torch.equal(f8.w2.grad, ref.w2.grad)
+
+    sd = f8.state_dict()
+    assert sorted(sd) == ["w1", "w2", "w3"] and all(type(v) is torch.Tensor for v in sd.values())
+    f8.load_state_dict({k: v * 2 for k, v in sd.items()}, assign=True)
+    assert type(f8.w3) is Float8AllGatherWeight and torch.equal(f8.w3._tensor, sd["w3"] * 2)

@@ -1,0 +1,61 @@
+"""Expert parallelism (f8dist/dispatch.py) on 4 and 8 simulated ranks in one process
+([Note: simulating ranks in one process] in tests/distributed/threads.py) against one device:
+each rank routes its own uneven slice of one batch (one rank none at all), some experts get no
+token; outputs, input gradients and the experts' weight gradients bit for bit one device's. The
+real multi-process gloo tests are tests/distributed/test_moe_ep.py."""
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.models.moe import MoE, MoEArgs
+from f8dist.models.moe_parallel import parallelize_moe
+from tests.distributed.threads import run_threads
+
+DIM, HIDDEN, PER_RANK = 64, 32, 4  # experts per rank
+SIZES = [7, 2, 0, 5, 3, 1, 4, 6]  # tokens per rank: uneven, rank 2 has none
+
+
+def _moe(recipe, world):
+    moe = MoE(DIM, HIDDEN, MoEArgs(num_experts=PER_RANK * world, top_k=2, shared_expert=False))
+    moe.init_weights(0.02, torch.Generator().manual_seed(0))
+    moe.to(torch.bfloat16)
+    if recipe is not None:
+        convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name(recipe))
+    return moe
+
+
+@pytest.mark.parametrize("world,recipe", [(4, None), (4, "rowwise"), (4, "tensorwise"),
+                                          (8, "rowwise")])
+def test_expert_parallel_on_simulated_ranks_matches_one_device(world, recipe):
+    ref = _moe(recipe, world)
+    layers = [copy.deepcopy(ref) for _ in range(world)]
+    sizes = SIZES[:world]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, sum(sizes), DIM, generator=g).to(torch.bfloat16)
+    grad = torch.randn(1, sum(sizes), DIM, generator=g).to(torch.bfloat16)
+    x_ref = x.clone().requires_grad_()
+    out = ref(x_ref)
+    out.backward(grad)
+    counts = torch.bincount(ref.router(x[0])[1].reshape(-1), minlength=PER_RANK * world)
+    assert (counts == 0).any(), counts  # an expert without any token
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        ep = parallelize_moe(layers[rank], mesh)
+        mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        xi = x[:, mine].clone().requires_grad_()
+        o = ep(xi)
+        o.backward(grad[:, mine])
+        experts = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        assert torch.equal(o, out[:, mine]), rank
+        assert torch.equal(xi.grad, x_ref.grad[:, mine]), rank
+        for w in ("w1", "w2", "w3"):
+            mine_grad = getattr(ep.experts, w).grad.to_local()
+            assert torch.equal(mine_grad, getattr(ref.experts, w).grad[experts]), (rank, w)
+        return o.shape[1]
+
+    assert run_threads(world, rank_main) == sizes
