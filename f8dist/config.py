@@ -194,6 +194,14 @@ class ScaleRounding(_Name):
 # is zero-padded, which changes neither its amax nor any product: the token dim M may be anything;
 # the layer's own dims K and N must divide into blocks (or pad_inner_dim).
 #
+# [Note: row blocks of N-D activations]
+# A 1 x inner block along the last dim is local to one token, so an N-D activation ([B, S, K],
+# what a sequence-parallel style casts before its all-gather) takes row blocks as its [B * S, K]
+# view does: ``_block = (1, inner)`` and scales [B, S, ceil(K / inner)]. They follow the data
+# through reshapes that keep the last dim and through splits, cats and all-gathers of the other
+# dims (f8dist/tensor.py), so a cast before the all-gather gives the bytes and scales of a cast
+# after it, bit for bit.
+#
 # [Note: e8m0 rounding]
 # RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
 # 2 that maps the block's amax inside the format, so no element saturates. It is what NVIDIA's
@@ -414,18 +422,22 @@ class CastSpec:
 
     def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
         """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
-        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, and for the
+        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, for the
         3-D weights of grouped casts, blocked per expert in their last two dims ([Note: grouped
-        casts])."""
+        casts]), and for N-D operands whose blocks are rows of the last dim (a [B, S, K]
+        activation in 1 x K blocks: [Note: row blocks of N-D activations])."""
         if not self.blockwise:
             return None
-        if ndim != 2 and not (ndim == 3 and self.grouped):
-            raise NotImplementedError(
-                f"{self.site}: block scales are defined for 2-D operands, got a {ndim}-D one; "
-                "use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
-            )
         outer, inner = self.block_size
-        return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if ndim == 2 or (ndim == 3 and self.grouped):  # a matrix, or each expert's matrix
+            return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if outer == 1 and self.axis % ndim == ndim - 1:  # rows of the last dim
+            return (outer, inner)
+        raise NotImplementedError(
+            f"{self.site}: block scales are defined for 2-D operands, expert weights and rows of "
+            f"an N-D one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
+            f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
+        )
 
     @property
     def site(self) -> "CastSite":
@@ -600,6 +612,12 @@ class Float8LinearConfig:
     # of casting in backward), and SwiGLU's inputs (f8dist/swiglu.py, activation_spec); see
     # [Note: what the matmul keeps for backward] in linear.py
     float8_activations_for_backward: bool = False
+    # with float8_activations_for_backward, for the linear that reads a SwiGLU's product (an FFN's
+    # w2): keep nothing of its input and recompute it in backward from the float8 gate and up the
+    # SwiGLU keeps anyway ([Note: a product recomputed in backward] in f8dist/swiglu.py). Its
+    # grad_weight gemm then reads silu(gate8) * up8, not the product of the high-precision values:
+    # other numerics (docs/performance.md), hence off by default
+    recompute_swiglu_product: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -644,6 +662,14 @@ class Float8LinearConfig:
         if not isinstance(self.float8_activations_for_backward, bool):
             raise TypeError("Float8LinearConfig.float8_activations_for_backward must be a bool, "
                             f"got {self.float8_activations_for_backward!r}")
+        if not isinstance(self.recompute_swiglu_product, bool):
+            raise TypeError("Float8LinearConfig.recompute_swiglu_product must be a bool, "
+                            f"got {self.recompute_swiglu_product!r}")
+        if self.recompute_swiglu_product and not self.float8_activations_for_backward:
+            raise ValueError(
+                "recompute_swiglu_product recomputes an FFN's w2 input in backward from the float8 "
+                "gate and up that float8_activations_for_backward keeps: set "
+                "float8_activations_for_backward=True too, or drop recompute_swiglu_product")
         if self.float8_activations_for_backward and self.axiswise_requantize_input_for_grad_weight:
             raise ValueError(
                 "float8_activations_for_backward and axiswise_requantize_input_for_grad_weight "

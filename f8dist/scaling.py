@@ -141,7 +141,9 @@ def round_scale_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     the bit. inf stays inf; NaN stays NaN.
     """
     assert scale.dtype == torch.float32, scale.dtype
-    bits = scale.view(torch.int32) & torch.tensor(-8388608, dtype=torch.int32, device=scale.device)
+    # a Python scalar, not a tensor constant: the casts of one tensor stay identical subgraphs,
+    # which a compiled graph merges ([Note: one cast per input] in f8dist/cast.py)
+    bits = scale.view(torch.int32) & -8388608
     rounded = bits.view(torch.float32)  # 0xFF800000 keeps sign and exponent
     return torch.where(torch.isnan(scale), scale, rounded)
 
@@ -289,8 +291,13 @@ def block_scale(
 
 def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     """Block scales [ceil(R / rows), ceil(C / cols)] as one float32 scale per element of a
-    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by); a 3-D
-    grid [E, nr, nc] for a ``shape = [E, R, C]`` ([Note: blocks of expert weights])."""
+    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by); for an
+    N-D ``shape`` in row blocks, scales [..., ceil(C / cols)] ([Note: row blocks of N-D
+    activations] in f8dist/config.py); a 3-D grid [E, nr, nc] for a ``shape = [E, R, C]`` in
+    larger blocks ([Note: blocks of expert weights])."""
+    if len(shape) != 2 and block[0] == 1:  # [..., C]: rows of the [prod(...), C] view
+        rows = scale.reshape(-1, scale.shape[-1])  # [prod(...), ceil(C / cols)]
+        return expand_blocks(rows, block, (rows.shape[0], shape[-1])).reshape(shape)  # [..., C]
     if scale.dim() == 3:
         e, nr, nc = scale.shape
         per_row = expand_blocks(scale.reshape(e * nr, nc), block, (e * nr * block[0], shape[2]))
@@ -306,7 +313,8 @@ def block_cast(
     round_to_power_of_2: bool = False,
 ) -> tuple:
     """``(data, scale)``: the 2-D ``x`` cast to float8 with one scale per ``block`` (float32
-    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)].
+    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)]; an N-D ``x`` in row
+    blocks gives scales [..., ceil(C / cols)].
 
     A block that is one row of ``x`` (or one column) is cast as rows of a [R * C / cols, cols] view
     (of ``x.t()``): the amax of a row then the cast of the same row, which a compiled graph fuses
@@ -315,6 +323,9 @@ def block_cast(
     matrix ([Note: blocks of expert weights]): data [E, R, C], scales [E, nr, nc].
     """
     kw = dict(scale_dtype=scale_dtype, rounding=rounding, round_to_power_of_2=round_to_power_of_2)
+    if x.dim() != 2 and block[0] == 1:  # [..., C] in row blocks: rows of its [prod(...), C] view
+        data, scale = block_cast(x.reshape(-1, x.shape[-1]), block, float8_dtype, **kw)
+        return data.reshape(x.shape), scale.reshape(*x.shape[:-1], scale.shape[-1])
     if x.dim() == 3:
         e, r = x.shape[:2]
         data, scale = block_cast(_stacked(x, block), block, float8_dtype, **kw)
