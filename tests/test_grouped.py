@@ -67,10 +67,12 @@ def test_rowwise_equals_a_float8_linear_per_expert_bit_for_bit():
 
 
 @pytest.mark.parametrize("m", [0, 3])
-def test_any_token_count(m):
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+@on_cpu  # block-scaled gemms have a CPU kernel only
+def test_any_token_count(m, recipe):
     x, w, grad = _operands(m=m)
     offsets = torch.tensor([0, m, m, m], dtype=torch.int32)
-    specs = Float8LinearConfig.from_recipe_name("rowwise").grouped_cast_specs()
+    specs = Float8LinearConfig.from_recipe_name(recipe).grouped_cast_specs()
     out, gx, gw = _run(lambda x, w, o: float8_grouped_mm(x, w, o, specs), x, w, grad, offsets)
     ref = _run(grouped_mm, x.float(), w.float(), grad.float(), offsets)
     assert out.shape == (m, 16) and gx.shape == (m, 32)
