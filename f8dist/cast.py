@@ -14,9 +14,11 @@ would produce, and is re-cast from its high-precision value otherwise.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import dataclasses
+from typing import Callable, Dict, List, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.placement import (
@@ -29,6 +31,7 @@ from f8dist.tensor import Float8Tensor
 
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
+    "shared_casts",
 ]
 
 
@@ -50,6 +53,60 @@ def high_precision(t: torch.Tensor) -> torch.Tensor:
     if isinstance(local, Float8Tensor):
         return like(t, local.to_original_precision())
     return t
+
+
+# [Note: one cast per input]
+# Sibling linears read the same input: attention's wq, wk and wv the normalized activations, an
+# FFN's w1 and w3 theirs. Each would cast it and keep its own float8 copy for its grad_weight gemm,
+# identical bytes when their specs are identical. A linear that keeps a float8 cast of its input
+# for backward (``CastSpecs.saved_input`` FORWARD_CAST or GRAD_WEIGHT_CAST) casts it through the
+# table of that input instead, ``cast_to_float8(..., shared=shared_casts(input))``: the table
+# holds the casts made of the tensor at its current version, by spec less its FQN (plus the dtype
+# and shape cast), so the first sibling casts and the others get its Float8Tensor, one copy kept
+# for all. A cast is a pure function of the tensor and the spec, so each linear's gradients are
+# those of casting on its own, bit for bit; telemetry still sees one cast per linear (observers
+# are told of a shared cast under each site). The table is keyed weakly by the tensor's identity:
+# it dies with the tensor, and an in-place write (a new ``_version``) starts a new one. Not shared:
+# - casts given a scale or an amax (delayed scaling: each linear's scale comes from its own amax
+#   history, so the same spec casts to different bytes; grouped casts);
+# - forwards that keep nothing for backward (eval, no grad): the cast is transient there, and the
+#   table would keep it as long as the input lives;
+# - tensors autograd did not make (no ``grad_fn``: a batch, a leaf): the caller may hand the same
+#   tensor to the next step (a benchmark's loop), which would find this step's casts and skip its
+#   own; the activations of a forward are made anew by each;
+# - casts under saved-tensor hooks (activation checkpointing, full or per-op SAC; offloading):
+#   the hooks decide what is kept, and a table beside them would keep a copy they do not know of
+#   (of a checkpointed function's input, alive until its backward); worse, the recompute, handed
+#   the same input, would find the original forward's table and skip casts that the forward ran,
+#   and a per-op SAC policy replays its saved amaxes in the forward's order;
+# - casts under torch.compile: dynamo does not trace the table. The traced graph holds one cast per
+#   sibling, and AOTAutograd's common-subexpression elimination merges the identical ones before
+#   its partitioner chooses what to save (tests/test_linear.py checks the saved bytes).
+# The table lives as long as its input: the activations a model hands its linears die within
+# the forward; a tensor the caller keeps across steps keeps its float8 copy as long.
+_SHARED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def shared_casts(t: torch.Tensor) -> Optional[Dict[tuple, torch.Tensor]]:
+    """The table of float8 casts made of ``t`` at its current version ([Note: one cast per
+    input]); hand it to :func:`cast_to_float8` as ``shared``. None where casts are not shared:
+    under torch.compile, under saved-tensor hooks, for a tensor without ``grad_fn``.
+
+    Example::
+
+        >>> x = torch.randn(8, 16, requires_grad=True) * 2
+        >>> a = cast_to_float8(x, CastSpec(fqn="wq"), shared=shared_casts(x))
+        >>> a is cast_to_float8(x, CastSpec(fqn="wk"), shared=shared_casts(x))
+        True
+    """
+    if (torch.compiler.is_compiling() or t.grad_fn is None
+            or torch._C._autograd._top_saved_tensors_default_hooks(False)):
+        return None
+    version, table = _SHARED.get(t, (None, None))
+    if version != t._version:
+        table = {}
+        _SHARED[t] = (t._version, table)
+    return table
 
 
 def _fits(fp8: Float8Tensor, spec: CastSpec, offsets: Optional[torch.Tensor] = None) -> bool:
@@ -89,7 +146,7 @@ def grouped_amax(t: torch.Tensor, spec: CastSpec, offsets: Optional[torch.Tensor
 def cast_to_float8(
     t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *,
     amax: Optional[torch.Tensor] = None, store: bool = False,
-    offsets: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None, shared: Optional[Dict[tuple, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
@@ -99,8 +156,9 @@ def cast_to_float8(
     in backward, [Note: what the matmul keeps for backward] in f8dist/linear.py), shaped as the
     cast's own would be. ``store``: the bytes serve two gemms, so a compiled graph stores them
     once and takes the other layout from them. ``offsets``: the token groups of a grouped cast
-    (``spec.grouped``, [Note: grouped casts] in f8dist/config.py). Not differentiable: see
-    :class:`ToFloat8` for that.
+    (``spec.grouped``, [Note: grouped casts] in f8dist/config.py). ``shared``: a table of casts of
+    the same tensor (:func:`shared_casts`), looked up first and filled ([Note: one cast per
+    input]). Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
 
@@ -108,6 +166,13 @@ def cast_to_float8(
         >>> fp8._data.dtype, fp8._scale.shape
         (torch.float8_e4m3fn, torch.Size([]))
     """
+    if shared is not None and scale is None and amax is None and offsets is None:
+        key = (dataclasses.replace(spec, fqn=""), t.dtype, tuple(t.shape))
+        out = shared.get(key)
+        if out is not None:
+            return _observed(spec, t, out)
+        out = shared[key] = cast_to_float8(t, spec, store=store)
+        return out
     local = local_part(t)
     if isinstance(local, Float8Tensor):
         if _fits(local, spec, offsets):
@@ -122,7 +187,7 @@ def cast_to_float8(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
         )
     axis = spec.axiswise_dim(t.dim())
-    if spec.grouped:
+    if spec.grouped and spec.scaling_type is not ScalingType.DELAYED:  # delayed: one scale
         if scale is not None or amax is not None:
             raise ValueError(f"{spec.site}: a grouped cast computes its own per-expert scales")
         axis = _grouped_axis(spec, t.dim())

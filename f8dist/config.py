@@ -118,9 +118,14 @@ _CONTRACTION_AXIS = {
 #     one per expert and row (or column) of the weight, [E, N, 1] (or [E, 1, K]);
 #   * axiswise over the tokens (grad_weight): one scale per expert and column, over the expert's
 #     token group ([E, C]; stored per row as [M, C] so that the Float8Tensor dequantizes);
-#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group.
-# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand. Delayed scaling has one amax
-# history per tensor and so is refused for grouped casts.
+#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group;
+#   * blockwise ([Note: block scales]): the weight blocked per expert ([E, N/bn, K/bk] scales,
+#     [Note: blocks of expert weights] in f8dist/scaling.py); tokens blocked along the row
+#     (output, grad_input: 1 x inner blocks, local to a token) or, in grad_weight, along the
+#     tokens within each expert's group: the gemm pads every group to a multiple of the block
+#     first (zero rows, exact), so that no block holds tokens of two experts ([Note: block
+#     grouped gemms] in f8dist/grouped.py).
+# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand.
 
 # The config field that overrides an operand's main CastConfig in one gemm
 _OVERRIDE_FIELD = {
@@ -417,19 +422,22 @@ class CastSpec:
 
     def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
         """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
-        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, and for
-        N-D ones whose blocks are rows of the last dim (a [B, S, K] activation in 1 x K blocks:
-        [Note: row blocks of N-D activations])."""
+        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, for the
+        3-D weights of grouped casts, blocked per expert in their last two dims ([Note: grouped
+        casts]), and for N-D operands whose blocks are rows of the last dim (a [B, S, K]
+        activation in 1 x K blocks: [Note: row blocks of N-D activations])."""
         if not self.blockwise:
             return None
         outer, inner = self.block_size
-        if ndim != 2 and not (outer == 1 and self.axis % ndim == ndim - 1):
-            raise NotImplementedError(
-                f"{self.site}: block scales are defined for 2-D operands and for rows of an N-D "
-                f"one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
-                f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
-            )
-        return (outer, inner) if self.axis % ndim == ndim - 1 else (inner, outer)
+        if ndim == 2 or (ndim == 3 and self.grouped):  # a matrix, or each expert's matrix
+            return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if outer == 1 and self.axis % ndim == ndim - 1:  # rows of the last dim
+            return (outer, inner)
+        raise NotImplementedError(
+            f"{self.site}: block scales are defined for 2-D operands, expert weights and rows of "
+            f"an N-D one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
+            f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
+        )
 
     @property
     def site(self) -> "CastSite":
@@ -604,6 +612,12 @@ class Float8LinearConfig:
     # of casting in backward), and SwiGLU's inputs (f8dist/swiglu.py, activation_spec); see
     # [Note: what the matmul keeps for backward] in linear.py
     float8_activations_for_backward: bool = False
+    # with float8_activations_for_backward, for the linear that reads a SwiGLU's product (an FFN's
+    # w2): keep nothing of its input and recompute it in backward from the float8 gate and up the
+    # SwiGLU keeps anyway ([Note: a product recomputed in backward] in f8dist/swiglu.py). Its
+    # grad_weight gemm then reads silu(gate8) * up8, not the product of the high-precision values:
+    # other numerics (docs/performance.md), hence off by default
+    recompute_swiglu_product: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -648,6 +662,14 @@ class Float8LinearConfig:
         if not isinstance(self.float8_activations_for_backward, bool):
             raise TypeError("Float8LinearConfig.float8_activations_for_backward must be a bool, "
                             f"got {self.float8_activations_for_backward!r}")
+        if not isinstance(self.recompute_swiglu_product, bool):
+            raise TypeError("Float8LinearConfig.recompute_swiglu_product must be a bool, "
+                            f"got {self.recompute_swiglu_product!r}")
+        if self.recompute_swiglu_product and not self.float8_activations_for_backward:
+            raise ValueError(
+                "recompute_swiglu_product recomputes an FFN's w2 input in backward from the float8 "
+                "gate and up that float8_activations_for_backward keeps: set "
+                "float8_activations_for_backward=True too, or drop recompute_swiglu_product")
         if self.float8_activations_for_backward and self.axiswise_requantize_input_for_grad_weight:
             raise ValueError(
                 "float8_activations_for_backward and axiswise_requantize_input_for_grad_weight "
@@ -779,20 +801,6 @@ class Float8LinearConfig:
         for g, op in _CELLS:
             spec = self.cast_spec(g, op, fqn)
             cc = self.cast_config(g, op)
-            if spec.scaling_type is ScalingType.DELAYED:
-                raise ValueError(
-                    f"{fqn or '<root>'}: delayed scaling keeps one amax history per tensor, and a "
-                    "grouped expert gemm scales per expert; use a dynamic recipe ('rowwise', "
-                    "'tensorwise', 'rowwise_with_gw_hp') for the experts, or keep them in high "
-                    "precision with module_filter_fn"
-                )
-            if spec.blockwise:
-                raise ValueError(
-                    f"{fqn or '<root>'}: block-scaled grouped gemms (MXFP8, blockwise) are not "
-                    "supported yet; use 'rowwise', 'tensorwise' or 'rowwise_with_gw_hp' for the "
-                    "experts (convert them separately), or keep them in high precision with "
-                    "module_filter_fn"
-                )
             if spec.enabled and cc.target_dtype is E5M2:
                 raise ValueError(
                     f"{fqn or '<root>'}: {g}:{op} asks for e5m2, but torch._scaled_grouped_mm "

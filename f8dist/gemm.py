@@ -152,10 +152,19 @@ def cpu_block_scaled_mm(
 ) -> torch.Tensor:
     """``a`` [M, K] @ ``b`` [K, N] in float8 with dequantizing block scales ``inv_a``
     [M/bm, K/bk] and ``inv_b`` [K/bk, N/bn] (float32): [Note: the block-scaled gemm]."""
+    return block_products(a, b, inv_a, inv_b, a_block, b_block).to(out_dtype)
+
+
+def block_products(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+                   a_block, b_block) -> torch.Tensor:
+    """The float32 result of :func:`cpu_block_scaled_mm`, before its output cast: also the
+    gemm of each expert in the grouped kernel (f8dist/grouped_gemm.py), so that the two agree to
+    the bit. The operands are copied in one layout (contiguous float32) whatever theirs."""
     (m, k), n, bk = a.shape, b.shape[1], a_block[1]
     nk = -(-k // bk)
-    a32 = F.pad(a.to(torch.float32), (0, nk * bk - k)).reshape(m, nk, bk).transpose(0, 1)
-    b32 = F.pad(b.to(torch.float32), (0, 0, 0, nk * bk - k)).reshape(nk, bk, n)
+    a32 = F.pad(a.to(torch.float32), (0, nk * bk - k)).contiguous()  # [M, K'] float32
+    a32 = a32.reshape(m, nk, bk).transpose(0, 1)  # [nk, M, bk]
+    b32 = F.pad(b.to(torch.float32), (0, 0, 0, nk * bk - k)).contiguous().reshape(nk, bk, n)
     sa = expand_blocks(inv_a, (a_block[0], 1), (m, nk)).t()  # [nk, M]
     sb = expand_blocks(inv_b, (1, b_block[1]), (nk, n))  # [nk, N]
     out = a32.new_zeros((m, n))  # [M, N] float32
@@ -163,7 +172,7 @@ def cpu_block_scaled_mm(
     for j in range(0, nk, step):  # each block's exact products summed in float32
         part = torch.bmm(a32[j:j + step], b32[j:j + step])  # [kb, M, N]
         out += (part * sa[j:j + step, :, None] * sb[j:j + step, None, :]).sum(0)
-    return out.to(out_dtype)
+    return out
 
 
 @cpu_block_scaled_mm.register_fake
@@ -189,8 +198,11 @@ def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_
     inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
     inv_b = b_scale.to(torch.float32).reciprocal()
     if a_data.device.type != "cpu":
+        # torch's block kernels refuse fast accumulation ("scaled_gemm doesn't support fast
+        # accum with 128x128 blockwise scaling", H200, torch 2.11); DeepSeek's kernels promote
+        # their sums to float32 at every 128-block anyway
         return _cuda_block_scaled_mm(a_data, b_data, inv_a, inv_b, tuple(a_block), tuple(b_block),
-                                     out_dtype=out_dtype, use_fast_accum=mm_config.use_fast_accum)
+                                     out_dtype=out_dtype)
     return cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
                                list(a_block), list(b_block), out_dtype)
 
@@ -208,10 +220,13 @@ def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tenso
     if block[0] == 1:  # [outer, K/128], outer-dim-major
         return inv.t().contiguous().t()
     nk = inv.shape[1]
-    return F.pad(inv, (0, -nk % 4), value=1.0).t()  # [round_up(K/128, 4), outer/128]
+    if nk % 4:
+        inv = F.pad(inv, (0, -nk % 4), value=1.0)  # [outer/128, round_up(K/128, 4)]
+    # the strides are the layout: never those of whatever view ``inv`` came in as
+    return inv.contiguous().t()  # [round_up(K/128, 4), outer/128]
 
 
-def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype, use_fast_accum):
+def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
     """``a`` [M, K] @ ``b`` [K, N] on CUDA's block-scaled kernel ([Note: the block-scaled gemm])."""
     bt_block = (b_block[1], b_block[0])  # b's blocks seen from b.t() [N, K]
     scaled = getattr(F, "scaled_mm", None)
@@ -231,7 +246,7 @@ def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype, us
     sb = _cuda_block_scales(inv_b.t(), bt_block)
     return scaled(a, b, sa, getattr(kinds, _CUDA_BLOCKS[a_block]),
                   sb, getattr(kinds, _CUDA_BLOCKS[bt_block]),
-                  output_dtype=out_dtype, use_fast_accum=use_fast_accum)
+                  output_dtype=out_dtype)
 
 
 @torch.library.custom_op("f8dist::cpu_scaled_mm", mutates_args=())

@@ -41,21 +41,26 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
     exponents, so the second rounding changes nothing but e4m3 subnormals. The two options are
     exclusive (the config says so). scripts/memory_report.py measures the choices (bytes kept,
     grad_weight SQNR; docs/performance.md).
+  A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
+  linears that read the same input with the same spec ([Note: one cast per input] in
+  f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
+  ``recompute_swiglu_product``) is not kept at all: backward recomputes it ([Note: a product
+  recomputed in backward] in f8dist/swiglu.py).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from f8dist.cast import cast_to_float8, high_precision, logical_amax
+from f8dist.cast import cast_to_float8, high_precision, logical_amax, shared_casts
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
-from f8dist.delayed import DelayedScaling, load_delayed_state
+from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_block_shape, check_gemm_shape
-from f8dist.placement import local_part, reduce_partial
+from f8dist.placement import is_dtensor, local_part, reduce_partial
 from f8dist.tensor import Float8Tensor
 
 __all__ = ["Float8Linear", "float8_linear_mm"]
@@ -65,6 +70,7 @@ INPUT, WEIGHT, GRAD_OUTPUT = Operand
 
 Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
 Delayed = Optional[Tuple[DelayedScaling, bool]]
+Recompute = Optional[Tuple[Callable[..., torch.Tensor], Tuple[torch.Tensor, ...]]]
 
 
 def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: Scales,
@@ -82,10 +88,12 @@ def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: 
 
 
 def _cast(gemm: Gemm, operand: Operand, t: torch.Tensor, specs: CastSpecs, scales: Scales,
-          *, amax: Optional[torch.Tensor] = None, store: bool = False) -> torch.Tensor:
-    """``t`` cast as ``operand`` of ``gemm``: its spec, and its delayed scale if there is one."""
+          *, amax: Optional[torch.Tensor] = None, store: bool = False, shared=None
+          ) -> torch.Tensor:
+    """``t`` cast as ``operand`` of ``gemm``: its spec, and its delayed scale if there is one;
+    ``shared``: the table of its sibling linears' casts ([Note: one cast per input])."""
     scale = (scales or {}).get((gemm, operand))
-    return cast_to_float8(t, specs[gemm, operand], scale, amax=amax, store=store)
+    return cast_to_float8(t, specs[gemm, operand], scale, amax=amax, store=store, shared=shared)
 
 
 def _forward_weight_amax(weight: torch.Tensor, specs: CastSpecs) -> Optional[torch.Tensor]:
@@ -118,23 +126,30 @@ class _Float8Matmul(torch.autograd.Function):
     float8 tensor from FSDP2's float8 all-gather). ``specs`` are the linear's six cast specs;
     ``scales`` holds delayed-scaling scales by (gemm, operand), or is None. ``backward``: whether
     a backward will run (grad mode on, an operand requiring grad); only then is the weight amax
-    kept for it (a reduction, an all-reduce for a TP-sharded weight).
+    kept for it (a reduction, an all-reduce for a TP-sharded weight). ``shared``: the table of
+    casts of the input that sibling linears share, or None ([Note: one cast per input] in
+    f8dist/cast.py). ``recompute``: None, or ``(fn, tensors)`` with ``fn(*tensors)`` the input
+    again: backward recomputes it from ``tensors`` instead of keeping anything of it ([Note: a
+    product recomputed in backward] in f8dist/swiglu.py).
     """
 
     @staticmethod
     def forward(ctx, input, weight, specs: CastSpecs, scales: Scales, delayed: Delayed,
-                backward: bool):
+                backward: bool, shared, recompute: Recompute = None):
         x = input
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
-            x = _cast(OUTPUT, INPUT, input, specs, scales, store=True)
+            x = _cast(OUTPUT, INPUT, input, specs, scales, store=True, shared=shared)
         weight_amax = _forward_weight_amax(weight, specs)  # None, [] or [N, 1]
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
         kept = _max_of(weight_amax) if backward else None  # [] or None
         saved = x  # [Note: what the matmul keeps for backward]
-        if backward and specs.saved_input is SavedInput.GRAD_WEIGHT_CAST:
-            saved = _cast(GRAD_WEIGHT, INPUT, input, specs, scales)  # [M, K] float8
-        ctx.save_for_backward(saved, weight, kept)
-        ctx.specs, ctx.scales, ctx.delayed = specs, scales, delayed
+        if recompute is not None:
+            saved = None  # recomputed in backward from recompute's tensors
+        elif backward and specs.saved_input is SavedInput.GRAD_WEIGHT_CAST:
+            saved = _cast(GRAD_WEIGHT, INPUT, input, specs, scales, shared=shared)  # [M, K] float8
+        fn, sources = recompute if recompute is not None else (None, ())
+        ctx.save_for_backward(saved, weight, kept, *sources)
+        ctx.specs, ctx.scales, ctx.delayed, ctx.recompute = specs, scales, delayed, fn
         return out
 
     @staticmethod
@@ -145,8 +160,10 @@ class _Float8Matmul(torch.autograd.Function):
                 "e.g. a gradient penalty): its float8 gemms' backward is not differentiable. Keep "
                 "the layers you differentiate twice in high precision (module_filter_fn)."
             )
-        saved_input, weight, weight_amax = ctx.saved_tensors
+        saved_input, weight, weight_amax, *sources = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
+        if ctx.recompute is not None:
+            saved_input = ctx.recompute(*sources)  # [M, K], the input's dtype
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
         later = []  # [Note: record after the cast] in f8dist/delayed.py
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
@@ -158,7 +175,7 @@ class _Float8Matmul(torch.autograd.Function):
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]
         for amax_record in later:
             amax_record()
-        return grad_input, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_input, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 # [Note: autocast]
@@ -180,15 +197,30 @@ class _Float8Matmul(torch.autograd.Function):
 
 def float8_linear_mm(
     input: torch.Tensor, weight: torch.Tensor, specs: CastSpecs, scales: Scales = None,
-    delayed: Delayed = None,
+    delayed: Delayed = None, share_with: Optional[torch.Tensor] = None,
+    recompute: Recompute = None,
 ) -> torch.Tensor:
     """``input @ weight.t()`` through the float8 gemms, for inputs of any leading shape.
     ``scales``: the forward's delayed scales; ``delayed``: (state, whether the forward recorded),
-    which gives backward its grad_output scale."""
+    which gives backward its grad_output scale. ``share_with``: the tensor whose sibling readers
+    share the float8 copy kept for backward ([Note: one cast per input] in f8dist/cast.py), the
+    input as the caller handed it (before autocast's cast and the reshape). ``recompute``:
+    ``(fn, tensors)``, ``fn(*tensors)`` the [M, K] input again, for backward to recompute it from
+    instead of keeping it ([Note: a product recomputed in backward] in f8dist/swiglu.py)."""
     k = input.shape[-1]
     input_2d = input.reshape(-1, k)  # [M, K]
     backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
-    out_2d = _Float8Matmul.apply(input_2d, weight, specs, scales, delayed, backward)  # [M, N]
+    shared = None
+    if backward and share_with is not None and specs.saved_input is not SavedInput.HIGH_PRECISION:
+        shared = shared_casts(share_with)
+    if recompute is not None and (not backward or is_dtensor(input)):
+        if is_dtensor(input):
+            raise NotImplementedError(
+                "recompute_swiglu_product with a tensor-parallel input: backward would recompute "
+                "the local product only; turn recompute_swiglu_product off under tensor parallelism")
+        recompute = None
+    out_2d = _Float8Matmul.apply(  # [M, N]
+        input_2d, weight, specs, scales, delayed, backward, shared, recompute)
     if input.dim() == 2:
         return out_2d
     # [Note: an output that is no view]
@@ -263,12 +295,15 @@ class Float8Linear(nn.Linear):
         self._fqn = fqn
         self.specs: CastSpecs = self._config.cast_specs(fqn)  # the six casts, resolved once
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, *, recompute: Recompute = None) -> torch.Tensor:
+        """``recompute``: ``(fn, tensors)`` that give the input again, [M, K], for backward to
+        recompute it from instead of keeping it (f8dist/swiglu.py passes it)."""
         if not input.is_floating_point():  # nn.Linear raises too; a float8 cast would not
             raise TypeError(
                 f"Float8Linear {self.fqn or '<root>'}: input must be a floating-point tensor, got "
                 f"{input.dtype}; convert it first (e.g. input.float()), as nn.Linear needs too."
             )
+        source = input  # what sibling linears share: [Note: one cast per input] in f8dist/cast.py
         if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
             input = input.to(torch.get_autocast_dtype(input.device.type))
         scales = delayed = None
@@ -276,7 +311,8 @@ class Float8Linear(nn.Linear):
         if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed.py
             delayed = (self.delayed, self.delayed.training())
             scales = self.delayed.forward_scales(input, self.weight, delayed[1], later)
-        out = float8_linear_mm(input, self.weight, self.specs, scales, delayed)
+        out = float8_linear_mm(input, self.weight, self.specs, scales, delayed, share_with=source,
+                               recompute=recompute)
         for amax_record in later:
             amax_record()
         if self.bias is not None:
@@ -297,15 +333,9 @@ class Float8Linear(nn.Linear):
         if getattr(self, "delayed", None) is not None:  # None while nn.Linear.__init__ runs
             self.delayed.restart()
 
-    def _apply(self, fn, recurse=True):
-        delayed = getattr(self, "delayed", None)
-        if delayed is None:
-            return super()._apply(fn, recurse)
-        from_meta = delayed.on_meta()
-        super()._apply(delayed.float32_apply(fn), recurse)  # its buffers stay float32
-        if from_meta and not delayed.on_meta():  # to_empty from meta: garbage memory otherwise
-            delayed.restart()
-        return self
+    def _apply(self, fn, recurse=True):  # the delayed buffers stay float32
+        return apply_to_delayed_module(getattr(self, "delayed", None), fn,
+                                       lambda f: super(Float8Linear, self)._apply(f, recurse))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

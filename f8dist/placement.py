@@ -28,6 +28,14 @@ amaxes cross data parallel ranks (:func:`all_reduce`).
 
 Nothing else in f8dist inspects placements to decide a reduction.
 
+[Note: tokens of sharded experts]
+Under expert parallelism (f8dist/dispatch.py) a rank's experts see the tokens routed to them from
+every rank: the layer's token tensor (every assignment of the step, in expert-major order) is
+sharded over exactly the mesh axes that shard the experts dim (dim 0) of its 3-D weights. So a
+statistic of those tokens (delayed scaling's first-step amax, [Note: delayed experts] in
+f8dist/grouped.py) is reduced over those axes, by :func:`expert_token_placements`, and over no
+other.
+
 [Note: shards on block boundaries]
 A block scale ([Note: block scales] in f8dist/config.py) is a statistic of its block alone, so
 under the same rule it needs no collective at all, provided no shard splits a block: then each
@@ -54,6 +62,7 @@ __all__ = [
     "reduce_over_shards",
     "all_reduce",
     "blocks_split_by_shards",
+    "expert_token_placements",
 ]
 
 
@@ -143,6 +152,15 @@ def _whole_mesh_group(mesh) -> Optional[object]:
     if mesh.size() == dist.get_world_size():
         return None
     return mesh._flatten()
+
+
+def expert_token_placements(placements: Sequence) -> list:
+    """The placements of the tokens an expert layer whose 3-D weights are laid out as
+    ``placements`` computes with ([Note: tokens of sharded experts]): sharded (like ``Shard(0)``)
+    over the axes that shard the experts dim, replicated over the others."""
+    from torch.distributed.tensor import Replicate
+
+    return [p if p.is_shard(0) else Replicate() for p in placements]
 
 
 def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_sizes: Sequence[int],

@@ -20,6 +20,18 @@ w3 gemms, whose float8 recipes then cast those gradients again (e5m2 or e4m3: 25
 scripts/memory_report.py measures what it costs (gradient SQNR against fp32, with and without
 it: 0.3-0.7 dB on the worst weight gradient, 0.6-0.9 dB on the input's; docs/performance.md).
 
+[Note: a product recomputed in backward]
+The linear that reads the product (w2) keeps its own float8 copy of it for its grad_weight gemm,
+1 byte per hidden element beside SwiGLU's 2. With ``recompute_swiglu_product`` in w2's config,
+:func:`swiglu_for` hands w2 the float8 ``gate`` and ``up`` that SwiGLU keeps anyway
+(``Float8Linear.forward(input, recompute=...)``): w2 keeps nothing of its input and its backward
+recomputes it as ``silu(gate8) * up8`` (:func:`float8_product`, in the product's dtype), which its
+grad_weight gemm then casts as it casts its input (or reads as it is, when that gemm is in high
+precision). Its forward, its grad_input gemm and SwiGLU's gradients are unchanged; its weight
+gradient is that of the product of the float8 values, not of the high-precision ones, bit for
+bit what w2 gives when handed that product (tests/test_swiglu.py): one more e4m3 rounding
+inside it (scripts/memory_report.py measures the SQNR, docs/performance.md), hence an option.
+
 Scales per channel (amax over dim 0 of ``[tokens, hidden]``) need no collective under tensor
 parallelism: w1 and w3 are column-parallel, so each rank holds whole channels of every token,
 and its scales are one device's. Otherwise (and without grad) :func:`swiglu` is
@@ -29,24 +41,24 @@ are not in its tables.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from f8dist.cast import cast_to_float8, high_precision
-from f8dist.config import CastSpec
 from f8dist.linear import Float8Linear
 
-__all__ = ["swiglu"]
+__all__ = ["swiglu", "swiglu_for", "float8_product"]
 
 
 class _Float8SavedSwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` for [M, H] inputs, keeping float8 ``gate`` and ``up`` for backward."""
+    """``silu(gate) * up`` for [M, H] inputs, keeping their float8 casts ``gate8`` and ``up8``
+    for backward."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, spec: CastSpec):
-        ctx.save_for_backward(cast_to_float8(gate, spec), cast_to_float8(up, spec))
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, gate8: torch.Tensor, up8: torch.Tensor):
+        ctx.save_for_backward(gate8, up8)
         return F.silu(gate) * up  # [M, H]
 
     @staticmethod
@@ -55,7 +67,31 @@ class _Float8SavedSwiGLU(torch.autograd.Function):
         gate, up = high_precision(gate8), high_precision(up8)  # [M, H], their dtype
         d_up = grad * F.silu(gate)  # [M, H]
         d_gate = torch.ops.aten.silu_backward(grad * up, gate)  # [M, H]
-        return d_gate, d_up, None
+        return d_gate, d_up, None, None
+
+
+def float8_product(gate8: torch.Tensor, up8: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the values float8 ``gate8`` and ``up8`` [M, H] stand for, in their
+    dtype: w2's input recomputed in backward ([Note: a product recomputed in backward])."""
+    return F.silu(high_precision(gate8)) * high_precision(up8)  # [M, H]
+
+
+def _float8_inputs(gate, up, out_proj):
+    """(gate8, up8) [M, H] when SwiGLU keeps its inputs in float8 for ``out_proj``, else None."""
+    spec = out_proj.specs.activation if isinstance(out_proj, Float8Linear) else None
+    if spec is None or not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
+        return None
+    hidden = gate.shape[-1]
+    with torch.no_grad():  # kept for backward, not differentiated
+        return tuple(cast_to_float8(t.reshape(-1, hidden), spec) for t in (gate, up))
+
+
+def _product(gate, up, kept):
+    if kept is None:
+        return F.silu(gate) * up
+    hidden = gate.shape[-1]
+    out = _Float8SavedSwiGLU.apply(gate.reshape(-1, hidden), up.reshape(-1, hidden), *kept)
+    return out.reshape(gate.shape)  # [..., H]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, out_proj: Optional[torch.nn.Module] = None
@@ -71,9 +107,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out_proj: Optional[torch.nn.Mod
         >>> swiglu(torch.randn(4, 8, 32), torch.randn(4, 8, 32), out_proj=w2).shape
         torch.Size([4, 8, 32])
     """
-    spec = out_proj.specs.activation if isinstance(out_proj, Float8Linear) else None
-    if spec is None or not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
-        return F.silu(gate) * up
-    hidden = gate.shape[-1]
-    out = _Float8SavedSwiGLU.apply(gate.reshape(-1, hidden), up.reshape(-1, hidden), spec)
-    return out.reshape(gate.shape)  # [..., H]
+    return _product(gate, up, _float8_inputs(gate, up, out_proj))
+
+
+def swiglu_for(gate: torch.Tensor, up: torch.Tensor, out_proj: torch.nn.Module
+               ) -> Tuple[torch.Tensor, Dict[str, object]]:
+    """:func:`swiglu` for ``out_proj``, and the keyword arguments to call ``out_proj`` with:
+    ``{"recompute": ...}`` when its config has ``recompute_swiglu_product`` (it keeps nothing of
+    its input and recomputes it in backward from SwiGLU's float8 ``gate`` and ``up``, [Note: a
+    product recomputed in backward]), else ``{}``. Two steps, so that ``gate`` and ``up`` are
+    freed before ``out_proj`` runs.
+
+    Example::
+
+        >>> w2 = Float8Linear.from_float(nn.Linear(32, 16), Float8LinearConfig(
+        ...     float8_activations_for_backward=True, recompute_swiglu_product=True), fqn="ffn.w2")
+        >>> product, kwargs = swiglu_for(torch.randn(4, 8, 32), torch.randn(4, 8, 32), w2)
+        >>> w2(product, **kwargs).shape
+        torch.Size([4, 8, 16])
+    """
+    kept = _float8_inputs(gate, up, out_proj)
+    product = _product(gate, up, kept)
+    if kept is None or not out_proj.config.recompute_swiglu_product:
+        return product, {}
+    return product, {"recompute": (float8_product, kept)}

@@ -60,7 +60,7 @@ def check_gemms(rows: list, m: int, k: int, n: int) -> None:
         cpu = scaled_mm(ad.cpu(), as_.cpu(), bd.cpu(), bs.cpu(), out_dtype=torch.float32,
                         mm_config=ScaledMMConfig(), a_block=ab, b_block=bb)
         for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
-            for fast in (False, True):
+            for fast in (False, True):  # True: f8dist turns it off for block gemms
                 row = {"check": f"gemm {name}", "M": m, "K": k, "N": n,
                        "dtype": str(out_dtype).removeprefix("torch."), "fast_accum": fast}
                 try:
@@ -84,7 +84,7 @@ def check_linear(rows: list, tokens: int, k: int, n: int) -> None:
     def run(model, device, compiled):
         model = copy.deepcopy(model).to(device)
         model = torch.compile(model, fullgraph=True) if compiled else model
-        xi = x.to(device).requires_grad_()
+        xi = x.to(device).detach().requires_grad_()  # a leaf on each device
         out = model(xi)
         out.backward(go.to(device))
         w = next(model.parameters())

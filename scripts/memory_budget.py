@@ -98,7 +98,7 @@ def main():
     ref = None
     for recipe, on, kept in per_token(opts.dim, opts.tokens):
         ref = ref or kept
-        print(f"{recipe:19} {'on' if on else 'off':6} " + " ".join(
+        print(f"{recipe:19} {on:6} " + " ".join(
             f"{kept[k]:8.1f} {kept[k] / ref[k]:6.3f}" for k in ("plain", "sac", "full")))
 
 

@@ -30,8 +30,12 @@ from f8dist.gemm import block_problems
 from f8dist.testing import compiled_saved_bytes, measure_fwd_bwd
 from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
 
-RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_square_weights",
-           "blockwise"]
+RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
+           "mxfp8_square_weights", "blockwise"]
+# the "f8 act" column: float8_activations_for_backward off, on, and on with recompute_swiglu_product
+MODES = {"off": {"float8_activations_for_backward": False},
+         "on": {"float8_activations_for_backward": True},
+         "on+rc": {"float8_activations_for_backward": True, "recompute_swiglu_product": True}}
 
 
 def build(kind: str, args: ModelArgs, device, dtype):
@@ -50,17 +54,17 @@ def convert(module, config):
 
 
 def configs(args: ModelArgs):
-    """(recipe, f8 act, config) rows: bf16, then each recipe without and with the option; a
-    block-scaled recipe whose blocks the model's dims do not divide into is left out, said so."""
-    yield "bf16", False, None
+    """(recipe, f8 act, config) rows: bf16, then each recipe in each of MODES; a block-scaled
+    recipe whose blocks the model's dims do not divide into is left out, said so."""
+    yield "bf16", "off", None
     for recipe in RECIPES[1:]:
         config = Float8LinearConfig.from_recipe_name(recipe)
         bad = block_problems(config.cast_specs(), args.dim, args.ffn_hidden_dim)
         if bad:
             print(f"# {recipe}: left out, {', '.join(bad)}; try --dim 128")
             continue
-        for on in (False, True):
-            yield recipe, on, config.replace(float8_activations_for_backward=on)
+        for mode, change in MODES.items():
+            yield recipe, mode, config.replace(**change)
 
 
 def report(kind, args, x, device, dtype, compiled=False):
@@ -88,7 +92,7 @@ def report(kind, args, x, device, dtype, compiled=False):
             ref = {"plain": plain.kept_bytes, "sac": sac.kept_bytes, "full": full.kept_bytes,
                    "compiled": saved[0] if saved else None}
         line = (
-            f"{kind:6} {recipe:19} {'on' if on else 'off':6} {plain.kept_bytes:11d} "
+            f"{kind:6} {recipe:19} {on:6} {plain.kept_bytes:11d} "
             f"{plain.kept_bytes / ref['plain']:6.3f} {plain.peak_bytes:11d} {sac.kept_bytes:10d} "
             f"{sac.scale_bytes:7d} {sac.kept_bytes / ref['sac']:6.3f} {sac.peak_bytes:10d} "
             f"{full.kept_bytes:12d} {full.kept_bytes / ref['full']:6.3f}"
@@ -146,7 +150,7 @@ def swiglu_fit(args, x, device):
           f"{'SQNR dx (dB)':>12}")
     for recipe, on, config in configs(args):
         dw, dx = _grad_sqnr(ref, xf, convert(ref, config).to(x.dtype), x)
-        print(f"{recipe:26} {'on' if on else 'off':6} {dw:16.2f} {dx:12.2f}")
+        print(f"{recipe:26} {on:6} {dw:16.2f} {dx:12.2f}")
 
 
 def main():

@@ -224,7 +224,7 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
         p.error(f"--ep {args.ep} must divide --moe-experts ({args.moe_experts}) and the number "
                 f"of ranks ({world})")
     refused = {
-        "--tp": args.tp > 1, "--compile": args.compile, "--float8 delayed": args.float8 == "delayed",
+        "--tp": args.tp > 1, "--compile": args.compile,
         "--float8-reduce-scatter": args.float8_reduce_scatter,
         # selective AC replays the dispatch's collectives in backward, which its op log rejects
         "--ac sac with --ep > 1 (--ac full runs)": args.ac == "sac" and args.ep > 1,
@@ -232,8 +232,8 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
     bad = [flag for flag, on in refused.items() if on]
     if bad:
         p.error(f"--moe-experts does not run with {', '.join(bad)} in train.py: the MoE model "
-                "trains with data parallelism (FSDP2), expert parallelism (--ep) and the dynamic "
-                "float8 recipes (tensorwise, rowwise, rowwise_with_gw_hp) in eager mode")
+                "trains with data parallelism (FSDP2) and expert parallelism (--ep), every float8 "
+                "recipe, in eager mode")
 
 
 def _unwritable(directory: str) -> Optional[str]:

@@ -237,7 +237,7 @@ def test_block_scaled_gemm_off_the_cpu_raises_naming_the_way_out():
     ((1, 128), (128, 1)),  # grad_weight: blocks along the tokens
     ((128, 128), (128, 1)),
 ])
-@pytest.mark.parametrize("m, k, n", [(256, 384, 512), (200, 640, 256)])
+@pytest.mark.parametrize("m, k, n", [(256, 384, 512), (200, 640, 256), (256, 8192, 1280)])
 def test_cuda_block_scales_pass_torchs_own_checks(a_block, b_block, m, k, n):
     # the scales f8dist hands CUDA's DeepSeek kernels ([Note: the block-scaled gemm]) in the
     # shapes and strides torch's scaled_mm checks, by its meta kernel (no GPU needed)
@@ -253,13 +253,17 @@ def test_cuda_block_scales_pass_torchs_own_checks(a_block, b_block, m, k, n):
     inv_b = torch.empty(k // 128, -(-n // b_block[1]), device="meta")  # [K/128, N/bn]
     bt_block = b_block[::-1]
     kinds = F.ScalingType
-    out = F.scaled_mm(a, b, _cuda_block_scales(inv_a, a_block), getattr(kinds, _CUDA_BLOCKS[a_block]),
-                      _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
-                      output_dtype=torch.bfloat16)
-    assert out.shape == (m, n)
+    # the scales come in row-major or as a transposed view ([K/128, N/128] of an [N/128, K/128]
+    # tensor): the layout handed to torch must not depend on the view
+    for inv_b in (inv_b, inv_b.t().contiguous().t()):
+        out = F.scaled_mm(
+            a, b, _cuda_block_scales(inv_a, a_block), getattr(kinds, _CUDA_BLOCKS[a_block]),
+            _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
+            output_dtype=torch.bfloat16)
+        assert out.shape == (m, n)
     # and a layout torch rejects is caught by the same check: the scales row-major instead
     with pytest.raises(RuntimeError):
-        F.scaled_mm(a, b, inv_a.contiguous() if a_block[0] == 1 else inv_a.t(),
+        F.scaled_mm(a, b, inv_a.contiguous() if a_block[0] == 1 else inv_a.t().contiguous(),
                     getattr(kinds, _CUDA_BLOCKS[a_block]),
                     _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
                     output_dtype=torch.bfloat16)

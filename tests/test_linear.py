@@ -376,6 +376,154 @@ def test_float8_activations_for_backward_give_the_same_gradients(recipe, compile
         assert len(inputs) == 1 and type(inputs[0]) is want, saved
 
 
+# -- one cast per input ([Note: one cast per input] in f8dist/cast.py) -----------------------------
+
+
+class _Siblings(nn.Module):
+    """Three linears reading one activation (as wq, wk, wv do); ``share=False`` hands each its own
+    copy of it, the reference for what sharing must not change."""
+
+    def __init__(self, share=True, dim=64):
+        super().__init__()
+        self.share = share
+        self.a, self.b, self.c = (nn.Linear(dim, dim // 2 * (dim // 64), bias=False)
+                                  for _ in range(3))
+
+    def forward(self, x):
+        h = x * 2  # [T, 64]
+        inputs = (h, h, h) if self.share else (h.clone(), h.clone(), h.clone())
+        return self.a(inputs[0]) + self.b(inputs[1]) + self.c(inputs[2])  # [T, 32]
+
+
+def _siblings(recipe, share=True, dtype=torch.bfloat16, dim=64, **overrides):
+    from f8dist import convert_to_float8_training
+
+    torch.manual_seed(0)
+    module = _Siblings(share, dim).to(dtype)
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(
+        float8_activations_for_backward=True, **overrides)
+    return convert_to_float8_training(module, config=config)
+
+
+def _kept_inputs(module, x):
+    """The distinct float8 tensors the siblings keep of their [T, 64] input, and the grads."""
+    from f8dist.testing import graph_saved_tensors
+
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    kept = {id(t): t for t in graph_saved_tensors(out.grad_fn)
+            if isinstance(t, Float8Tensor) and t.shape == x.shape}
+    out.backward(torch.ones_like(out))
+    return len(kept), [x.grad, *(p.grad for p in module.parameters())]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
+def test_siblings_keep_one_float8_cast_of_their_input(recipe):
+    """wq/wk/wv-like siblings keep one float8 copy of their input for backward, not three, and
+    each one's gradients are those of casting its own copy, bit for bit."""
+    dim = 128 if recipe == "blockwise" else 64  # DeepSeek's 128x128 weight blocks
+    x = torch.randn(40, dim, dtype=torch.bfloat16)
+    shared, unshared = _siblings(recipe, dim=dim), _siblings(recipe, share=False, dim=dim)
+    n_shared, g_shared = _kept_inputs(shared, x)
+    n_unshared, g_unshared = _kept_inputs(unshared, x)
+    assert (n_shared, n_unshared) == (1, 3)
+    for a, b in zip(g_shared, g_unshared):
+        assert torch.equal(a, b)
+
+
+def test_shared_casts_are_reported_under_each_linear():
+    from f8dist.cast import cast_observers
+
+    seen = []
+    cast_observers.append(lambda site, hp, fp8: seen.append((site, fp8)))  # (fp8s kept alive)
+    try:
+        _kept_inputs(_siblings("rowwise"), torch.randn(8, 64, dtype=torch.bfloat16))
+    finally:
+        cast_observers.pop()
+    kept = [(s.fqn, fp8) for s, fp8 in seen if (s.gemm.value, s.operand.value) == (
+        "grad_weight", "input")]
+    assert sorted(fqn for fqn, _ in kept) == ["a", "b", "c"]
+    assert all(fp8 is kept[0][1] for _, fp8 in kept)  # one cast, reported three times
+
+
+def test_autocast_siblings_share_and_match():
+    """An fp32 model under bf16 autocast: each linear casts the input to bf16 first; the kept
+    float8 copy is still one."""
+    x = torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        n, grads = _kept_inputs(_siblings("rowwise", dtype=torch.float32), x)
+        n_ref, ref = _kept_inputs(_siblings("rowwise", share=False, dtype=torch.float32), x)
+    assert (n, n_ref) == (1, 3)
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)
+
+
+def test_what_is_not_shared():
+    """Delayed scaling (a scale per linear's own history), an input written in place between two
+    readers (a new version), forwards without backward (their casts are transient) and a tensor
+    autograd did not make (a batch the caller may hand the next step too)."""
+    from f8dist.cast import _SHARED
+    from f8dist.testing import graph_saved_tensors
+
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    assert _kept_inputs(_siblings("delayed"), x)[0] == 3
+    lin = _siblings("tensorwise")
+    h = x.clone().requires_grad_() * 2
+    y = lin.a(h)
+    h.mul_(1)  # an in-place write between the two readers
+    y = y + lin.b(h)
+    assert len({id(t) for t in graph_saved_tensors(y.grad_fn) if isinstance(t, Float8Tensor)
+                and t.shape == x.shape}) == 2
+    with torch.no_grad():
+        h = x * 2
+        lin.a(h), lin.b(h)
+    leaf = x.clone().requires_grad_()
+    lin.a(leaf), lin.b(leaf)
+    assert h not in _SHARED and leaf not in _SHARED
+
+
+@pytest.mark.parametrize("context", ["sac", "full"])
+def test_checkpointed_siblings_reading_the_checkpoint_input(context):
+    """Under activation checkpointing nothing is shared ([Note: one cast per input]): the
+    checkpointed function's input outlives the forward and is handed to the recompute again; a
+    table kept beside it would hold a float8 copy and make the recompute skip casts the forward
+    ran (per-op SAC replays its saved amaxes in order). Gradients: those of the plain run."""
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+    from f8dist.sac import float8_sac_context_fn
+
+    module = _siblings("rowwise")
+    module.forward = lambda x: module.a(x) + module.b(x) + module.c(x)  # the input itself
+    fn = float8_sac_context_fn if context == "sac" else noop_context_fn
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    _, plain = _kept_inputs(module, x)
+    for p in module.parameters():
+        p.grad = None
+    xc = x.clone().requires_grad_()
+    checkpoint(module, xc, use_reentrant=False, context_fn=fn).sum().backward()
+    for a, b in zip(plain, [xc.grad, *(p.grad for p in module.parameters())]):
+        assert torch.equal(a, b)
+
+
+def test_siblings_compiled_match_eager_and_save_one_copy():
+    """Compiled, the table is not traced; the graph's identical casts are merged, so the compiled
+    backward also saves one float8 copy (and its scales), and the gradients are eager's."""
+    from f8dist.testing import compiled_saved_bytes
+
+    torch._dynamo.reset()
+    module = _siblings("rowwise")
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    eager = _kept_inputs(module, x)[1]
+    for p in module.parameters():
+        p.grad = None
+    compiled = _kept_inputs(torch.compile(module, fullgraph=True), x)[1]
+    for a, b in zip(eager[1:], compiled[1:]):  # the weight gradients
+        assert torch.equal(a, b)
+    # the input's: the sum of three bf16 gradients, which inductor adds in float32
+    assert sqnr(eager[0], compiled[0]) > 40
+    assert compiled_saved_bytes(module, x) <= 64 * 64 + 64 * 4 * 2  # e4m3 + a scale per column
+
+
 # -- block scales ([Note: block scales] in f8dist/config.py) ---------------------------------------
 
 BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from f8dist import Float8Linear, Float8LinearConfig, Float8Tensor
 from f8dist.numerics import sqnr
+from f8dist.cast import cast_to_float8
 from f8dist.swiglu import swiglu
 
 H = 96
@@ -75,3 +76,105 @@ def test_no_grad_and_compiled():
     compiled = _grads(torch.compile(lambda g, u: swiglu(g, u, w2), fullgraph=True), gate, up, grad)
     for a, b in zip(eager, compiled):
         assert sqnr(a, b) > 40
+
+
+# -- recompute_swiglu_product: [Note: a product recomputed in backward] ---------------------------
+
+
+def _ffn_parts(recipe, recompute):
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(
+        float8_activations_for_backward=True, recompute_swiglu_product=recompute)
+    torch.manual_seed(0)
+    return Float8Linear.from_float(nn.Linear(H, 32, bias=False).to(torch.bfloat16), config,
+                                   fqn="ffn.w2")
+
+
+def _ffn_grads(w2, gate, up, grad):
+    from f8dist.swiglu import swiglu_for
+
+    gate, up = (t.detach().clone().requires_grad_() for t in (gate, up))
+    product, kwargs = swiglu_for(gate, up, w2)
+    out = w2(product, **kwargs)
+    out.backward(grad)
+    grads = out, gate.grad, up.grad, w2.weight.grad
+    w2.weight.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"])
+def test_recomputed_product_gives_w2_the_gradient_of_the_float8_product(recipe):
+    """w2's forward, its input gradient and SwiGLU's gradients are those without the option; its
+    weight gradient is, bit for bit, what w2 gives when handed silu(gate8) * up8; nothing of its
+    input is kept beside SwiGLU's two float8 tensors."""
+    from f8dist.swiglu import float8_product
+    from f8dist.testing import graph_saved_tensors
+
+    gate, up = _inputs()
+    grad = torch.randn(2, 24, 32, dtype=torch.bfloat16)
+    on, off = _ffn_parts(recipe, True), _ffn_parts(recipe, False)
+    ours, plain = _ffn_grads(on, gate, up, grad), _ffn_grads(off, gate, up, grad)
+    for a, b in zip(ours[:3], plain[:3]):
+        assert torch.equal(a, b)
+    spec = on.specs.activation
+    gate8, up8 = (cast_to_float8(t.detach().reshape(-1, H), spec) for t in (gate, up))
+    ref = _ffn_grads(off, gate, up, grad)  # w2 handed the float8 product:
+    h = float8_product(gate8, up8).reshape(gate.shape).requires_grad_()
+    off(h).backward(grad)
+    assert torch.equal(off.weight.grad, ours[3]) and not torch.equal(ref[3], ours[3])
+    assert sqnr(plain[3], ours[3]) > 25  # one more e4m3 rounding inside it
+
+    from f8dist.swiglu import swiglu_for
+    product, kwargs = swiglu_for(gate, up, on)
+    saved = graph_saved_tensors(on(product, **kwargs).grad_fn)
+    hidden = {id(t) for t in saved if t.shape == (48, H)}  # [M, H]: the two float8 tensors
+    assert len(hidden) == 2 and all(isinstance(t, Float8Tensor) for t in saved if id(t) in hidden)
+
+
+def test_recomputed_product_compiled_matches_eager():
+    torch._dynamo.reset()
+    gate, up = _inputs()
+    grad = torch.randn(2, 24, 32, dtype=torch.bfloat16)
+    w2 = _ffn_parts("rowwise", True)
+    eager = _ffn_grads(w2, gate, up, grad)
+
+    from f8dist.swiglu import swiglu_for
+
+    def ffn(g, u):
+        product, kwargs = swiglu_for(g, u, w2)
+        return w2(product, **kwargs)
+
+    compiled_ffn = torch.compile(ffn, fullgraph=True)
+    g, u = (t.detach().clone().requires_grad_() for t in (gate, up))
+    out = compiled_ffn(g, u)
+    out.backward(grad)
+    # inductor computes the bf16 product in float32 (as in test_no_grad_and_compiled)
+    for a, b in zip(eager, (out, g.grad, u.grad, w2.weight.grad)):
+        assert sqnr(a, b) > 40
+
+
+def test_recompute_needs_float8_activations():
+    with pytest.raises(ValueError, match="float8_activations_for_backward=True"):
+        Float8LinearConfig(recompute_swiglu_product=True)
+
+
+def test_recompute_under_tensor_parallelism_raises_naming_the_fix():
+    """A rowwise-parallel w2 reads a DTensor: backward would recompute the local product only,
+    so it raises instead (not built)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from f8dist.swiglu import swiglu_for
+
+    w2 = _ffn_parts("rowwise", True)
+    gate, up = _inputs()
+    product, kwargs = swiglu_for(gate, up, w2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = DTensor.from_local(product, mesh, [Shard(2)])
+        with pytest.raises(NotImplementedError, match="turn recompute_swiglu_product off"):
+            w2(sharded, **kwargs)
+    finally:
+        dist.destroy_process_group()

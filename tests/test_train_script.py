@@ -37,7 +37,6 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--ep", "2"], "--ep shards experts: it needs --moe-experts N"),
     (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 exceeds --moe-experts 2"),
     (["--moe-experts", "4", "--compile"], "--moe-experts does not run with --compile"),
-    (["--moe-experts", "4", "--float8", "delayed"], "does not run with --float8 delayed"),
     (["--max-norm", "-1"], "--max-norm must be positive (inf: no clipping), got -1.0"),  # reversed grads
     (["--max-norm", "0"], "--max-norm must be positive"),
     (["--max-norm", "nan"], "--max-norm must be positive"),

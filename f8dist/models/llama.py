@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from f8dist.models.norm import RMSNorm
-from f8dist.swiglu import swiglu
+from f8dist.swiglu import swiglu_for
 
 __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "Attention", "FeedForward"]
 
@@ -169,7 +169,8 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1(x)) * w3(x))``. With float8 linears whose config keeps float8
-    activations for backward, ``w1(x)`` and ``w3(x)`` are kept in float8 (f8dist/swiglu.py)."""
+    activations for backward, ``w1(x)`` and ``w3(x)`` are kept in float8, and with
+    ``recompute_swiglu_product`` w2's input is recomputed from them (f8dist/swiglu.py)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -178,7 +179,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), out_proj=self.w2))
+        product, kwargs = swiglu_for(self.w1(x), self.w3(x), self.w2)  # [..., hidden]
+        return self.w2(product, **kwargs)
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
         _trunc_normal(self.w1.weight, 0.02, generator)

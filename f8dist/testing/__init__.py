@@ -5,8 +5,8 @@ figures in their programs. Nothing in the rest of f8dist depends on them.
 
 * :func:`count_collectives` (``collectives.py``): calls and bytes of every collective a region
   runs, per kind, on this rank ([Note: what is counted]).
-* :func:`measure_fwd_bwd`, :func:`saved_tensor_bytes`, :func:`compiled_saved_bytes`
-  (``memory.py``): bytes a forward keeps for backward and the peak of a forward + backward, on the
+* :func:`measure_fwd_bwd`, :func:`saved_tensor_bytes`, :func:`graph_saved_tensors`,
+  :func:`compiled_saved_bytes` (``memory.py``): bytes a forward keeps for backward and the peak of a forward + backward, on the
   CPU too ([Note: counting bytes without an allocator]).
 
 Example::
@@ -23,6 +23,7 @@ from f8dist.testing.memory import (
     LiveBytes,
     MemoryStats,
     compiled_saved_bytes,
+    graph_saved_tensors,
     measure_fwd_bwd,
     saved_tensor_bytes,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "MemoryStats",
     "compiled_saved_bytes",
     "count_collectives",
+    "graph_saved_tensors",
     "measure_fwd_bwd",
     "saved_tensor_bytes",
 ]

@@ -20,8 +20,8 @@ that are still referenced by anything: saved tensors, selective-checkpoint cache
 * ``peak_bytes``: the most bytes alive at once over forward and backward (on CUDA:
   ``torch.cuda.max_memory_allocated`` minus what was allocated before).
 
-:func:`saved_tensor_bytes` counts the other way, from autograd's saved tensors (pack hooks,
-deduplicated by storage, parameters excluded); for a plain (non-checkpointed) forward the two
+:func:`saved_tensor_bytes` counts the other way, from autograd's saved tensors (the graph's
+nodes, deduplicated by storage, parameters excluded); for a plain (non-checkpointed) forward the two
 agree, which the tests check.
 """
 
@@ -38,8 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
-    "LiveBytes", "MemoryStats", "compiled_saved_bytes", "measure_fwd_bwd", "saved_tensor_bytes",
-    "storages",
+    "LiveBytes", "MemoryStats", "compiled_saved_bytes", "graph_saved_tensors", "measure_fwd_bwd",
+    "saved_tensor_bytes", "storages",
 ]
 
 aten = torch.ops.aten
@@ -171,24 +171,41 @@ def measure_fwd_bwd(
 
 def saved_tensor_bytes(module: nn.Module, x: torch.Tensor, *args) -> int:
     """Bytes of the tensors autograd saves in ``module(x.clone(), *args)``, deduplicated by
-    storage, parameters and buffers excluded (pack hooks; a plain forward, not checkpointed)."""
+    storage, parameters and buffers excluded (a plain forward, not checkpointed). Read from the
+    autograd graph the forward built (each node's saved tensors), not with saved-tensor hooks:
+    hooks turn off the float8 casts that sibling linears share ([Note: one cast per input] in
+    f8dist/cast.py)."""
     state = [*module.parameters(), *module.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
     params = {st.data_ptr() for p in state for st in storages(p)}
     x = x.detach().requires_grad_(True)
-    seen = set()
-
-    def pack(t):
+    out = module(x.clone(), *args)
+    seen, nbytes = set(), 0
+    for t in graph_saved_tensors(out.grad_fn):
         for st in storages(t):
             if st.data_ptr() not in params and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
-                nbytes[0] += st.nbytes()
-        return t
-
-    nbytes = [0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x.clone(), *args)
+                nbytes += st.nbytes()
     del out
-    return nbytes[0]
+    return nbytes
+
+
+def graph_saved_tensors(root) -> List[torch.Tensor]:
+    """The tensors saved by the autograd nodes reachable from ``root``: a custom Function's
+    ``saved_tensors``, a built-in node's ``_saved_*`` attributes."""
+    found, todo, visited = [], [root], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+        names = ["saved_tensors"] if hasattr(node, "saved_tensors") else [
+            n for n in dir(node) if n.startswith("_saved_")]
+        for name in names:
+            value = getattr(node, name)
+            found.extend(v for v in (value if isinstance(value, (tuple, list)) else (value,))
+                         if isinstance(v, torch.Tensor))
+    return found
 
 
 def compiled_saved_bytes(
