@@ -187,7 +187,7 @@ def cast_to_float8(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
         )
     axis = spec.axiswise_dim(t.dim())
-    if spec.grouped:
+    if spec.grouped and spec.scaling_type is not ScalingType.DELAYED:  # delayed: one scale
         if scale is not None or amax is not None:
             raise ValueError(f"{spec.site}: a grouped cast computes its own per-expert scales")
         axis = _grouped_axis(spec, t.dim())

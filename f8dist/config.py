@@ -118,9 +118,14 @@ _CONTRACTION_AXIS = {
 #     one per expert and row (or column) of the weight, [E, N, 1] (or [E, 1, K]);
 #   * axiswise over the tokens (grad_weight): one scale per expert and column, over the expert's
 #     token group ([E, C]; stored per row as [M, C] so that the Float8Tensor dequantizes);
-#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group.
-# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand. Delayed scaling has one amax
-# history per tensor and so is refused for grouped casts.
+#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group;
+#   * blockwise ([Note: block scales]): the weight blocked per expert ([E, N/bn, K/bk] scales,
+#     [Note: blocks of expert weights] in f8dist/scaling.py); tokens blocked along the row
+#     (output, grad_input: 1 x inner blocks, local to a token) or, in grad_weight, along the
+#     tokens within each expert's group: the gemm pads every group to a multiple of the block
+#     first (zero rows, exact), so that no block holds tokens of two experts ([Note: block
+#     grouped gemms] in f8dist/grouped.py).
+# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand.
 
 # The config field that overrides an operand's main CastConfig in one gemm
 _OVERRIDE_FIELD = {
@@ -188,6 +193,14 @@ class ScaleRounding(_Name):
 # power of 2 per byte, rounded as ``scale_rounding`` says). A block cut short by the tensor's edge
 # is zero-padded, which changes neither its amax nor any product: the token dim M may be anything;
 # the layer's own dims K and N must divide into blocks (or pad_inner_dim).
+#
+# [Note: row blocks of N-D activations]
+# A 1 x inner block along the last dim is local to one token, so an N-D activation ([B, S, K],
+# what a sequence-parallel style casts before its all-gather) takes row blocks as its [B * S, K]
+# view does: ``_block = (1, inner)`` and scales [B, S, ceil(K / inner)]. They follow the data
+# through reshapes that keep the last dim and through splits, cats and all-gathers of the other
+# dims (f8dist/tensor.py), so a cast before the all-gather gives the bytes and scales of a cast
+# after it, bit for bit.
 #
 # [Note: e8m0 rounding]
 # RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
@@ -409,16 +422,22 @@ class CastSpec:
 
     def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
         """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
-        ``axis``); None unless blockwise. Block scales are defined for 2-D operands."""
+        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, for the
+        3-D weights of grouped casts, blocked per expert in their last two dims ([Note: grouped
+        casts]), and for N-D operands whose blocks are rows of the last dim (a [B, S, K]
+        activation in 1 x K blocks: [Note: row blocks of N-D activations])."""
         if not self.blockwise:
             return None
-        if ndim != 2:
-            raise NotImplementedError(
-                f"{self.site}: block scales are defined for 2-D operands, got a {ndim}-D one; "
-                "use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
-            )
         outer, inner = self.block_size
-        return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if ndim == 2 or (ndim == 3 and self.grouped):  # a matrix, or each expert's matrix
+            return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
+        if outer == 1 and self.axis % ndim == ndim - 1:  # rows of the last dim
+            return (outer, inner)
+        raise NotImplementedError(
+            f"{self.site}: block scales are defined for 2-D operands, expert weights and rows of "
+            f"an N-D one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "
+            f"{self.axis}; use a tensorwise or rowwise recipe for this layer (module_filter_fn)"
+        )
 
     @property
     def site(self) -> "CastSite":
@@ -782,20 +801,6 @@ class Float8LinearConfig:
         for g, op in _CELLS:
             spec = self.cast_spec(g, op, fqn)
             cc = self.cast_config(g, op)
-            if spec.scaling_type is ScalingType.DELAYED:
-                raise ValueError(
-                    f"{fqn or '<root>'}: delayed scaling keeps one amax history per tensor, and a "
-                    "grouped expert gemm scales per expert; use a dynamic recipe ('rowwise', "
-                    "'tensorwise', 'rowwise_with_gw_hp') for the experts, or keep them in high "
-                    "precision with module_filter_fn"
-                )
-            if spec.blockwise:
-                raise ValueError(
-                    f"{fqn or '<root>'}: block-scaled grouped gemms (MXFP8, blockwise) are not "
-                    "supported yet; use 'rowwise', 'tensorwise' or 'rowwise_with_gw_hp' for the "
-                    "experts (convert them separately), or keep them in high precision with "
-                    "module_filter_fn"
-                )
             if spec.enabled and cc.target_dtype is E5M2:
                 raise ValueError(
                     f"{fqn or '<root>'}: {g}:{op} asks for e5m2, but torch._scaled_grouped_mm "

@@ -103,7 +103,7 @@ def convert_to_float8_training(
             _check_same_config(mod, config, fqn)
             return mod
         if grouped:
-            if not is_float8_grouped_compatible(mod) and not config.emulate:
+            if not is_float8_grouped_compatible(mod, config) and not config.emulate:
                 if skip_incompatible:
                     skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim})")
                     return mod

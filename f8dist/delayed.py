@@ -186,7 +186,7 @@ from f8dist.tensor import Float8Tensor
 __all__ = [
     "DELAYED_BUFFER_PREFIXES", "in_range", "DelayedScaling", "delayed_operands",
     "shared_scale", "delayed_buffers", "ignore_in_ddp", "set_amax_group", "sync_float8_amax_and_scale_history",
-    "delayed_scaling_counters", "strip_delayed_scaling_state",
+    "delayed_scaling_counters", "strip_delayed_scaling_state", "apply_to_delayed_module",
 ]
 
 DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
@@ -197,6 +197,7 @@ _KINDS = ("amax", "amax_history", "scale", "steps")  # the buffers fp8_{kind}_{o
 _FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
+Shardings = Dict[Operand, tuple]  # (mesh, placements) of an operand's local shard
 Records = List[Callable[[], object]]  # amax records to run after the casts
 
 
@@ -275,10 +276,15 @@ class DelayedScaling:
         self.buffer_names = tuple(f"fp8_{kind}_{op}" for op in operands for kind in _KINDS)
 
     @classmethod
-    def attach(cls, module: nn.Module) -> Optional["DelayedScaling"]:
-        """The state of ``module`` (a Float8Linear) with its buffers registered, or None when its
-        config has no delayed cast."""
+    def attach(cls, module: nn.Module, dtype: Optional[torch.dtype] = None
+               ) -> Optional["DelayedScaling"]:
+        """The state of ``module`` (a Float8Linear, or an expert weight's scaling: f8dist/grouped.py)
+        with its buffers registered, or None when its config has no delayed cast. ``dtype``: the
+        float8 dtype of every delayed cast, where the casts override the config's (e4m3 in
+        grouped gemms, [Note: grouped casts] in f8dist/config.py)."""
         operands = delayed_operands(module.config)
+        if dtype is not None:
+            operands = {op: dtype for op in operands}
         return cls(module, operands) if operands else None
 
     def reset(self) -> None:
@@ -320,22 +326,29 @@ class DelayedScaling:
         return self.module.training and torch.is_grad_enabled()
 
     def forward_scales(self, input: torch.Tensor, weight: torch.Tensor, record: bool,
-                       later: Records) -> Scales:
+                       later: Records, sharding: Optional[Shardings] = None) -> Scales:
         """The scales of the forward's delayed casts of ``input`` and ``weight``, by (gemm,
         operand), their amaxes recorded if ``record`` (``training()`` at the forward); records
-        that may wait until after the casts go to ``later`` ([Note: record after the cast])."""
+        that may wait until after the casts go to ``later`` ([Note: record after the cast]).
+        ``sharding``: (mesh, placements) by operand, for operands that are local shards of a
+        sharded tensor without being DTensors (an expert-parallel layer's weights and tokens:
+        [Note: delayed experts] in f8dist/grouped.py)."""
         scales: Scales = {}
         for op, t in ((Operand.INPUT, input), (Operand.WEIGHT, weight)):
             if op in self.operands:
-                scales.update(self._cells(op, _scale([self], op, t, record, later=later)))
+                scale = _scale([self], op, t, record, later=later,
+                               sharding=(sharding or {}).get(op))
+                scales.update(self._cells(op, scale))
         return scales
 
-    def grad_output_scales(self, grad: torch.Tensor, record: bool, later: Records) -> Scales:
+    def grad_output_scales(self, grad: torch.Tensor, record: bool, later: Records,
+                           sharding: Optional[Shardings] = None) -> Scales:
         """The scales of backward's delayed grad_output casts; ``record``: that of the forward;
-        ``later``: as in :meth:`forward_scales`."""
+        ``later``, ``sharding``: as in :meth:`forward_scales`."""
         if Operand.GRAD_OUTPUT not in self.operands:
             return {}
-        scale = _scale([self], Operand.GRAD_OUTPUT, grad, record, later=later)
+        scale = _scale([self], Operand.GRAD_OUTPUT, grad, record, later=later,
+                       sharding=(sharding or {}).get(Operand.GRAD_OUTPUT))
         return self._cells(Operand.GRAD_OUTPUT, scale)
 
     def all_gather_scale(self, shard: torch.Tensor, mesh, placements) -> torch.Tensor:
@@ -668,6 +681,19 @@ def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, 
                               map(int, o.buffer("steps", op)[_COUNTERS].tolist())))
             for op in o.operands
         }
+    return out
+
+
+def apply_to_delayed_module(delayed: Optional[DelayedScaling], fn, apply):
+    """``nn.Module._apply`` of a module that owns ``delayed`` (None: none): ``apply(fn)`` (the
+    module's super()._apply with ``recurse`` bound), the delayed buffers kept float32, restarted
+    when they leave the meta device (``to_empty``: garbage memory otherwise)."""
+    if delayed is None:
+        return apply(fn)
+    from_meta = delayed.on_meta()
+    out = apply(delayed.float32_apply(fn))
+    if from_meta and not delayed.on_meta():
+        delayed.restart()
     return out
 
 

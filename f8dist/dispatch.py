@@ -23,8 +23,11 @@ When the experts' up projections cast their tokens per token (rowwise: ``token_s
 :class:`~f8dist.grouped.Float8GroupedExperts`), the tokens are cast on the source rank, before the
 dispatch, and the all-to-all carries their float8 bytes (as uint8: gloo carries no float8 dtype)
 and their float32 scales, ``dim + 4`` bytes per token instead of ``2 * dim`` in bf16 (0.5 + 2/dim
-of bf16). A per-token scale depends on the token alone, so casting before the dispatch gives the
-bytes casting after it would, bit for bit, and the grouped gemm takes them without re-casting.
+of bf16). With block scales along a token's row (the block recipes' 1 x 32 e8m0 or 1 x 128
+float32 tokens) a token's scales travel with it as uint8 rows: ``dim + dim / 32`` bytes either way
+(0.516 of bf16). A per-token scale, or a scale of a block inside one token, depends on the token
+alone, so casting before the dispatch gives the bytes casting after it would, bit for bit, and the
+grouped gemm takes them without re-casting.
 The combine runs in high precision (the experts' outputs are summed with the router's weights),
 and so does backward's dispatch of the gradients.
 """
@@ -37,15 +40,24 @@ import torch
 import torch.distributed as dist
 
 from f8dist.placement import local_part
-from f8dist.tensor import Float8Tensor
+from f8dist.tensor import Float8Tensor, rewrap
 
 __all__ = ["expert_parallel", "all_to_all"]
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)  # sent as uint8
+
+
+def _scale_rows(x: Float8Tensor) -> torch.Tensor:
+    """The scales of per-token float8 rows, one row of them per token: [M, 1] (a scale per
+    token) or [M, K / block] (1 x block scales, [Note: float8 dispatch])."""
+    return x._scale if x.is_blockwise else x._scale.expand(x.shape[0], 1)
 
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
     """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
     ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch])."""
-    wire = x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
+    wire = x.view(torch.uint8) if x.dtype in _FLOAT8 else x
     out = wire.new_empty((sum(recv),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, wire.contiguous(), recv, send, group=group)
     return out.view(x.dtype)
@@ -55,8 +67,8 @@ def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
     """:func:`all_to_all` for high-precision rows or per-token float8 ones (bytes and scales)."""
     if isinstance(x, Float8Tensor):
         data = all_to_all(x._data, send, recv, group)  # [M_recv, dim] float8
-        scale = all_to_all(x._scale.expand(x.shape[0], 1).contiguous(), send, recv, group)
-        return Float8Tensor(data, scale, x._orig_dtype, x._axiswise_dim, x._mm_config)
+        scale = all_to_all(_scale_rows(x).contiguous(), send, recv, group)
+        return rewrap(x, data, scale)
     return all_to_all(x, send, recv, group)
 
 
@@ -64,7 +76,7 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]``, also for per-token float8 rows."""
     if isinstance(x, Float8Tensor):
         data = x._data.view(torch.uint8)[index].view(x._data.dtype)
-        return Float8Tensor(data, x._scale[index], x._orig_dtype, x._axiswise_dim, x._mm_config)
+        return rewrap(x, data, _scale_rows(x)[index])
     return x[index]
 
 

@@ -152,10 +152,19 @@ def cpu_block_scaled_mm(
 ) -> torch.Tensor:
     """``a`` [M, K] @ ``b`` [K, N] in float8 with dequantizing block scales ``inv_a``
     [M/bm, K/bk] and ``inv_b`` [K/bk, N/bn] (float32): [Note: the block-scaled gemm]."""
+    return block_products(a, b, inv_a, inv_b, a_block, b_block).to(out_dtype)
+
+
+def block_products(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+                   a_block, b_block) -> torch.Tensor:
+    """The float32 result of :func:`cpu_block_scaled_mm`, before its output cast: also the
+    gemm of each expert in the grouped kernel (f8dist/grouped_gemm.py), so that the two agree to
+    the bit. The operands are copied in one layout (contiguous float32) whatever theirs."""
     (m, k), n, bk = a.shape, b.shape[1], a_block[1]
     nk = -(-k // bk)
-    a32 = F.pad(a.to(torch.float32), (0, nk * bk - k)).reshape(m, nk, bk).transpose(0, 1)
-    b32 = F.pad(b.to(torch.float32), (0, 0, 0, nk * bk - k)).reshape(nk, bk, n)
+    a32 = F.pad(a.to(torch.float32), (0, nk * bk - k)).contiguous()  # [M, K'] float32
+    a32 = a32.reshape(m, nk, bk).transpose(0, 1)  # [nk, M, bk]
+    b32 = F.pad(b.to(torch.float32), (0, 0, 0, nk * bk - k)).contiguous().reshape(nk, bk, n)
     sa = expand_blocks(inv_a, (a_block[0], 1), (m, nk)).t()  # [nk, M]
     sb = expand_blocks(inv_b, (1, b_block[1]), (nk, n))  # [nk, N]
     out = a32.new_zeros((m, n))  # [M, N] float32
@@ -163,7 +172,7 @@ def cpu_block_scaled_mm(
     for j in range(0, nk, step):  # each block's exact products summed in float32
         part = torch.bmm(a32[j:j + step], b32[j:j + step])  # [kb, M, N]
         out += (part * sa[j:j + step, :, None] * sb[j:j + step, None, :]).sum(0)
-    return out.to(out_dtype)
+    return out
 
 
 @cpu_block_scaled_mm.register_fake

@@ -14,11 +14,45 @@ and each of their six operands is cast as the same cell of the same Float8Linear
 per expert ([Note: grouped casts] in f8dist/config.py): ``config.grouped_cast_specs(fqn)``.
 rowwise: a scale per token, per expert and row (or column) of the weight, and per expert and
 column over the expert's tokens in grad_weight; tensorwise: a scale per expert (its weight, its
-token group); rowwise_with_gw_hp: grad_weight in high precision. An expert with no tokens has an
-empty group: no output rows, a zero weight gradient.
+token group); rowwise_with_gw_hp: grad_weight in high precision; block scales: [Note: block
+grouped gemms]; delayed: [Note: delayed experts]. An expert with no tokens has an empty group: no
+output rows, a zero weight gradient.
+
+[Note: block grouped gemms]
+With block scales ([Note: block scales] in f8dist/config.py: "mxfp8", "mxfp8_wgrad_with_hp",
+"mxfp8_square_weights", "blockwise") the cells are the same and each expert's gemm is the dense
+block-scaled gemm on its group. output and grad_input: the tokens in 1 x inner blocks along K
+(N), local to a token, the weight in blocks of its own per expert ([E, N/bn, K/bk] scales).
+grad_weight contracts each expert's tokens, so both of its operands are blocked along the
+tokens, within each group: the groups are first padded to a multiple of the inner block with zero
+rows (``pad_groups``; exact: zeros raise no amax and add no product), so that no block holds the
+tokens of two experts, then cast from high precision, and the kernel takes the padded offsets.
+A grouped gemm is then, per expert, a block-scaled ``Float8Linear`` on the expert's tokens, bit
+for bit ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py). The experts' dims must
+divide into the blocks (``block_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
+"blockwise").
+
+[Note: delayed experts]
+Delayed scaling ([Note: delayed scaling] in f8dist/delayed.py) keeps one amax history per expert
+weight FQN (``<experts>.w1`` ...) and operand, per tensor: the 3-D weight's amax over every
+expert, the tokens' over every group, one e4m3 scale each (``ExpertWeightScaling``, a child
+``delayed_scaling.w1`` ... of the experts holding torchao's ``fp8_amax_*`` buffers, so that
+``sync_float8_amax_and_scale_history``, the counters, checkpoints and telemetry treat it as a
+linear's). Per tensor, not per expert, because (1) a history predicts the next step's amax, and
+an expert's token group changes with the routing every step (its size, its tokens; an expert may
+get none), while the layer's tokens as a whole do not; (2) the state stays a few replicated
+scalars whatever the number of experts, so a checkpoint reshards across EP degrees as plain
+tensors and the sync's one all-reduce is unchanged; the price is one scale for experts whose
+ranges differ, which a per-expert recipe (rowwise, the block recipes) does not pay. Under expert
+parallelism a rank holds a shard of the weights (dim 0) and of the tokens (the groups of its
+experts: [Note: tokens of sharded experts] in f8dist/placement.py), so the first step's amaxes are
+reduced over exactly the EP axis, and the sync's MAX over all ranks makes every history that of
+one device running the global batch: EP gives one device's bits (tests/distributed/
+test_moe_ep.py).
 
 [Note: one cast of the tokens]
-The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise),
+The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise,
+or blocks inside a token's row: the block recipes),
 :class:`Float8GroupedExperts` casts the tokens once (``ToFloat8``) and both gemms take those bytes;
 expert parallelism casts at the same point, before the dispatch all-to-all (f8dist/dispatch.py),
 so one device and EP multiply the same float8 tokens. The grad_weight gemms re-cast the float8
@@ -28,22 +62,28 @@ scales only a shift of exponents, exact but for e4m3 subnormals).
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from f8dist.cast import ToFloat8, cast_to_float8, high_precision
-from f8dist.config import CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
-from f8dist.gemm import GEMM_ALIGNMENT
-from f8dist.grouped_gemm import scaled_grouped_mm
-from f8dist.placement import local_part
+from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.delayed import (
+    DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
+)
+from f8dist.gemm import GEMM_ALIGNMENT, block_problems
+from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
+from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
-__all__ = ["GroupedExperts", "Float8GroupedExperts", "float8_grouped_mm", "grouped_mm",
-           "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens"]
+__all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
+           "grouped_mm", "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens",
+           "grouped_problems"]
 
 OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
+Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
+Delayed = Optional[Tuple[DelayedScaling, bool]]
 INPUT, WEIGHT, GRAD_OUTPUT = Operand
 WEIGHTS = ("w1", "w2", "w3")
 
@@ -70,6 +110,12 @@ def _rows(scale: torch.Tensor, m: int) -> torch.Tensor:
     return scale.expand(m, 1)[:, 0].contiguous()
 
 
+def _token_scales(scale: torch.Tensor, m: int) -> torch.Tensor:
+    """A token operand's scales ([M, C] or [M, 1] per group, or [] for a delayed one) as rows:
+    [M, C] or [M, 1]."""
+    return scale.expand(m, scale.shape[-1] if scale.dim() else 1)
+
+
 def _select(scale: torch.Tensor, w_shape, dim: int) -> torch.Tensor:
     """A 3-D weight's scale ([E, 1, 1], [E, N, 1] or [E, 1, K]) as one per expert and output
     column of the gemm (``dim`` of the weight): [E, w_shape[dim]]."""
@@ -79,10 +125,11 @@ def _select(scale: torch.Tensor, w_shape, dim: int) -> torch.Tensor:
 
 
 def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-          specs: CastSpecs) -> torch.Tensor:
+          specs: CastSpecs, scales: Scales = None) -> torch.Tensor:
     """One gemm of [Note: grouped gemms], in float8 as ``specs`` say or in high precision.
     output: a=x [M, K], b=w [E, N, K]; grad_input: a=grad_output [M, N], b=w; grad_weight:
-    a=grad_output [M, N], b=x [M, K] -> [E, N, K]."""
+    a=grad_output [M, N], b=x [M, K] -> [E, N, K]. ``scales``: delayed scales by (gemm,
+    operand) ([Note: delayed experts])."""
     left, right = gemm.operands
     out_dtype = a.dtype
     if not specs.gemm_in_float8(gemm):
@@ -92,8 +139,11 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         if gemm is GRAD_INPUT:
             return torch._grouped_mm(a, b.to(a.dtype), offs=offsets)  # [M, K]
         return torch._grouped_mm(a.t(), b.to(a.dtype), offs=offsets)  # [E, N, K]
-    a8 = cast_to_float8(a, specs[gemm, left], offsets=offsets)
-    b8 = cast_to_float8(b, specs[gemm, right], offsets=offsets)
+    if specs[gemm, left].blockwise:
+        return _block_gemm(gemm, a, b, offsets, specs, out_dtype)
+    scales = scales or {}
+    a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
+    b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
     cfg = specs[gemm, left].mm_config
     m = a8.shape[0]
@@ -106,37 +156,76 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         return scaled_grouped_mm(a8._data, _rows(a8._scale, m), b8._data, w_scale, offsets,
                                  out_dtype=out_dtype, mm_config=cfg)
     n, k = a8.shape[1], b8.shape[1]  # [N, M] x [M, K] per group
-    a_scale = _per_group(a8._scale.expand(m, a8._scale.shape[-1]), offsets, n)  # [E, N]
-    b_scale = _per_group(b8._scale.expand(m, b8._scale.shape[-1]), offsets, k)  # [E, K]
+    a_scale = _per_group(_token_scales(a8._scale, m), offsets, n)  # [E, N]
+    b_scale = _per_group(_token_scales(b8._scale, m), offsets, k)  # [E, K]
     return scaled_grouped_mm(a8._data.t(), a_scale, b8._data, b_scale, offsets,
                              out_dtype=out_dtype, mm_config=cfg)
 
 
+def _block_gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                specs: CastSpecs, out_dtype: torch.dtype) -> torch.Tensor:
+    """One gemm of [Note: grouped gemms] with block scales ([Note: block grouped gemms])."""
+    left, right = gemm.operands
+    sa, sb = specs[gemm, left], specs[gemm, right]
+    if gemm is GRAD_WEIGHT:  # tokens blocked within each group: groups padded to the block
+        a, b = local_part(high_precision(a)), local_part(high_precision(b))  # [M, N], [M, K]
+        padded, rows, m_padded = pad_groups(offsets, a.shape[0], sa.block_size[1])
+        a, b = scatter_rows(a, rows, m_padded), scatter_rows(b, rows, m_padded)  # [M', *]
+        offsets = padded
+    a8 = local_part(cast_to_float8(a, sa))  # blocks of tokens need no offsets
+    b8 = local_part(cast_to_float8(b, sb))
+    cfg = sa.mm_config
+    if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its grid
+        return block_scaled_grouped_mm(
+            a8._data, a8._scale, a8._block, b8._data.transpose(-2, -1),
+            b8._scale.transpose(-2, -1), b8._block[::-1], offsets, out_dtype=out_dtype,
+            mm_config=cfg)
+    if gemm is GRAD_INPUT:  # [M, N] x [E, N, K]
+        return block_scaled_grouped_mm(a8._data, a8._scale, a8._block, b8._data, b8._scale,
+                                       b8._block, offsets, out_dtype=out_dtype, mm_config=cfg)
+    return block_scaled_grouped_mm(  # [N, M'] x [M', K] -> [E, N, K]
+        a8._data.t(), a8._scale.t(), a8._block[::-1], b8._data, b8._scale, b8._block,
+        offsets, out_dtype=out_dtype, mm_config=cfg)
+
+
 class _Float8GroupedMM(torch.autograd.Function):
     """``x[rows of e] @ w[e].t()`` through float8 grouped gemms ([Note: grouped gemms]).
-    ``x`` [M, K] (high precision or per-token float8), ``w`` [E, N, K], ``offsets`` [E] int32."""
+    ``x`` [M, K] (high precision or per-token float8), ``w`` [E, N, K], ``offsets`` [E] int32;
+    ``scales``, ``delayed``, ``sharding``: delayed scaling's ([Note: delayed experts])."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, specs: CastSpecs):
-        out = _gemm(OUTPUT, x, w, offsets, specs)  # [M, N]
+    def forward(ctx, x, w, offsets, specs: CastSpecs, scales: Scales, delayed: Delayed,
+                sharding):
+        out = _gemm(OUTPUT, x, w, offsets, specs, scales)  # [M, N]
         ctx.save_for_backward(x, w, offsets)
-        ctx.specs = specs
+        ctx.specs, ctx.scales, ctx.delayed, ctx.sharding = specs, scales, delayed, sharding
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         x, w, offsets = ctx.saved_tensors
-        specs = ctx.specs
+        specs, scales = ctx.specs, ctx.scales
         grad_output = grad_output.contiguous()  # [M, N]
-        grad_x = _gemm(GRAD_INPUT, grad_output, w, offsets, specs)  # [M, K]
-        grad_w = _gemm(GRAD_WEIGHT, grad_output, x, offsets, specs)  # [E, N, K]
-        return grad_x, grad_w.to(w.dtype), None, None
+        later = []  # [Note: record after the cast] in f8dist/delayed.py
+        if ctx.delayed is not None:  # a delayed grad_output scale is known now
+            state, record = ctx.delayed
+            scales = {**scales, **state.grad_output_scales(grad_output, record, later,
+                                                           ctx.sharding)}
+        grad_x = _gemm(GRAD_INPUT, grad_output, w, offsets, specs, scales)  # [M, K]
+        grad_w = _gemm(GRAD_WEIGHT, grad_output, x, offsets, specs, scales)  # [E, N, K]
+        for amax_record in later:
+            amax_record()
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None
 
 
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                      specs: CastSpecs) -> torch.Tensor:
+                      specs: CastSpecs, scales: Scales = None, delayed: Delayed = None,
+                      sharding=None) -> torch.Tensor:
     """``x[rows of e] @ w[e].t()`` with float8 grouped gemms cast as ``specs`` say
-    (``Float8LinearConfig.grouped_cast_specs``): x [M, K], w [E, N, K] -> [M, N].
+    (``Float8LinearConfig.grouped_cast_specs``): x [M, K], w [E, N, K] -> [M, N]. ``scales``:
+    the forward's delayed scales, ``delayed``: (state, whether the forward recorded), which gives
+    backward its grad_output scale, ``sharding``: the operands' (mesh, placements) under expert
+    parallelism ([Note: delayed experts]).
 
     Example::
 
@@ -146,7 +235,8 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         >>> float8_grouped_mm(x, w, offsets, specs).shape
         torch.Size([40, 16])
     """
-    return _Float8GroupedMM.apply(x, w, offsets.to(torch.int32), specs)
+    return _Float8GroupedMM.apply(x, w, offsets.to(torch.int32), specs, scales or {}, delayed,
+                                  sharding)
 
 
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -222,7 +312,8 @@ def token_spec(specs: Dict[str, CastSpecs]) -> Optional[CastSpec]:
     """The per-token cast of the tokens when the up projections take one ([Note: one cast of
     the tokens]); None otherwise (high precision, or tensorwise: per-group scales)."""
     spec = specs["w1"][OUTPUT, INPUT]
-    return spec if spec.enabled and spec.axiswise else None
+    per_token = spec.axiswise or (spec.blockwise and spec.block_shape(2)[0] == 1)
+    return spec if spec.enabled and per_token else None
 
 
 def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
@@ -232,9 +323,76 @@ def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
     return x if spec is None else ToFloat8.apply(x, spec, None)
 
 
-def is_float8_grouped_compatible(mod: GroupedExperts) -> bool:
-    """Whether ``torch._scaled_grouped_mm`` can take the experts' gemms (dims % 16 == 0)."""
-    return mod.dim % GEMM_ALIGNMENT == 0 and mod.hidden_dim % GEMM_ALIGNMENT == 0
+def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[str]:
+    """Why the experts' float8 grouped gemms cannot take ``mod``'s dims under ``config``:
+    ``torch._scaled_grouped_mm``'s alignment (dims % 16) and the block recipes' blocks
+    ([Note: block grouped gemms]); empty when they can."""
+    dims = {"dim": mod.dim, "hidden_dim": mod.hidden_dim}
+    bad = [f"{name}={v} (multiple of {GEMM_ALIGNMENT})" for name, v in dims.items()
+           if v % GEMM_ALIGNMENT]
+    specs = grouped_specs(config, "")
+    for name, (k, n) in (("w1", (mod.dim, mod.hidden_dim)), ("w2", (mod.hidden_dim, mod.dim))):
+        for problem in block_problems(specs[name], k, n):
+            problem = problem.replace("in_features", "dim" if name == "w1" else "hidden_dim")
+            problem = problem.replace("out_features", "hidden_dim" if name == "w1" else "dim")
+            if problem not in bad:
+                bad.append(problem)
+    return bad
+
+
+def is_float8_grouped_compatible(mod: GroupedExperts,
+                                 config: Optional[Float8LinearConfig] = None) -> bool:
+    """Whether the float8 grouped gemms can take the experts' gemms (:func:`grouped_problems`)."""
+    return not grouped_problems(mod, config if config is not None else Float8LinearConfig())
+
+
+class ExpertWeightScaling(nn.Module):
+    """The delayed-scaling state of one expert weight ([Note: delayed experts]): the
+    ``fp8_amax_*``, ``fp8_amax_history_*``, ``fp8_scale_*`` buffers of its casts (a
+    :class:`~f8dist.delayed.DelayedScaling`, ``delayed``), FQN ``<experts>.w1`` ...; a child of
+    its :class:`Float8GroupedExperts` (``delayed_scaling.w1``), whose weight it reads.
+
+    Example::
+
+        >>> experts = Float8GroupedExperts.from_float(GroupedExperts(32, 64, 4),
+        ...     Float8LinearConfig.from_recipe_name("delayed"), fqn="moe.experts")
+        >>> experts.delayed_scaling["w1"].fqn, experts.delayed_scaling["w1"].fp8_scale_input
+        ('moe.experts.w1', tensor(1.))
+    """
+
+    def __init__(self, experts: "Float8GroupedExperts", name: str):
+        super().__init__()
+        self.config, self.name = experts.config, name
+        self.fqn = f"{experts.fqn}.{name}" if experts.fqn else name
+        self.__dict__["_experts"] = experts  # not a child: state_dict and modules() skip it
+        self.delayed = DelayedScaling.attach(self, E4M3)  # e4m3: [Note: grouped casts]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The expert weight (the parameter, a DTensor under expert parallelism)."""
+        return getattr(self.__dict__["_experts"], self.name)
+
+    def sharding(self) -> Optional[Dict[Operand, tuple]]:
+        """(mesh, placements) of the weight's and the tokens' local shards under expert
+        parallelism ([Note: tokens of sharded experts] in f8dist/placement.py); None otherwise."""
+        w = self.weight
+        if not is_dtensor(w):
+            return None
+        mesh, tokens = w.device_mesh, (w.device_mesh, expert_token_placements(w.placements))
+        return {WEIGHT: (mesh, w.placements), INPUT: tokens, GRAD_OUTPUT: tokens}
+
+    def _apply(self, fn, recurse=True):  # the delayed buffers stay float32
+        return apply_to_delayed_module(self.delayed, fn,
+                                       lambda f: super(ExpertWeightScaling, self)._apply(f, recurse))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        load_delayed_state(self.delayed, state_dict, prefix, missing_keys)
+
+    def extra_repr(self) -> str:
+        return f"fqn={self.fqn!r}"
 
 
 class Float8GroupedExperts(GroupedExperts):
@@ -252,14 +410,26 @@ class Float8GroupedExperts(GroupedExperts):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.config = config if config is not None else Float8LinearConfig()
-        if not self.config.emulate and not is_float8_grouped_compatible(self):
+        bad = [] if self.config.emulate else grouped_problems(self, self.config)
+        if bad:
             raise ValueError(
-                f"Float8GroupedExperts {fqn or '<root>'}: torch._scaled_grouped_mm needs dim "
-                f"({self.dim}) and hidden_dim ({self.hidden_dim}) to be multiples of "
-                f"{GEMM_ALIGNMENT}; keep the experts in high precision with module_filter_fn"
+                f"Float8GroupedExperts {fqn or '<root>'}: its float8 grouped gemms need dim "
+                f"({self.dim}) and hidden_dim ({self.hidden_dim}) to divide into their alignment "
+                f"and blocks, got {', '.join(bad)}; keep the experts in high precision with "
+                "module_filter_fn"
             )
         self.fqn = fqn  # the experts' name in the model; their weights' casts are fqn.w1 ...
         self.specs = grouped_specs(self.config, fqn)  # resolved once
+        self._attach_delayed()
+
+    def _attach_delayed(self) -> None:
+        """One :class:`ExpertWeightScaling` per weight when the config has delayed casts
+        ([Note: delayed experts]), on the weights' device."""
+        if delayed_operands(self.config):
+            self.delayed_scaling = nn.ModuleDict(
+                {name: ExpertWeightScaling(self, name) for name in WEIGHTS})
+        else:
+            self.delayed_scaling = None
 
     @classmethod
     def from_float(cls, mod: GroupedExperts, config: Optional[Float8LinearConfig] = None,
@@ -269,6 +439,7 @@ class Float8GroupedExperts(GroupedExperts):
             new = cls(mod.dim, mod.hidden_dim, mod.num_experts, config=config, fqn=fqn)
         for name in WEIGHTS:
             setattr(new, name, getattr(mod, name))
+        new._attach_delayed()  # its buffers on the weights' device (they were made on meta)
         return new
 
     @property
@@ -282,7 +453,15 @@ class Float8GroupedExperts(GroupedExperts):
         return super().forward(cast_tokens(x, self.specs), offsets)
 
     def _mm(self, name: str, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor):
-        return float8_grouped_mm(x, w, offsets, self.specs[name])
+        if self.delayed_scaling is None:
+            return float8_grouped_mm(x, w, offsets, self.specs[name])
+        scaling = self.delayed_scaling[name]  # [Note: delayed experts]
+        state, record, later, sharding = scaling.delayed, scaling.delayed.training(), [], scaling.sharding()
+        scales = state.forward_scales(x, w, record, later, sharding)
+        out = float8_grouped_mm(x, w, offsets, self.specs[name], scales, (state, record), sharding)
+        for amax_record in later:  # [Note: record after the cast] in f8dist/delayed.py
+            amax_record()
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

@@ -31,35 +31,37 @@ to bfloat16 as CUDA's output is. Being one custom op, it is opaque to compiled g
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from f8dist.config import E4M3, ScaledMMConfig
-from f8dist.gemm import GEMM_ALIGNMENT
-from f8dist.scaling import group_ids
+from f8dist.gemm import GEMM_ALIGNMENT, block_products
+from f8dist.scaling import expand_blocks, group_ids
 
-__all__ = ["scaled_grouped_mm", "pad_groups"]
-
-
-def _round_up(x):
-    return (x + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
+__all__ = ["scaled_grouped_mm", "block_scaled_grouped_mm", "pad_groups", "scatter_rows"]
 
 
-def pad_groups(offsets: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """Each token group rounded up to a multiple of 16 rows ([Note: grouped gemm constraints]):
+def _round_up(x, alignment: int = GEMM_ALIGNMENT):
+    return (x + alignment - 1) // alignment * alignment
+
+
+def pad_groups(offsets: torch.Tensor, m: int, alignment: int = GEMM_ALIGNMENT
+               ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Each token group rounded up to a multiple of ``alignment`` rows ([Note: grouped gemm
+    constraints]; a block along the tokens, [Note: block grouped gemms] in f8dist/grouped.py):
     (padded offsets [E] int32, the padded row of each of the ``m`` rows [M], padded rows)."""
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))  # [E]
-    padded_offsets = torch.cumsum(_round_up(sizes), 0).to(torch.int32)  # [E]
+    padded_offsets = torch.cumsum(_round_up(sizes, alignment), 0).to(torch.int32)  # [E]
     ids = group_ids(offsets, m)  # [M]
     shift = torch.cat([padded_offsets.new_zeros(1), padded_offsets - offsets])  # [E + 1]
     rows = torch.arange(m, device=offsets.device) + shift[ids]  # [M]
-    m_padded = _round_up(m) + GEMM_ALIGNMENT * offsets.shape[0]  # static
+    m_padded = _round_up(m, alignment) + alignment * offsets.shape[0]  # static
     return padded_offsets, rows, m_padded
 
 
-def _scatter_rows(x: torch.Tensor, rows: torch.Tensor, m_padded: int, fill: float = 0.0):
+def scatter_rows(x: torch.Tensor, rows: torch.Tensor, m_padded: int, fill: float = 0.0):
     """``x`` [M, C] placed at ``rows`` of a [M_padded, C] tensor of ``fill`` (float8 via uint8)."""
     raw = x.view(torch.uint8) if x.dtype == E4M3 else x
     out = raw.new_full((m_padded, x.shape[1]), fill)  # [M_padded, C]
@@ -152,16 +154,110 @@ def scaled_grouped_mm(
     if b_data.dim() == 3:
         m = a_data.shape[0]
         padded, rows, m_padded = pad_groups(offsets, m)
-        a = _scatter_rows(a_data, rows, m_padded)  # [M', K] row-major
-        sa = _scatter_rows(a_inv[:, None], rows, m_padded, 1.0)[:, 0]  # [M']
+        a = scatter_rows(a_data, rows, m_padded)  # [M', K] row-major
+        sa = scatter_rows(a_inv[:, None], rows, m_padded, 1.0)[:, 0]  # [M']
         b = b_data.transpose(-2, -1).contiguous().transpose(-2, -1)  # [E, K, N] column-major
         out = _kernel(a, b, sa, b_inv.contiguous(), padded, mm_config=mm_config)  # [M', N]
         valid = group_ids(offsets, m) < offsets.shape[0]  # [M]: rows past the groups get 0
         return torch.where(valid[:, None], out[rows], 0).to(out_dtype)  # [M, N]
     m = a_data.shape[1]
     padded, rows, m_padded = pad_groups(offsets, m)
-    a = _scatter_rows(a_data.t(), rows, m_padded).t().contiguous()  # [N, M'] row-major
-    b = _scatter_rows(b_data, rows, m_padded).t().contiguous().t()  # [M', K] column-major
+    a = scatter_rows(a_data.t(), rows, m_padded).t().contiguous()  # [N, M'] row-major
+    b = scatter_rows(b_data, rows, m_padded).t().contiguous().t()  # [M', K] column-major
     out = _kernel(a, b, a_inv.reshape(-1).contiguous(), b_inv.reshape(-1).contiguous(), padded,
                   mm_config=mm_config)  # [E, N, K]
+    return out.to(out_dtype)
+
+
+# [Note: the CPU block grouped kernel]
+# With block scales ([Note: block grouped gemms] in f8dist/grouped.py) each expert's gemm is the
+# dense block-scaled gemm ([Note: the block-scaled gemm] in f8dist/gemm.py) on its token group:
+# ``f8dist::cpu_block_scaled_grouped_mm`` runs ``block_products``, the dense CPU kernel's own
+# code, once per non-empty group (the group sizes read on the host: one sync per gemm, inside one
+# opaque custom op), so a grouped gemm gives a Float8Linear's bits per expert. It checks the
+# layout the groups need: 2d x 3d, the scales of ``a`` one row of blocks per token (a group may
+# end anywhere); 2d x 2d, every group a multiple of the contraction block (the caller pads the
+# groups, so no block spans two experts). torch 2.13 has no block-scaled grouped kernel on CUDA
+# that f8dist wires up (MXFP8's ``torch._scaled_grouped_mm`` wants sm100 and swizzled e8m0
+# scales, DeepSeek's 1x128 x 128x128 none): on CUDA these gemms raise, naming
+# ``Float8LinearConfig(emulate=True)``.
+
+
+def _groups(offs: torch.Tensor):
+    """[(expert, start, end)] of the non-empty token groups (read on the host)."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return [(e, s, t) for e, (s, t) in enumerate(zip(starts, ends)) if t > s]
+
+
+@torch.library.custom_op("f8dist::cpu_block_scaled_grouped_mm", mutates_args=())
+def cpu_block_scaled_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+    a_block: List[int], b_block: List[int], offs: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The block-scaled grouped gemm on the CPU ([Note: the CPU block grouped kernel]) from
+    dequantizing float32 block scales:
+
+    * 2d x 3d: ``a`` [M, K] with ``inv_a`` [M, K/bk] (``a_block`` (1, bk)), ``b`` [E, K, N] with
+      ``inv_b`` [E, K/bk, N/bn] -> [M, N]; rows past the last group are 0;
+    * 2d x 2d: ``a`` [N, M] with ``inv_a`` [N/bn, M/bk], ``b`` [M, K] with ``inv_b``
+      [M/bk, K/bk'], every group a multiple of bk rows -> [E, N, K]; an empty group gives 0.
+    """
+    bk = a_block[1]
+    if a_block[1] != b_block[0]:
+        raise ValueError(f"block grouped gemm: a's blocks {tuple(a_block)} and b's "
+                         f"{tuple(b_block)} differ along the contraction dim")
+    if b.dim() == 3:
+        if a_block[0] != 1:
+            raise ValueError(f"block grouped gemm: the tokens' blocks {tuple(a_block)} must be one "
+                             "token high, or a block would span two experts' groups")
+        out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=torch.float32)  # [M, N]
+        for e, s, t in _groups(offs):
+            out[s:t] = block_products(a[s:t], b[e], inv_a[s:t], inv_b[e], a_block, b_block)
+        return out.to(out_dtype)
+    if bool((offs % bk).any()):
+        raise ValueError(f"block grouped gemm: token groups must be multiples of the contraction "
+                         f"block ({bk} rows), got offsets {offs.tolist()}; pad the groups "
+                         "(pad_groups)")
+    out = a.new_zeros((offs.shape[0], a.shape[0], b.shape[1]), dtype=torch.float32)  # [E, N, K]
+    for e, s, t in _groups(offs):
+        out[e] = block_products(a[:, s:t], b[s:t], inv_a[:, s // bk:t // bk],
+                                inv_b[s // bk:t // bk], a_block, b_block)
+    return out.to(out_dtype)
+
+
+@cpu_block_scaled_grouped_mm.register_fake
+def _(a, b, inv_a, inv_b, a_block, b_block, offs, out_dtype):
+    if b.dim() == 3:
+        return a.new_empty((a.shape[0], b.shape[-1]), dtype=out_dtype)
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def block_scaled_grouped_mm(
+    a_data: torch.Tensor, a_scale: torch.Tensor, a_block, b_data: torch.Tensor,
+    b_scale: torch.Tensor, b_block, offsets: torch.Tensor, *, out_dtype: torch.dtype,
+    mm_config: ScaledMMConfig,
+) -> torch.Tensor:
+    """A block-scaled float8 grouped gemm from quantizing block scales (float32 or e8m0 grids, a
+    3-D grid per expert for a 3-D ``b_data``), shapes as :func:`cpu_block_scaled_grouped_mm`;
+    bfloat16 out as CUDA's grouped gemms, then ``out_dtype``."""
+    offsets = offsets.to(torch.int32)
+    if mm_config.emulate:  # dequantize, then the high-precision grouped gemm
+        a_hp = a_data.to(torch.float32) / expand_blocks(a_scale, a_block, a_data.shape)
+        b_hp = b_data.to(torch.float32) / expand_blocks(b_scale, b_block, b_data.shape)
+        if b_data.dim() == 2:
+            return torch._grouped_mm(a_hp, b_hp, offsets).to(out_dtype)  # [E, N, K]
+        out = torch._grouped_mm(a_hp, b_hp, offsets)  # [M, N]
+        valid = group_ids(offsets, a_data.shape[0]) < offsets.shape[0]  # [M]
+        return torch.where(valid[:, None], out, 0).to(out_dtype)
+    if a_data.device.type != "cpu":
+        raise NotImplementedError(
+            f"block-scaled float8 grouped gemms run on the CPU kernel only; on "
+            f"{a_data.device.type} set Float8LinearConfig(emulate=True) or use the 'rowwise' or "
+            "'tensorwise' recipe for the experts ([Note: the CPU block grouped kernel] in "
+            "f8dist/grouped_gemm.py)")
+    inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
+    inv_b = b_scale.to(torch.float32).reciprocal()
+    out = cpu_block_scaled_grouped_mm(a_data, b_data, inv_a, inv_b, list(a_block),
+                                      list(b_block), offsets, torch.bfloat16)
     return out.to(out_dtype)

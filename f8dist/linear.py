@@ -57,7 +57,7 @@ import torch.nn as nn
 
 from f8dist.cast import cast_to_float8, high_precision, logical_amax, shared_casts
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
-from f8dist.delayed import DelayedScaling, load_delayed_state
+from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_block_shape, check_gemm_shape
 from f8dist.placement import is_dtensor, local_part, reduce_partial
@@ -333,15 +333,9 @@ class Float8Linear(nn.Linear):
         if getattr(self, "delayed", None) is not None:  # None while nn.Linear.__init__ runs
             self.delayed.restart()
 
-    def _apply(self, fn, recurse=True):
-        delayed = getattr(self, "delayed", None)
-        if delayed is None:
-            return super()._apply(fn, recurse)
-        from_meta = delayed.on_meta()
-        super()._apply(delayed.float32_apply(fn), recurse)  # its buffers stay float32
-        if from_meta and not delayed.on_meta():  # to_empty from meta: garbage memory otherwise
-            delayed.restart()
-        return self
+    def _apply(self, fn, recurse=True):  # the delayed buffers stay float32
+        return apply_to_delayed_module(getattr(self, "delayed", None), fn,
+                                       lambda f: super(Float8Linear, self)._apply(f, recurse))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fqn={self.fqn!r}, cast_configs={self.config.short_str()}"

@@ -28,13 +28,23 @@ amaxes cross data parallel ranks (:func:`all_reduce`).
 
 Nothing else in f8dist inspects placements to decide a reduction.
 
+[Note: tokens of sharded experts]
+Under expert parallelism (f8dist/dispatch.py) a rank's experts see the tokens routed to them from
+every rank: the layer's token tensor (every assignment of the step, in expert-major order) is
+sharded over exactly the mesh axes that shard the experts dim (dim 0) of its 3-D weights. So a
+statistic of those tokens (delayed scaling's first-step amax, [Note: delayed experts] in
+f8dist/grouped.py) is reduced over those axes, by :func:`expert_token_placements`, and over no
+other.
+
 [Note: shards on block boundaries]
 A block scale ([Note: block scales] in f8dist/config.py) is a statistic of its block alone, so
 under the same rule it needs no collective at all, provided no shard splits a block: then each
 rank's blocks are blocks of the logical tensor and it casts them as one device would.
 :func:`blocks_split_by_shards` says whether a layout does (torch shards a dim of size ``n`` over
 ``k`` ranks in chunks of ``ceil(n / k)``, so every shard starts on a block boundary iff that chunk
-is a multiple of the block; the same answer on every rank, so ranks never disagree).
+is a multiple of the block; the same answer on every rank, so ranks never disagree). A dim that
+two mesh axes shard (2-D FSDP x TP: TP's ``Shard`` split again by FSDP2's ``_StridedShard``) is
+cut in two steps, each of which must keep whole blocks.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ __all__ = [
     "reduce_over_shards",
     "all_reduce",
     "blocks_split_by_shards",
+    "expert_token_placements",
 ]
 
 
@@ -143,21 +154,42 @@ def _whole_mesh_group(mesh) -> Optional[object]:
     return mesh._flatten()
 
 
+def expert_token_placements(placements: Sequence) -> list:
+    """The placements of the tokens an expert layer whose 3-D weights are laid out as
+    ``placements`` computes with ([Note: tokens of sharded experts]): sharded (like ``Shard(0)``)
+    over the axes that shard the experts dim, replicated over the others."""
+    from torch.distributed.tensor import Replicate
+
+    return [p if p.is_shard(0) else Replicate() for p in placements]
+
+
 def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_sizes: Sequence[int],
                            placements: Sequence) -> Optional[str]:
     """Why shards of a tensor of ``shape`` laid out as ``placements`` over mesh dims of
     ``mesh_sizes`` ranks split its blocks of ``block`` ([Note: shards on block boundaries]); None when
-    every shard starts on a block boundary."""
-    sharded_dims = []
-    for size, p in zip(mesh_sizes, placements):
+    every shard starts on a block boundary. An N-D ``shape`` with a 2-D ``block`` is in row
+    blocks: blocks of 1 along its leading dims ([Note: row blocks of N-D activations] in
+    f8dist/config.py)."""
+    block = (1,) * (len(shape) - len(block)) + tuple(block)
+    ranks_per_dim = {}  # dim -> the mesh sizes sharding it, outermost first
+    for size, p in sorted(zip(mesh_sizes, placements), key=lambda sp: _is_strided(sp[1])):
         if p.is_replicate():
             continue
-        dim = getattr(p, "dim", None)
-        if not p.is_shard() or type(p).__name__ != "Shard" or dim in sharded_dims:
-            return f"placement {p} (only Shard and Replicate placements, one per dim, keep blocks whole)"
-        sharded_dims.append(dim)
-        chunk = -(-shape[dim] // size)  # rows (or columns) per rank
-        if chunk % block[dim]:
-            return (f"{size} ranks shard dim {dim} of this {list(shape)} tensor into {chunk} "
-                    f"per rank, which splits its {block[dim]}-wide blocks")
+        if not (p.is_shard() or _is_strided(p)):
+            return f"placement {p} (only Shard and Replicate placements keep blocks whole)"
+        ranks_per_dim.setdefault(p.dim % len(shape), []).append(size)
+    for dim, sizes in ranks_per_dim.items():
+        chunk = shape[dim]
+        for size in sizes:
+            chunk = -(-chunk // size)  # rows (or columns) per rank
+            if chunk % block[dim]:
+                ranks = "x".join(map(str, sizes))
+                return (f"{ranks} ranks shard dim {dim} of this {list(shape)} tensor into {chunk} "
+                        f"per rank, which splits its {block[dim]}-wide blocks")
     return None
+
+
+def _is_strided(p) -> bool:
+    """A ``_StridedShard`` (FSDP2's shard of a dim that TP already shards): it splits the TP
+    shard, so it applies after the plain ``Shard`` of the same dim."""
+    return type(p).__name__ == "_StridedShard"

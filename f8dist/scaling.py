@@ -199,10 +199,35 @@ def _blocks(shape, block):
     return tuple(-(-n // b) for n, b in zip(shape, block))
 
 
+# [Note: blocks of expert weights]
+# A 3-D tensor [E, R, C] (the experts' weights of a grouped gemm, [Note: grouped casts] in
+# f8dist/config.py) is blocked per expert: matrix e has its own [ceil(R / rows), ceil(C / cols)]
+# grid, so the grid is [E, ceil(R / rows), ceil(C / cols)] and no block spans two experts. The
+# functions below take it as the 2-D [E * R', C] stack of the matrices, each zero-padded to
+# R' = ceil(R / rows) * rows rows (exact, as the edge padding of a 2-D tensor is).
+
+
+def _stacked(x: torch.Tensor, block: tuple) -> torch.Tensor:
+    """A 3-D ``x`` [E, R, C] as the 2-D [E * R', C] stack of [Note: blocks of expert weights]."""
+    e, r, c = x.shape
+    rows = -(-r // block[0]) * block[0]
+    if rows != r:
+        x = torch.nn.functional.pad(x, (0, 0, 0, rows - r))  # [E, R', C]
+    return x.reshape(e * rows, c)
+
+
+def _unstacked(grid: torch.Tensor, e: int) -> torch.Tensor:
+    """A [E * nr, nc] grid (or data) of :func:`_stacked` as [E, nr, nc]."""
+    return grid.reshape(e, grid.shape[0] // max(e, 1), grid.shape[1])
+
+
 def block_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:
     """max(|x|) of each ``block = (rows, cols)`` block of the 2-D ``x``, in float32:
     [ceil(R / rows), ceil(C / cols)]. A block cut short by the edge is zero-padded (zeros raise
-    no amax), so any R and C work; an empty ``x`` gives an empty (or all-zero) grid."""
+    no amax), so any R and C work; an empty ``x`` gives an empty (or all-zero) grid. A 3-D ``x``
+    is blocked per matrix ([Note: blocks of expert weights]): [E, ceil(R / rows), ceil(C / cols)]."""
+    if x.dim() == 3:
+        return _unstacked(block_amax(_stacked(x, block), block), x.shape[0])
     (r, c), (br, bc) = x.shape, block
     nr, nc = _blocks((r, c), block)
     x = torch.abs(x)
@@ -266,7 +291,17 @@ def block_scale(
 
 def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     """Block scales [ceil(R / rows), ceil(C / cols)] as one float32 scale per element of a
-    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by)."""
+    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by); for an
+    N-D ``shape`` in row blocks, scales [..., ceil(C / cols)] ([Note: row blocks of N-D
+    activations] in f8dist/config.py); a 3-D grid [E, nr, nc] for a ``shape = [E, R, C]`` in
+    larger blocks ([Note: blocks of expert weights])."""
+    if len(shape) != 2 and block[0] == 1:  # [..., C]: rows of the [prod(...), C] view
+        rows = scale.reshape(-1, scale.shape[-1])  # [prod(...), ceil(C / cols)]
+        return expand_blocks(rows, block, (rows.shape[0], shape[-1])).reshape(shape)  # [..., C]
+    if scale.dim() == 3:
+        e, nr, nc = scale.shape
+        per_row = expand_blocks(scale.reshape(e * nr, nc), block, (e * nr * block[0], shape[2]))
+        return per_row.reshape(e, nr * block[0], shape[2])[:, : shape[1]]  # [E, R, C]
     (nr, nc), (br, bc) = scale.shape, block
     full = scale.to(torch.float32)[:, None, :, None].expand(nr, br, nc, bc)
     return full.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]  # [R, C]
@@ -278,15 +313,24 @@ def block_cast(
     round_to_power_of_2: bool = False,
 ) -> tuple:
     """``(data, scale)``: the 2-D ``x`` cast to float8 with one scale per ``block`` (float32
-    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)].
+    values, see :func:`block_scale`), [ceil(R / rows), ceil(C / cols)]; an N-D ``x`` in row
+    blocks gives scales [..., ceil(C / cols)].
 
     A block that is one row of ``x`` (or one column) is cast as rows of a [R * C / cols, cols] view
     (of ``x.t()``): the amax of a row then the cast of the same row, which a compiled graph fuses
     into one pass over ``x``, as it fuses a rowwise cast. Other blocks (squares, and rows that do
-    not divide ``x``) take the grid of :func:`block_amax`.
+    not divide ``x``) take the grid of :func:`block_amax`. A 3-D ``x`` [E, R, C] is cast per
+    matrix ([Note: blocks of expert weights]): data [E, R, C], scales [E, nr, nc].
     """
-    (r, c), (br, bc) = x.shape, block
     kw = dict(scale_dtype=scale_dtype, rounding=rounding, round_to_power_of_2=round_to_power_of_2)
+    if x.dim() != 2 and block[0] == 1:  # [..., C] in row blocks: rows of its [prod(...), C] view
+        data, scale = block_cast(x.reshape(-1, x.shape[-1]), block, float8_dtype, **kw)
+        return data.reshape(x.shape), scale.reshape(*x.shape[:-1], scale.shape[-1])
+    if x.dim() == 3:
+        e, r = x.shape[:2]
+        data, scale = block_cast(_stacked(x, block), block, float8_dtype, **kw)
+        return _unstacked(data, e)[:, :r], _unstacked(scale, e)
+    (r, c), (br, bc) = x.shape, block
     if br == 1 and c % bc == 0:
         rows = x.reshape(r * (c // bc), bc)  # [R * C / cols, cols]
         scale = block_scale(tensor_amax(rows, -1), float8_dtype, **kw)  # [R * C / cols, 1]

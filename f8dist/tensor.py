@@ -92,14 +92,6 @@ class Float8Tensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         handler = _OPS.get(func)
-        if handler is not None and func not in _BLOCK_OPS and any(
-                isinstance(a, Float8Tensor) and a.is_blockwise for a in _flat(args)):
-            raise NotImplementedError(
-                f"{func} is not defined on a block-scaled Float8Tensor: block scales flow into "
-                "single-device float8 gemms only (FSDP2 float8 all-gather, tensor and sequence "
-                "parallel with block scales are not supported yet); call "
-                ".to_original_precision() first, or use a tensorwise or rowwise recipe"
-            )
         if handler is None:
             raise NotImplementedError(
                 f"{func} is not defined on Float8Tensor. Float8Tensors only flow into float8 "
@@ -147,30 +139,39 @@ class _Dequantize(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 _OPS: Dict[object, Callable] = {}
-# the ops a block-scaled Float8Tensor takes (the rest raise: see __torch_dispatch__)
-_BLOCK_OPS = set()
 
 
-def _implements(ops, *, blocks: bool = False):
-    """Register a Float8Tensor implementation for one or more aten ops (``blocks``: it handles
-    block-scaled tensors too)."""
+def _implements(ops):
+    """Register a Float8Tensor implementation for one or more aten ops; each handles tensorwise,
+    axiswise and block-scaled tensors, or raises for the layouts it cannot keep."""
 
     def decorator(fn):
         for op in ops:
             _OPS[op] = fn
-            if blocks:
-                _BLOCK_OPS.add(op)
         return fn
 
     return decorator
 
 
-def _flat(args):
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
+def _block_per_dim(t: "Float8Tensor") -> Tuple[int, ...]:
+    """The block's extent along each dim of a block-scaled tensor: (rows, cols) of a 2-D one, 1
+    along the leading dims of an N-D one in row blocks ([Note: row blocks of N-D activations] in
+    f8dist/config.py)."""
+    return (1,) * (t._data.dim() - 2) + tuple(t._block)
+
+
+def _scale_pieces(t: "Float8Tensor", sizes, dim: int, what: str):
+    """The sizes of the scale grid's pieces along ``dim`` for pieces of ``t`` of ``sizes``
+    elements: each piece must start on a block boundary (the last may end short)."""
+    block, start = _block_per_dim(t)[dim], 0
+    for size in sizes[:-1]:
+        start += size
+        if start % block:
+            raise NotImplementedError(
+                f"cannot {what} a block-scaled Float8Tensor of shape {tuple(t.shape)} along dim "
+                f"{dim} into pieces of {list(sizes)}: a piece would split its {block}-wide blocks; "
+                "shard on block boundaries ([Note: shards on block boundaries] in f8dist/placement.py)")
+    return [-(-size // block) for size in sizes]
 
 
 def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same", *,
@@ -187,14 +188,14 @@ def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same",
     )
 
 
-@_implements([aten.detach.default, aten.alias.default, aten.clone.default], blocks=True)
+@_implements([aten.detach.default, aten.alias.default, aten.clone.default])
 def _same_scale_unary(func, args, kwargs):
     t = args[0]
     scale = t._scale if func is not aten.clone.default else t._scale.clone()
     return rewrap(t, func(t._data, *args[1:], **kwargs), scale)
 
 
-@_implements([aten.t.default, aten.transpose.int], blocks=True)
+@_implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
@@ -209,16 +210,19 @@ def _transpose(func, args, kwargs):
     return rewrap(t, data, t._scale.t(), axis)
 
 
-@_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default], blocks=True)
+@_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
     data = func(t._data, new_shape, *args[2:], **kwargs)
     if data.shape == t._data.shape or not (t.is_axiswise or t.is_blockwise):
         return rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
-    if t.is_blockwise:
-        raise NotImplementedError(
-            f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} to "
-            f"{tuple(data.shape)}: its scales are a 2-D grid of blocks; reshape before the cast")
+    if t.is_blockwise:  # row blocks follow the rows: [Note: row blocks of N-D activations]
+        if t._block[0] != 1 or data.shape[-1] != t._data.shape[-1]:
+            raise NotImplementedError(
+                f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} (blocks "
+                f"{t._block}) to {tuple(data.shape)}: only tensors in row blocks reshape, keeping "
+                "their last dim; reshape before the cast")
+        return rewrap(t, data, t._scale.reshape(*data.shape[:-1], t._scale.shape[-1]))
     # Axiswise scales survive a reshape of the other dims as long as the scaled-over dim is the
     # last one and keeps its size: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with [B*S, 1].
     last = t._data.dim() - 1
@@ -231,12 +235,12 @@ def _view(func, args, kwargs):
     return rewrap(t, data, scale, data.dim() - 1)
 
 
-@_implements([aten.is_same_size.default], blocks=True)
+@_implements([aten.is_same_size.default])
 def _is_same_size(func, args, kwargs):
     return args[0].shape == args[1].shape
 
 
-@_implements([aten.mm.default], blocks=True)
+@_implements([aten.mm.default])
 def _mm(func, args, kwargs):
     a, b = args
     if not (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)):
@@ -252,7 +256,7 @@ def _mm(func, args, kwargs):
 
 # autocast casts float8 gemm operands to its dtype ([Note: autocast] in f8dist/linear.py): the
 # same bytes and scale, standing for a tensor of that dtype (which dequantizing and gemms output)
-@_implements([aten._to_copy.default], blocks=True)
+@_implements([aten._to_copy.default])
 def _to_dtype(func, args, kwargs):
     t, dtype = args[0], kwargs.get("dtype")
     if set(kwargs) != {"dtype"} or dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -264,7 +268,7 @@ def _to_dtype(func, args, kwargs):
 
 
 # FSDP2 views the all-gathered float8 weight to its unpadded size with as_strided
-@_implements([aten.as_strided.default], blocks=True)
+@_implements([aten.as_strided.default])
 def _as_strided(func, args, kwargs):
     t = args[0]
     if t.is_axiswise:
@@ -294,7 +298,11 @@ def _as_strided(func, args, kwargs):
 #   f8dist/placement.py), the same on every rank, so it stays metadata and is not sent;
 # * axiswise: each shard carries its own per-row scales ([..., 1] at the scaled-over dim); they
 #   are gathered with the data (4 bytes per row, against 1 per element), so a per-token cast
-#   needs no amax collective at all.
+#   needs no amax collective at all;
+# * block-scaled: each shard carries its grid of block scales (as uint8: gloo has no e8m0 type;
+#   1 byte per 32 elements for MXFP8, 4 per 128 for DeepSeek's float32), gathered, split and
+#   cat with the data along block boundaries, so a shard's blocks are blocks of the whole tensor
+#   and a cast before the collective gives the bytes and scales of a cast after it.
 #
 # The collective is waited on before a Float8Tensor is returned, so ``wait_tensor`` and DTensor's
 # async wrapper are identities here.
@@ -317,6 +325,10 @@ def _all_gather(func, args, kwargs):
     data = t._data.contiguous().view(torch.uint8)  # [n, ...] one byte per element
     gathered = _gather(data, group_size, group_name).view(t._data.dtype)  # [n * group_size, ...]
     scale = t._scale
+    if t.is_blockwise:  # [n / rows, ...] grids, one per rank, stacked along dim 0
+        _scale_pieces(t, [t._data.shape[0]] * group_size, 0, "all-gather")
+        raw = _gather(scale.contiguous().view(torch.uint8), group_size, group_name)
+        return rewrap(t, gathered, raw.view(scale.dtype))
     if t.is_axiswise:
         scale = _gather(scale.contiguous(), group_size, group_name)  # [n * group_size, ..., 1, ...]
     return rewrap(t, gathered, scale)
@@ -341,6 +353,10 @@ def _split(func, args, kwargs):
     t, size_or_chunks = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     datas = func(t._data, size_or_chunks, dim)
+    if t.is_blockwise:
+        dim = dim % t._data.dim()
+        sizes = _scale_pieces(t, [d.shape[dim] for d in datas], dim, "split")
+        return [rewrap(t, d, s) for d, s in zip(datas, torch.split(t._scale, sizes, dim))]
     if not t.is_axiswise:
         return [rewrap(t, d) for d in datas]
     if dim % t._data.dim() == t._axiswise_dim % t._data.dim():
@@ -357,6 +373,12 @@ def _cat(func, args, kwargs):
     if not all(isinstance(t, Float8Tensor) for t in tensors):
         raise TypeError("cat of Float8Tensors needs every piece in float8")
     data = func([t._data.view(torch.uint8) for t in tensors], dim).view(first._data.dtype)
+    if first.is_blockwise:
+        dim = dim % data.dim()
+        if any(t._block != first._block or t._scale.dtype != first._scale.dtype for t in tensors):
+            raise ValueError("cat of block-scaled Float8Tensors needs one block shape and scale dtype")
+        _scale_pieces(first, [t._data.shape[dim] for t in tensors], dim, "cat")
+        return rewrap(first, data, func([t._scale for t in tensors], dim))
     if not first.is_axiswise:
         if any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors):
             raise ValueError("cat of tensorwise Float8Tensors needs one shared scale")

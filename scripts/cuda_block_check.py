@@ -84,7 +84,7 @@ def check_linear(rows: list, tokens: int, k: int, n: int) -> None:
     def run(model, device, compiled):
         model = copy.deepcopy(model).to(device)
         model = torch.compile(model, fullgraph=True) if compiled else model
-        xi = x.to(device).requires_grad_()
+        xi = x.to(device).detach().requires_grad_()  # a leaf on each device
         out = model(xi)
         out.backward(go.to(device))
         w = next(model.parameters())

@@ -56,7 +56,7 @@ from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_co
 from f8dist.agreement import canonical_name
 from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.placement import reduce_over_shards
-from f8dist.models import ModelArgs, Transformer, parallelize_llama
+from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_llama
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
@@ -66,8 +66,7 @@ from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
            "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise")
-# block-scaled recipes: single process and FSDP2 (square weight blocks may all-gather in float8);
-# their casts of DTensors (tensor parallel) are not supported yet
+# block-scaled recipes: the model's dims (and their TP shards) must divide into the blocks
 BLOCK_RECIPES = RECIPES[5:]
 # the recipes whose one float8 weight serves both of its gemms: FSDP2 can all-gather it in float8
 FLOAT8_ALL_GATHER = ("tensorwise", "delayed", "mxfp8_square_weights", "blockwise")
@@ -203,14 +202,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {wrong}")
     if args.metrics_file and os.path.isdir(args.metrics_file):
         p.error(f"--metrics-file {args.metrics_file} is a directory; name a file in it")
-    if args.float8 in BLOCK_RECIPES and args.tp > 1:
-        p.error(f"--float8 {args.float8} has block scales, which tensor parallel does not support "
-                "yet: use --tp 1 (FSDP2) or a tensorwise or rowwise recipe")
     if args.float8 != "none":  # the model's linears must take the recipe: convert it on meta
         try:
             with torch.device("meta"):
-                convert_float8(Transformer(model_args(args)), float8_config(args),
-                               skip_incompatible=False)
+                model = Transformer(model_args(args))
+                convert_float8(model, float8_config(args), skip_incompatible=False)
+            if args.tp > 1 and not args.moe_experts:  # TP shards must keep blocks whole
+                for fqn, style in llama_tp_plan(model).items():
+                    if hasattr(style, "check_blocks"):
+                        style.check_blocks(model.get_submodule(fqn), args.tp)
         except ValueError as e:
             p.error(f"--float8 {args.float8}: {e}".replace("\n", " "))
     return args
@@ -228,7 +228,7 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
         p.error(f"--ep {args.ep} must divide --moe-experts ({args.moe_experts}) and the number "
                 f"of ranks ({world})")
     refused = {
-        "--tp": args.tp > 1, "--compile": args.compile, "--float8 delayed": args.float8 == "delayed",
+        "--tp": args.tp > 1, "--compile": args.compile,
         "--float8-reduce-scatter": args.float8_reduce_scatter,
         # selective AC replays the dispatch's collectives in backward, which its op log rejects
         "--ac sac with --ep > 1 (--ac full runs)": args.ac == "sac" and args.ep > 1,
@@ -236,8 +236,8 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
     bad = [flag for flag, on in refused.items() if on]
     if bad:
         p.error(f"--moe-experts does not run with {', '.join(bad)} in train.py: the MoE model "
-                "trains with data parallelism (FSDP2), expert parallelism (--ep) and the dynamic "
-                "float8 recipes (tensorwise, rowwise, rowwise_with_gw_hp) in eager mode")
+                "trains with data parallelism (FSDP2) and expert parallelism (--ep), every float8 "
+                "recipe, in eager mode")
 
 
 def _unwritable(directory: str) -> Optional[str]:

@@ -21,8 +21,9 @@ def exact_gemm_db() -> float:
 
 def on_cpu(test):
     """Run ``test`` with the CPU as the default device, also under ``F8DIST_TEST_DEVICE=cuda``:
-    for tests of block-scaled gemms, which have a CPU kernel only ([Note: the block-scaled gemm]
-    in f8dist/gemm.py; on CUDA they raise, tests/test_gemm.py checks the error)."""
+    for tests of block-scaled gemms that take MXFP8 or 32x32 blocks, which have a CPU kernel only
+    ([Note: the block-scaled gemm] in f8dist/gemm.py; CUDA runs DeepSeek's blocks on sm90 alone,
+    checked by scripts/cuda_block_check.py)."""
     import functools
 
     @functools.wraps(test)

@@ -2,9 +2,12 @@ import pytest
 import torch
 
 from f8dist.config import E4M3, ScaledMMConfig
-from f8dist.grouped_gemm import cpu_scaled_grouped_mm, pad_groups, scaled_grouped_mm
+from f8dist.grouped_gemm import (
+    block_scaled_grouped_mm, cpu_block_scaled_grouped_mm, cpu_scaled_grouped_mm, pad_groups,
+    scaled_grouped_mm,
+)
 from f8dist.numerics import sqnr
-from tests.floors import exact_gemm_db
+from tests.floors import exact_gemm_db, on_cpu
 
 EMULATE = ScaledMMConfig(emulate=True)
 # uneven groups, one empty, none a multiple of 16
@@ -97,3 +100,34 @@ def test_the_cpu_kernel_checks_cudas_constraints():
         cpu_scaled_grouped_mm(a, b.contiguous(), *args)
     with pytest.raises(RuntimeError, match="bfloat16"):
         cpu_scaled_grouped_mm(a, b, *args[:-1], torch.float32)
+
+
+def test_pad_groups_to_a_block_of_32_rows():
+    padded, rows, m_padded = pad_groups(OFFSETS, 40, 32)
+    assert padded.tolist() == [32, 32, 64, 96] and m_padded == 64 + 4 * 32
+    assert rows[5:21].tolist() == list(range(32, 48)) and rows[21:].tolist() == list(range(64, 83))
+
+
+@on_cpu  # the CPU block kernel
+def test_the_block_kernel_refuses_blocks_that_would_span_two_groups():
+    """2d x 2d contracts the tokens: each group must be whole blocks ([Note: the CPU block
+    grouped kernel]); the caller pads them."""
+    a, b = _fp8((16, 64), 0), _fp8((64, 32), 1)  # [N, M], [M, K]
+    inv_a, inv_b = torch.ones(16, 2), torch.ones(2, 32)
+    ok = torch.tensor([32, 32, 64], dtype=torch.int32)
+    out = cpu_block_scaled_grouped_mm(a, b, inv_a, inv_b, [1, 32], [32, 1], ok, torch.float32)
+    assert torch.equal(out[1], torch.zeros(16, 32))
+    assert sqnr(a[:, 32:].float() @ b[32:].float(), out[2]) > 120
+    with pytest.raises(ValueError, match="multiples of the contraction block"):
+        cpu_block_scaled_grouped_mm(a, b, inv_a, inv_b, [1, 32], [32, 1],
+                                    torch.tensor([16, 64], dtype=torch.int32), torch.float32)
+
+
+def test_block_grouped_gemms_off_the_cpu_raise_naming_emulate():
+    a, b = torch.empty(4, 32, device="meta", dtype=E4M3), torch.empty(2, 32, 16, device="meta",
+                                                                        dtype=E4M3)
+    with pytest.raises(NotImplementedError, match="emulate=True"):
+        block_scaled_grouped_mm(a, torch.ones(4, 1, device="meta"), (1, 32), b,
+                                torch.ones(2, 1, 16, device="meta"), (32, 1),
+                                torch.tensor([2, 4], device="meta"), out_dtype=torch.bfloat16,
+                                mm_config=ScaledMMConfig())

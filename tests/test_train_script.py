@@ -37,7 +37,6 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--ep", "2"], "--ep shards experts: it needs --moe-experts N"),
     (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 exceeds --moe-experts 2"),
     (["--moe-experts", "4", "--compile"], "--moe-experts does not run with --compile"),
-    (["--moe-experts", "4", "--float8", "delayed"], "does not run with --float8 delayed"),
     (["--max-norm", "-1"], "--max-norm must be positive (inf: no clipping), got -1.0"),  # reversed grads
     (["--max-norm", "0"], "--max-norm must be positive"),
     (["--max-norm", "nan"], "--max-norm must be positive"),
@@ -62,7 +61,9 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
     (["--moe-experts", "4", "--tp", "2"], "--moe-experts does not run with --tp"),
     (["--moe-experts", "4", "--ep", "2", "--ac", "sac"], "--ac sac with --ep > 1 (--ac full runs)"),
-    (["--tp", "2", "--float8", "mxfp8"], "tensor parallel does not support"),
+    # 128x128 weight blocks: dim 128 over 2 tp ranks leaves 64 rows of wq per rank
+    (["--tp", "2", "--float8", "blockwise", "--dim", "128", "--ffn-dim-multiplier", "1.5"],
+     "attention.wq (128 -> 128) over 2 ranks: the output gemm's weight cast has (128, 128) blocks"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,

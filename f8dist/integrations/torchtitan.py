@@ -282,11 +282,13 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
     """Convert the ``GroupedExperts.Config``\\ s of a torchtitan MoE model config (e.g.
     deepseek_v3) to :class:`Float8GroupedExperts`.
 
-    * ``recipe_name``: "tensorwise", "rowwise" or "rowwise_with_gw_hp" (delayed scaling keeps one
-      amax history per tensor; experts scale per expert);
+    * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp" or a block recipe ("mxfp8",
+      "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"); not "delayed" (torchtitan's
+      experts module keeps no amax histories);
     * ``filter_fqns``: experts whose FQN contains one of these stay high precision.
 
-    Experts whose dims are not multiples of 16 stay high precision, with a log note.
+    Experts whose dims are not multiples of 16 (or of the recipe's blocks) stay high precision,
+    with a log note.
 
     Example::
 
@@ -302,8 +304,15 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        # validates the recipe for grouped gemms (delayed is refused with what to use instead)
-        f8dist.Float8LinearConfig.from_recipe_name(config.recipe_name).grouped_cast_specs()
+        # validates the recipe for grouped gemms
+        self.float8_config = f8dist.Float8LinearConfig.from_recipe_name(config.recipe_name)
+        self.float8_config.grouped_cast_specs()
+        if self.float8_config.uses(f8dist.ScalingType.DELAYED):
+            raise ValueError(
+                f"Float8GroupedExpertsConverter: recipe {config.recipe_name!r} needs amax "
+                "histories, which torchtitan's experts module does not keep; use a dynamic recipe "
+                "('rowwise', 'tensorwise', 'rowwise_with_gw_hp', 'mxfp8', ...) or f8dist's MoE "
+                "model (f8dist.models.moe), whose Float8GroupedExperts keeps them")
         self.filter_fqns = _fqn_list(config.filter_fqns)
 
     def convert(self, model_config: Module.Config) -> Module.Config:
@@ -313,7 +322,7 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                 continue
             if any(f in fqn for f in self.filter_fqns):
                 continue
-            if experts.dim % 16 or experts.hidden_dim % 16:
+            if grouped.grouped_problems(experts, self.float8_config):  # alignment, blocks
                 kept.append(f"{fqn} ({experts.dim} <-> {experts.hidden_dim})")
                 continue
             new = Float8GroupedExperts.Config(
@@ -329,7 +338,8 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                     self.config.recipe_name)
         if kept:
             logger.warning("f8dist: kept %d grouped experts in high precision because their dims "
-                           "are not multiples of 16: %s", len(kept), ", ".join(kept))
+                           "are not multiples of 16 (or of the recipe's blocks): %s", len(kept),
+                           ", ".join(kept))
         return model_config
 def _fqn_list(filter_fqns) -> List[str]:
     """``filter_fqns`` as a list: one string is one FQN (iterating it would give its characters,

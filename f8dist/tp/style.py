@@ -36,6 +36,21 @@ casts its shard with the amax of the logical row (one ``[M, 1]`` all-reduce, [No
 device's scales and bytes. A tensorwise cast is still made first: its scale is the replicated
 tensor's amax (no collective) and a split keeps it, giving one device's bytes.
 
+[Note: block scales on tensor-parallel shards]
+Block-scaled recipes ([Note: block scales] in f8dist/config.py) take the same styles and run no
+amax collective: a block's scale is its own. The 1 x K blocks of an activation or gradient are
+local to a token, so the sequence-parallel input (and the rowwise style's gradient) is cast in
+[B, S, K] row blocks before its all-gather and its scale grid travels with its shards ([Note:
+row blocks of N-D activations]): the gathered bytes and scales are those of a cast after the
+gather, bit for bit. Weights are sharded on block boundaries (colwise: out_features, rowwise:
+in_features) and cast shard by shard; a TP degree whose shards would split a block of any of the
+layer's casts (a weight's 1x32, 128x128 or 32x32 blocks, the sharded activation's or gradient's
+1 x K ones) raises when the style is applied, naming the fix, by the rule of f8dist/placement.py
+(``blocks_split_by_shards``). The grad_weight gemm blocks its operands along the tokens, so it
+re-casts the gathered float8 (as a rowwise recipe's re-scales): with e8m0 (power-of-2) scales
+that is exact but for e4m3 subnormals; with DeepSeek's float32 scales, or a high-precision
+grad_weight gemm (mxfp8_wgrad_with_hp), it is a second rounding that one device does not make.
+
 [Note: float8 gradients under compile]
 The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
 becomes a DTensor of Float8Tensors). torch.compile traces an autograd.Function's backward when it
@@ -80,7 +95,7 @@ from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, 
 from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
 from f8dist.linear import Float8Linear
-from f8dist.placement import has_partial
+from f8dist.placement import blocks_split_by_shards, has_partial
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
 
@@ -111,7 +126,8 @@ def _cast_input(
     """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
     or ``x`` itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise
     cast scales over ([Note: which redistributions carry float8])."""
-    axis = spec.axiswise_dim(x.dim())
+    # the dim its scales span: an axiswise cast's scaled-over dim, a block cast's inner dim
+    axis = spec.axis % x.dim() if spec.axiswise or spec.blockwise else None
     layouts = (*getattr(x, "placements", ()), *desired_layouts)
     if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
@@ -142,12 +158,6 @@ class _CastGradToFloat8(torch.autograd.Function):
 
 def _float8_linear(module: nn.Module, style: str) -> Float8Linear:
     if isinstance(module, Float8Linear):
-        if any(spec.enabled and spec.blockwise for spec in module.specs):
-            raise NotImplementedError(
-                f"{style} on {module.fqn or '<root>'}: tensor and sequence parallel with block "
-                "scales (mxfp8, blockwise recipes) are not supported yet; use a tensorwise or "
-                "rowwise recipe for tensor-parallel layers, or FSDP2 alone"
-            )
         return module
     hint = (
         "convert it with f8dist.convert_to_float8_training first, or use PyTorch's "
@@ -189,6 +199,34 @@ def _check_local_gemm(module: Float8Linear, mesh: DeviceMesh, sharded: str, styl
         )
 
 
+def _check_blocks(module: Float8Linear, tp: int, sharded: str, style: str) -> None:
+    """Fail at parallelize time if a shard over ``tp`` ranks splits a block of a block-scaled
+    cast ([Note: block scales on tensor-parallel shards]), by the rule of f8dist/placement.py."""
+    if module.config.pad_inner_dim:
+        return
+    in_f, out_f = module.in_features, module.out_features
+    # the 2-D operands a shard cuts, with the dim it cuts (the token count M does not matter)
+    cut = {Operand.WEIGHT: ((out_f, in_f), 0 if sharded == "out" else 1)}
+    cut[Operand.INPUT if sharded == "in" else Operand.GRAD_OUTPUT] = (
+        (1, in_f if sharded == "in" else out_f), 1)
+    for spec in module.specs:
+        if not (spec.enabled and spec.blockwise and spec.operand in cut):
+            continue
+        shape, dim = cut[spec.operand]
+        placements = [Shard(dim)]
+        split = blocks_split_by_shards(shape, spec.block_shape(2), [tp], placements)
+        if split:
+            features = "in_features" if sharded == "in" else "out_features"
+            block = spec.block_shape(2)[dim]
+            raise ValueError(
+                f"{style} on {module.fqn or '<root>'} ({in_f} -> {out_f}) over {tp} ranks: the "
+                f"{spec.gemm} gemm's {spec.operand} cast has {spec.block_shape(2)} blocks and {split}. "
+                f"Use a tensor-parallel degree that leaves {features} / tp a multiple of {block}, "
+                f"make {features} a multiple of {block} * tp, or keep this layer in high precision "
+                "(module_filter_fn)"
+            )
+
+
 def _replicate_in_place(module: nn.Module, mesh: DeviceMesh) -> None:
     """Make the delayed buffers of ``module`` Replicate DTensors of the values they hold: every
     rank holds the same initial values, so ``distribute_module`` needs no broadcast per buffer,
@@ -215,6 +253,13 @@ class _Float8LinearStyle:
 
     _sharded_features: str  # "out" (colwise) or "in" (rowwise)
 
+    def check_blocks(self, module: nn.Module, tp: int) -> None:
+        """Raise, naming the fix, if sharding ``module`` over ``tp`` ranks would split a block of
+        its block-scaled casts: what ``_apply`` checks, callable before any process group exists
+        (a training script's flag check, on a model built on the meta device)."""
+        module = _float8_linear(module, type(self).__name__)
+        _check_blocks(module, tp, self._sharded_features, type(self).__name__)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         _check_castable_layouts(type(self).__name__, self.input_layouts)
@@ -223,6 +268,7 @@ class _Float8LinearStyle:
         name = type(self).__name__
         module = _float8_linear(module, name)
         _check_local_gemm(module, device_mesh, self._sharded_features, name)
+        _check_blocks(module, device_mesh.size(), self._sharded_features, name)
         agreement.record_style(module, self)
         _replicate_in_place(module, device_mesh)
         return super()._apply(module, device_mesh)

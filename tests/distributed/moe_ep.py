@@ -1,9 +1,10 @@
 """Expert parallelism (f8dist/models/moe_parallel.py) against one device, on every rank of the
-launch: one MoE layer, bf16, each rank routing its own uneven slice of a batch in which some
-experts get no token on some ranks. Checked here: outputs, input and expert-weight gradients bit
-for bit equal to one device running the whole batch, with float8 dispatch and without; the
-router's and the shared expert's gradients (summed over the ranks, as data parallelism does)
-within float32 summation order. Reported: the dispatch's bytes, float8 vs bf16."""
+launch: one MoE layer, bf16 or float8 (``--recipes``: the dynamic and block recipes), each rank
+routing its own uneven slice of a batch in which some experts get no token on some ranks.
+Checked here: outputs, input and expert-weight gradients bit for bit equal to one device running
+the whole batch, with float8 dispatch and without; the router's and the shared expert's gradients
+(summed over the ranks, as data parallelism does) within float32 summation order. Reported: the
+dispatch's bytes, float8 (rowwise, mxfp8, blockwise) vs bf16."""
 
 import copy
 
@@ -19,18 +20,18 @@ from f8dist.models.moe_parallel import parallelize_moe
 from f8dist.testing import count_collectives
 from tests.distributed.common import init, main, sqnr, write_result
 
-DIM, HIDDEN = 64, 32
-
-
-def _reference(recipe, num_experts):
-    moe = MoE(DIM, HIDDEN, MoEArgs(num_experts=num_experts, top_k=2))
+def _reference(recipe, num_experts, dim, hidden):
+    moe = MoE(dim, hidden, MoEArgs(num_experts=num_experts, top_k=2))
     moe.init_weights(0.02, torch.Generator().manual_seed(0))
     moe.to(torch.bfloat16)
     if recipe is not None:
         # a tensorwise scale of a replicated (data-parallel) layer follows each rank's batch, as
-        # in any data-parallel run: the shared expert stays bf16 there; the experts' per-expert
-        # scales see one expert's whole token group on its rank, as on one device
-        keep = (lambda mod, fqn: "shared" not in fqn) if recipe == "tensorwise" else None
+        # in any data-parallel run, and so do the float32 scales of "blockwise"'s grad_weight
+        # blocks of 128 tokens (power-of-2 scales only shift exponents): the shared expert stays
+        # bf16 there; the experts' scales see one expert's whole token group on its rank, as on
+        # one device
+        dp_differs = recipe in ("tensorwise", "blockwise")
+        keep = (lambda mod, fqn: "shared" not in fqn) if dp_differs else None
         convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name(recipe),
                                    module_filter_fn=keep)
     return moe
@@ -48,15 +49,15 @@ def run(args):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     g = torch.Generator().manual_seed(1)
     sizes = [7 - 5 * (r % 2) for r in range(world)]  # uneven: 7, 2, 7, 2 tokens
-    x = torch.randn(1, sum(sizes), DIM, generator=g).to(torch.bfloat16)
-    grad = torch.randn(1, sum(sizes), DIM, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, sum(sizes), args.dim, generator=g).to(torch.bfloat16)
+    grad = torch.randn(1, sum(sizes), args.dim, generator=g).to(torch.bfloat16)
     start = sum(sizes[:rank])
     mine = slice(start, start + sizes[rank])
     num_experts = 4 * world
     results = {"world": world}
     for recipe in args.recipes.split(","):
         recipe = None if recipe == "bf16" else recipe
-        ref = _reference(recipe, num_experts)
+        ref = _reference(recipe, num_experts, args.dim, args.hidden)
         ep_layers = {fd: parallelize_moe(copy.deepcopy(ref), mesh, float8_dispatch=fd)
                      for fd in (True, False)}
         out, gx = _step(ref, x, grad)
@@ -85,12 +86,16 @@ def run(args):
             results["empty_groups_on_a_rank"] = bool(local_empty.item())
             results["experts_without_tokens"] = int((counts == 0).sum())
 
-    # the dispatch's bytes: the same tokens (dim 256) in bf16 and as per-token float8
+    # the dispatch's bytes: the same tokens (dim 256) in bf16 and as per-token float8 (rowwise,
+    # and the block recipes' 1 x 32 e8m0 and 1 x 128 float32 scales)
     tokens = torch.randn(64, 256, generator=g).to(torch.bfloat16)  # LLaMA dims are larger still
-    spec = Float8LinearConfig.from_recipe_name("rowwise").grouped_cast_specs("e.w1")["output", "input"]
     send = [64 // world] * world
     bytes_ = {}
-    for name, t in (("bf16", tokens), ("float8", cast_to_float8(tokens, spec))):
+    casts = {name: cast_to_float8(tokens, Float8LinearConfig.from_recipe_name(recipe)
+                                  .grouped_cast_specs("e.w1")["output", "input"])
+             for name, recipe in (("float8", "rowwise"), ("mxfp8", "mxfp8"),
+                                  ("blockwise", "blockwise"))}
+    for name, t in (("bf16", tokens), *casts.items()):
         with count_collectives() as counts:
             _all_to_all_tokens(t, send, send, mesh.get_group())
         bytes_[name] = counts["all_to_all"].input_bytes
@@ -99,7 +104,9 @@ def run(args):
 
 
 def _args(parser):
-    parser.add_argument("--recipes", default="bf16,rowwise,tensorwise,rowwise_with_gw_hp")
+    parser.add_argument("--recipes", default="bf16,rowwise,tensorwise,rowwise_with_gw_hp,mxfp8")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=32)
 
 
 if __name__ == "__main__":

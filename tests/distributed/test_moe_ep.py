@@ -1,5 +1,6 @@
 """Expert parallelism against one device on 2 and 4 gloo ranks; the checks run inside
-tests/distributed/moe_ep.py, the figures are re-checked here."""
+tests/distributed/moe_ep.py (dynamic and block recipes) and moe_ep_delayed.py (delayed scaling),
+the figures are re-checked here."""
 
 from tests.distributed.harness import run_torchrun
 
@@ -13,8 +14,23 @@ def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch():
     assert b["bf16"] == 64 * DIM * 2
     assert b["float8"] == 64 * (DIM + 4)  # 1 byte per element + a float32 scale per token
     assert b["float8"] / b["bf16"] <= 0.53
+    # 1 byte per element + a scale per token's block: 1 x 32 e8m0, 1 x 128 float32
+    assert b["mxfp8"] == b["blockwise"] == 64 * (DIM + DIM // 32)
+
+
+def test_expert_parallel_with_128_blocks_matches_one_device_bit_for_bit():
+    """DeepSeek's 1 x 128 token blocks dispatched in float8 ([Note: float8 dispatch])."""
+    r = run_torchrun("moe_ep", 2, "--recipes", "blockwise", "--dim", "128", "--hidden", "128")
+    assert r["world"] == 2 and r["empty_groups_on_a_rank"], r
 
 
 def test_expert_parallel_on_4_ranks_matches_one_device_bit_for_bit():
     r = run_torchrun("moe_ep", 4, "--recipes", "rowwise")
     assert r["world"] == 4 and r["empty_groups_on_a_rank"], r
+
+
+def test_delayed_experts_under_expert_parallelism_match_one_device_bit_for_bit():
+    """[Note: delayed experts]: histories per expert weight FQN, first-step amaxes over the EP
+    axis, the sync over all ranks."""
+    r = run_torchrun("moe_ep_delayed", 2)
+    assert r["world"] == 2 and r["buffers_checked"] == 3 * 3 * 3 * 4, r  # steps x w x op x buffer

@@ -86,6 +86,7 @@ def test_rowwise_style_with_replicated_input_matches_one_device(tp_results, reci
         ("shard_not_16", ["proj", "over 2 ranks", "out_features = 24", "pad_inner_dim"]),
         ("delayed_input", ["delayed", "fwd_config_submodule_fqn"]),
         ("2d_mesh_to_plan", ["1-D", "mesh['tp']"]),
+        ("block_split", ["w1", "over 2 ranks", "splits its 32-wide blocks", "tensor-parallel degree"]),
         ("unconverted_model", ["no Float8Linear", "convert_to_float8_training", "float8=False"]),
     ],
 )
@@ -146,3 +147,69 @@ def test_fsdp_x_tp_precompute_all_reduces(results_2d):
     # all; the other all-reduces (activation amaxes) are the same in every variant
     assert plain["fwd_all_reduce_calls"] - pre["fwd_all_reduce_calls"] == n
     assert eager["fwd_all_reduce_calls"] - pre["fwd_all_reduce_calls"] == n
+
+
+# block-scaled recipes ([Note: block scales on tensor-parallel shards] in f8dist/tp/style.py):
+# dim 256 so that every tp shard holds whole 128x128 blocks (blockwise) and 32-wide ones (mxfp8)
+BLOCK_RECIPES = "mxfp8,blockwise,mxfp8_wgrad_with_hp"
+RESCALED = "blockwise,mxfp8_wgrad_with_hp"  # their grad_weight gemm re-scales the wire's float8
+
+
+@pytest.fixture(scope="module")
+def block_results():
+    return run_torchrun("tp_llama", 2, "--recipes", BLOCK_RECIPES, "--wire-reference", RESCALED,
+                        "--dim", "256", "--only-recipes", timeout=240)
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES.split(","))
+def test_tp_sp_block_scales_in_float8_without_amax_collectives(block_results, recipe):
+    figures = block_results[recipe]
+    # no amax collective in forward or backward: every block's scale is its own
+    assert figures["fwd_all_reduce_calls"] == figures["bwd_all_reduce_calls"] == 0, figures
+    # each SP all-gather moves 1 byte per element and its block scales, in two calls (bytes,
+    # scales): 1/32 byte per element for e8m0 1x32 blocks, 4/128 for float32 1x128 ones
+    assert figures["fwd_all_gather_bytes_per_element"] == 1 + 1 / 32, figures
+    assert figures["bwd_all_gather_bytes_per_element"] == 1 + 1 / 32, figures
+    assert figures["fwd_all_gather_calls"] == 2 * 5, figures
+
+
+def test_tp_sp_mxfp8_matches_one_device(block_results):
+    # e8m0 scales are powers of 2, so the grad_weight gemm's re-cast of the gathered float8 is
+    # exact but for e4m3 subnormals: one device's numbers (most tensors bit-identical)
+    _check_recipe("mxfp8", block_results["mxfp8"])
+    sqnr = block_results["mxfp8"]["sqnr_db"]
+    assert sqnr["logits"] == float("inf"), sqnr
+
+
+@pytest.mark.parametrize("recipe", RESCALED.split(","))
+def test_tp_sp_rescaled_grad_weight_matches_the_wire_reference(block_results, recipe):
+    # float32 block scales (blockwise) and a high-precision grad_weight gemm (wgrad_with_hp) read
+    # the gathered float8 operands re-scaled or dequantized: outputs and input grads are one
+    # device's; weight grads are those of one device making the same wire casts, not a plain one
+    _check_recipe(recipe, block_results[recipe], weight_grads=False)
+    _check_recipe(recipe + "+wire_reference", block_results[recipe + "+wire_reference"])
+    worst = min(v for k, v in block_results[recipe]["sqnr_db"].items() if k.startswith("grad:layers"))
+    assert worst < 60, block_results[recipe]["sqnr_db"]
+
+
+@pytest.fixture(scope="module")
+def block_results_2d():
+    return run_torchrun("tp_llama", 4, "--dp", "2", "--recipes", "mxfp8,blockwise", "--dim", "256",
+                        "--float8-all-gather", "mxfp8_square_weights", "--only-recipes", timeout=300)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_square_weights+float8_all_gather"])
+def test_fsdp_x_tp_block_scales_match_one_device(block_results_2d, recipe):
+    figures = block_results_2d[recipe]
+    low = {k: v for k, v in figures["sqnr_db"].items() if v < FLOOR_2D_DB}
+    assert not low, f"{recipe} (dp=2 x tp=2): below {FLOOR_2D_DB} dB against one device: {low}"
+    assert figures["fwd_all_reduce_calls"] == 0, figures
+
+
+def test_fsdp_x_tp_float8_all_gather_of_square_blocks(block_results_2d):
+    # FSDP2 gathered every weight in float8 (asserted in the program) with the block scales one
+    # device computes for the weight's tp shard, bit for bit
+    assert block_results_2d["mxfp8_square_weights+float8_all_gather"]["weight_scales_equal_one_device"]
+    blockwise = block_results_2d["blockwise"]
+    assert blockwise["fwd_all_reduce_calls"] == 0
+    assert min(blockwise["sqnr_db"]["logits"], blockwise["sqnr_db"]["grad_input"]) >= FLOOR_2D_DB

@@ -128,3 +128,19 @@ def test_train_delayed_with_checkpointing_and_accumulation(layout, variants):
             assert losses != base and max(abs(a - b) / b for a, b in zip(losses, base)) < 0.01
         else:
             assert losses == base, (name, losses, base)
+
+
+def test_train_tp_with_block_scales(tmp_path):
+    """``--tp 2 --float8 mxfp8``: tensor + sequence parallel with block scales trains (the flag
+    used to be refused); the metrics file holds every step's finite, falling loss."""
+    metrics = tmp_path / "m.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
+         "--tp", "2", "--float8", "mxfp8", "--steps", "6", "--log-every", "3", "--dim", "64",
+         "--metrics-file", str(metrics)],
+        env=_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "float8 linears (mxfp8)" in out.stdout and "tp=2" in out.stdout, out.stdout
+    losses = json.loads(metrics.read_text())["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses

@@ -168,7 +168,8 @@ def compare(
     if dp > 1:  # FSDP2's weight all-gathers share the counts: no SP byte figures in 2-D
         out = {
             "sqnr_db": sqnrs,
-            "fwd_all_reduce_calls": fwd.expect("all_reduce").calls,
+            "fwd_all_reduce_calls": fwd["all_reduce"].calls,  # none for block recipes
+            "fwd_all_gather_calls": fwd.expect("all_gather").calls,
             "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
         }
         if weight_scales is not None:
@@ -190,7 +191,8 @@ def compare(
         "fwd_all_gather_calls": ag.calls,
         "fwd_all_gather_bytes_per_element": ag.input_bytes / ((2 * ARGS.n_layers + 1) * shard),
         "bwd_all_gather_calls": bag.calls,
-        "bwd_all_reduce_calls": bwd.expect("all_reduce").calls,
+        "fwd_all_reduce_calls": fwd["all_reduce"].calls,  # none for block recipes
+        "bwd_all_reduce_calls": bwd["all_reduce"].calls,
         "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
@@ -227,19 +229,39 @@ def check_weight_scales(model, reference, gathered: dict, precompute: bool) -> b
             continue
         ref = ref_modules[name]
         weight = ref.weight._tensor if isinstance(ref.weight, Float8AllGatherWeight) else ref.weight
-        expected = cast_to_float8(weight.detach(), module.specs[Gemm.OUTPUT, Operand.WEIGHT])._scale
+        spec = module.specs[Gemm.OUTPUT, Operand.WEIGHT]
+        weight = weight.detach()
+        if spec.blockwise:  # the gathered grid is the tp shard's; a tensorwise scale the weight's
+            weight = _tp_shard(weight, model_weight_placements(module))
+        expected = cast_to_float8(weight, spec)._scale
         found = {"all-gathered": gathered[module.fqn]}
         if precompute:
             found["precomputed"] = module.weight._local_tensor._precomputed[0]
         for what, scale in found.items():
-            if not torch.equal(scale, expected):
+            if not torch.equal(scale.float(), expected.float()):
                 raise AssertionError(
-                    f"{name}: {what} weight scale {scale.item()!r} != one-device {expected.item()!r}"
+                    f"{name}: {what} weight scale {scale.flatten()[:4].tolist()!r}... != one-device "
+                    f"{expected.flatten()[:4].tolist()!r}..."
                 )
         checked += 1
     if checked == 0:
         raise AssertionError("no Float8Linear weight scale was checked")
     return True
+
+
+def model_weight_placements(module):
+    """(tp mesh coordinate, tp placement) of a 2-D sharded module's weight."""
+    weight = module.weight
+    tp_dim = weight.device_mesh.mesh_dim_names.index("tp")
+    return weight.device_mesh.get_local_rank("tp"), weight.device_mesh.size(tp_dim), weight.placements[tp_dim]
+
+
+def _tp_shard(weight: torch.Tensor, where) -> torch.Tensor:
+    """This tp rank's shard of a one-device weight (what FSDP2 all-gathers under 2-D)."""
+    rank, size, placement = where
+    if not isinstance(placement, Shard):
+        return weight
+    return weight.chunk(size, placement.dim)[rank]
 
 
 def _worst_over_ranks(out: dict) -> dict:
@@ -282,6 +304,9 @@ def errors(mesh) -> dict:
             tp_mesh, PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         ),
         "2d_mesh_to_plan": lambda: parallelize_llama(Transformer(ARGS), mesh),
+        "block_split": lambda: parallelize_module(  # 48 in_features per rank: 1x32 blocks split
+            Float8Linear.from_float(nn.Linear(96, 64), Float8LinearConfig.from_recipe_name("mxfp8"),
+                                    fqn="w1"), tp_mesh, Float8RowwiseParallel()),
         "unconverted_model": lambda: parallelize_llama(Transformer(ARGS), tp_mesh, float8=True),
     }
     messages = {}
@@ -348,13 +373,24 @@ def rowwise_replicated_input(mesh) -> dict:
 
 
 def run(args):
+    global ARGS
     rank, world, device = init()
+    if args.dim:  # block recipes: dims whose tp shards hold whole 128-wide blocks
+        ARGS = dataclasses.replace(ARGS, dim=args.dim, multiple_of=args.dim)
     mesh = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
     results = {}
+    wire_reference = ["rowwise_with_gw_hp", *args.wire_reference.split(",")]  # see add_wire_casts
     for recipe in args.recipes.split(","):
         results[recipe] = compare(args, mesh, recipe, wire_reference=False)
-        if recipe == "rowwise_with_gw_hp":  # see add_wire_casts
+        if recipe in wire_reference:
             results[recipe + "+wire_reference"] = compare(args, mesh, recipe, wire_reference=True)
+    for recipe in args.float8_all_gather.split(",") if args.float8_all_gather else ():
+        # FSDP2 gathers square weight blocks in float8 ([Note: block-scaled all-gather])
+        results[recipe + "+float8_all_gather"] = compare(
+            args, mesh, recipe, wire_reference=False, float8_all_gather=True)
+    if args.only_recipes:
+        write_result(args, results)
+        return
     if args.dp > 1:  # FSDP2's float8 all-gather (tensorwise weights), with and without precompute
         for precompute in (False, True):
             name = "tensorwise+float8_all_gather" + ("+precompute" if precompute else "")
@@ -378,6 +414,14 @@ def run(args):
 def extra_args(parser):
     parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_with_gw_hp")
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--dim", type=int, default=None, help="model width (default 64)")
+    parser.add_argument("--wire-reference", default="",
+                        help="recipes also compared against one device making the same wire casts")
+    parser.add_argument("--float8-all-gather", default="",
+                        help="2-D: block recipes with square weight blocks also run with FSDP2's "
+                             "float8 all-gather")
+    parser.add_argument("--only-recipes", action="store_true",
+                        help="run the recipes only (no tensorwise variants, errors, small layers)")
     parser.add_argument("--hp-tp", action="store_true", help="PyTorch's styles (high-precision TP)")
 
 

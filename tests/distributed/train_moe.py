@@ -1,6 +1,6 @@
 """torchrun program: scripts/train.py with a mixture-of-experts model (see
-tests/distributed/test_train_moe.py): bf16 (with full activation checkpointing) and float8
-rowwise under expert parallelism, the
+tests/distributed/test_train_moe.py): bf16 (with full activation checkpointing), float8
+rowwise and delayed under expert parallelism, the
 latter checkpointing; its last checkpoint removed, the one before resumes under FSDP2 alone."""
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def run(args):
         "rowwise": train.train(train.parse_args(
             common + ["--float8", "rowwise", "--ep", "2", "--checkpoint-every", str(args.every)]
             + ckpt)),
+        # experts with amax histories ([Note: delayed experts] in f8dist/grouped.py)
+        "delayed": train.train(train.parse_args(common + ["--float8", "delayed", "--ep", "2"])),
     }
     last = max(os.listdir(args.ckpt_dir), key=lambda name: int(name.split("-")[1]))
     dist.barrier()

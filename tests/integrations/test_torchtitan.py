@@ -444,7 +444,7 @@ def test_grouped_experts_converter_on_the_deepseek_v3_debug_model(recipe, deepse
 
 
 def test_grouped_experts_converter_refuses_delayed_and_keeps_filtered_experts():
-    with pytest.raises(ValueError, match="dynamic recipe"):
+    with pytest.raises(ValueError, match="does not keep; use a dynamic recipe"):
         tt.Float8GroupedExpertsConverter(tt.Float8GroupedExpertsConverter.Config(recipe_name="delayed"))
     model = _deepseek(tt.Float8GroupedExpertsConverter.Config(filter_fqns=["layers.1."]))
     assert not isinstance(model.get_submodule(EXPERTS), tt.Float8GroupedExperts)

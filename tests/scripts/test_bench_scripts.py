@@ -110,7 +110,7 @@ def test_bench_comm_smoke(tmp_path):
 
     out = tmp_path / "comm.csv"
     result = run_torchrun("bench_comm_smoke", 2, "--smoke", "--scenarios", "fsdp mlp", "tp llama",
-                          "--csv", out)
+                          "tp ffn", "--csv", out)
     header, rows = _read_csv(out)
     assert header == bench_comm.COLUMNS
     assert len(rows) == len(result["rows"])
@@ -134,6 +134,13 @@ def test_bench_comm_smoke(tmp_path):
         assert rs["note"] == bench_comm.RS_NOTE and float(rs["bytes_vs_bf16"]) <= 0.26
     else:
         assert all(r["note"].startswith("pending") for r in fp8_ag)
+    # block scales under TP+SP: float8 bytes plus one e8m0 byte per 32 on every all-gather (the
+    # ffn's are all a float8 linear's activations or gradients), and no amax all-reduce
+    mx, bf16 = (int(by[("tp ffn", v, "all_gather")]["step_bytes"]) for v in ("mxfp8", "bf16"))
+    assert mx == bf16 * (1 + 1 / 32) / 2 and float(by[("tp ffn", "mxfp8", "all_gather")]["bytes_vs_bf16"]) <= 0.52
+    assert ("tp ffn", "mxfp8", "all_reduce") not in by and ("tp ffn", "float8", "all_reduce") in by
+    # 128x128 weight blocks do not fit the smoke model's 32-row shards: a row says so
+    assert by[("tp ffn", "blockwise", "-")]["note"] == bench_comm.SPLIT
 
 
 def test_sqnr_table_prints_every_recipe_above_the_floors(capsys, monkeypatch):

@@ -46,8 +46,14 @@ def test_dtype_and_submodule_config_are_exclusive():
         )
 
 
-@pytest.mark.parametrize("style", [Float8ColwiseParallel, Float8RowwiseParallel])
-def test_block_scaled_layers_say_tensor_parallel_is_unsupported(style):
+@pytest.mark.parametrize("recipe, style, shape, block", [
+    ("mxfp8", Float8RowwiseParallel, (96, 64), 32),  # in_features 96: 48 per rank
+    ("mxfp8", Float8ColwiseParallel, (64, 96), 32),  # out_features 96 (grad_input's N blocks)
+    ("blockwise", Float8ColwiseParallel, (128, 128), 128),  # 64 rows of a 128x128 block
+])
+def test_shards_that_split_blocks_name_the_fix(recipe, style, shape, block):
+    """[Note: block scales on tensor-parallel shards]: a TP shard that splits a block raises at
+    parallelize time, naming the layer and the fix; block-aligned shards are accepted."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -55,13 +61,16 @@ def test_block_scaled_layers_say_tensor_parallel_is_unsupported(style):
 
     from f8dist import Float8Linear, Float8LinearConfig
 
-    with torch.device("cpu"):
-        lin = Float8Linear.from_float(torch.nn.Linear(64, 64),
-                                      Float8LinearConfig.from_recipe_name("mxfp8"), fqn="w1")
+    config = Float8LinearConfig.from_recipe_name(recipe)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        with pytest.raises(NotImplementedError, match="on w1: tensor and sequence parallel with "
-                                                      "block scales .* not supported yet"):
-            parallelize_module(lin, init_device_mesh("cpu", (2,)), style())
+        mesh = init_device_mesh("cpu", (2,))
+        bad = Float8Linear.from_float(torch.nn.Linear(*shape, bias=False), config, fqn="w1")
+        with pytest.raises(ValueError, match=rf"{style.__name__} on w1 .* over 2 ranks.*"
+                                             rf"splits its {block}-wide blocks.*tensor-parallel "
+                                             r"degree.*module_filter_fn"):
+            parallelize_module(bad, mesh, style())
+        good = Float8Linear.from_float(torch.nn.Linear(2 * block, 2 * block, bias=False), config)
+        parallelize_module(good, mesh, style())
     finally:
         dist.destroy_process_group()

@@ -15,8 +15,6 @@ def _bytes(t):
     return t._data.view(torch.uint8)
 
 
-# block-scaled Float8Tensors take no split or cat: tensor parallel with block scales raises
-# (tests/tp/test_style.py, tests/test_tensor.py)
 @pytest.mark.parametrize("granularity", [ScalingGranularity.TENSORWISE, ScalingGranularity.AXISWISE])
 def test_chunk_then_cat_along_tokens_is_identity(granularity):
     # what all_gather_single does for gather_dim=1: chunk the dim-0 gathered buffer, cat on dim 1
@@ -52,3 +50,35 @@ def test_same_shape_view_keeps_axiswise_scales():
                                                       axis=0))
     v = fp8.view_as(fp8)
     assert v._axiswise_dim == 0 and v._scale is fp8._scale
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_row_blocks_cast_before_gather_equal_cast_after(recipe):
+    """[Note: row blocks of N-D activations]: a [B, S, K] activation cast per sequence shard and
+    reassembled as the all-gather does (cat along the tokens) has the bytes and block scales of
+    the whole activation's cast, and its [B * S, K] view those of the 2-D cast."""
+    from f8dist.config import Float8LinearConfig
+
+    spec = Float8LinearConfig.from_recipe_name(recipe).cast_spec("output", "input")
+    x = torch.randn(2, 8, 256) * torch.logspace(-3, 3, 256)  # [B, S, K], blocks of varied range
+    whole = cast_to_float8(x, spec)
+    assert whole._scale.shape == (2, 8, 256 // spec.block_size[1])
+    shards = [cast_to_float8(piece, spec) for piece in torch.chunk(x, 2, dim=1)]
+    gathered = torch.cat(shards, dim=1)  # [B, S, K]
+    assert torch.equal(_bytes(gathered), _bytes(whole))
+    assert torch.equal(gathered._scale.view(torch.uint8), whole._scale.view(torch.uint8))
+    flat = whole.reshape(16, 256)  # what the linear's gemm takes
+    ref = cast_to_float8(x.reshape(16, 256), spec)
+    assert torch.equal(_bytes(flat), _bytes(ref)) and torch.equal(flat._scale, ref._scale)
+    assert [p._scale.shape for p in torch.chunk(whole, 2, dim=1)] == [s._scale.shape for s in shards]
+
+
+def test_block_pieces_must_start_on_block_boundaries():
+    from f8dist.config import Float8LinearConfig
+
+    spec = Float8LinearConfig.from_recipe_name("blockwise").cast_spec("output", "weight")  # 128x128
+    w = cast_to_float8(torch.randn(256, 128), spec)
+    top, bottom = torch.chunk(w, 2)  # 128 rows each: whole blocks
+    assert torch.equal(torch.cat([top, bottom])._scale, w._scale)
+    with pytest.raises(NotImplementedError, match="split its 128-wide blocks"):
+        torch.chunk(w, 4)
