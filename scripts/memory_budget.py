@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train  # noqa: E402  (scripts/train.py)
 from memory_report import build, configs, convert  # noqa: E402
 
-from f8dist import float8_sac_context_fn  # noqa: E402
+from f8dist import Float8LinearConfig, float8_sac_context_fn  # noqa: E402
+from f8dist.gemm import block_problems  # noqa: E402
 from f8dist.models import Transformer  # noqa: E402
 from f8dist.models.data import ByteBatches  # noqa: E402
 from f8dist.models.llama import ModelArgs  # noqa: E402
@@ -84,7 +85,13 @@ def main():
           "model (fp32 parameters and gradients, as FSDP2 with a bf16 compute dtype keeps them)")
     print(f"{'recipe':19} {'params':>7} {'grads':>7} {'AdamW fp32':>10} {'AdamW 8bit':>10} "
           f"{'sum fp32':>9} {'sum 8bit':>9} {'save, 8bit':>10}")
+    default = train.model_args(train.parse_args([]))
     for recipe in train.RECIPES:
+        config = None if recipe == "none" else Float8LinearConfig.from_recipe_name(recipe)
+        bad = config and block_problems(config.cast_specs(), default.dim, default.ffn_hidden_dim)
+        if bad:  # train.py refuses it for its default model
+            print(f"# {recipe}: left out, {', '.join(bad)}")
+            continue
         fp32, eight = per_parameter(recipe, "fp32"), per_parameter(recipe, "8bit")
         print(f"{'bf16' if recipe == 'none' else recipe:19} {fp32['params']:7.3f} "
               f"{fp32['grads']:7.3f} {fp32['optim']:10.3f} {eight['optim']:10.3f} "

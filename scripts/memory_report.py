@@ -1,10 +1,12 @@
 """Bytes kept for backward and peak bytes of a fwd+bwd: bf16 vs each float8 recipe, without and
-with ``float8_activations_for_backward`` ("f8 act"), plain, under ``float8_sac_context_fn`` (SAC)
+with ``float8_activations_for_backward`` ("f8 act" off / on; on+rc: also
+``recompute_swiglu_product``), plain, under ``float8_sac_context_fn`` (SAC)
 and under full activation checkpointing (full AC), for a SwiGLU FFN and a LLaMA-style
 transformer block.
 
     PYTHONPATH=. python scripts/memory_report.py                    # CPU, small shapes
     PYTHONPATH=. python scripts/memory_report.py --device cuda --dim 4096 --seq 8192
+    PYTHONPATH=. python scripts/memory_report.py --dim 384 --recipes blockwise  # 128-wide blocks
 
 kept: bytes allocated in the forward still alive at its end, output excluded (input included:
 it stands for the previous layer's output); scales: the part of kept made by amax reductions;
@@ -53,11 +55,11 @@ def convert(module, config):
     return module
 
 
-def configs(args: ModelArgs):
+def configs(args: ModelArgs, recipes=tuple(RECIPES[1:])):
     """(recipe, f8 act, config) rows: bf16, then each recipe in each of MODES; a block-scaled
     recipe whose blocks the model's dims do not divide into is left out, said so."""
     yield "bf16", "off", None
-    for recipe in RECIPES[1:]:
+    for recipe in recipes:
         config = Float8LinearConfig.from_recipe_name(recipe)
         bad = block_problems(config.cast_specs(), args.dim, args.ffn_hidden_dim)
         if bad:
@@ -67,7 +69,7 @@ def configs(args: ModelArgs):
             yield recipe, mode, config.replace(**change)
 
 
-def report(kind, args, x, device, dtype, compiled=False):
+def report(kind, args, x, device, dtype, compiled=False, recipes=tuple(RECIPES[1:])):
     base, extra = build(kind, args, device, dtype)
     cuda = x.is_cuda
     head = (f"{'model':6} {'recipe':19} {'f8 act':6} {'plain kept':>11} {'ratio':>6} "
@@ -79,7 +81,7 @@ def report(kind, args, x, device, dtype, compiled=False):
         head += f" {'compiled plain':>14} {'ratio':>6} {'compiled SAC':>12}"
     print(head)
     ref = {}
-    for recipe, on, config in configs(args):
+    for recipe, on, config in configs(args, recipes):
         module = convert(base, config)
         plain = measure_fwd_bwd(module, x, *extra)
         sac = measure_fwd_bwd(module, x, *extra, context_fn=float8_sac_context_fn)
@@ -140,7 +142,7 @@ def axiswise_choices(args, x, device):
             print(f"{name:26} {str(pow2):>11} {kept:8d} {dw:16.2f} {dx:12.2f}")
 
 
-def swiglu_fit(args, x, device):
+def swiglu_fit(args, x, device, recipes=tuple(RECIPES[1:])):
     """What keeping SwiGLU's inputs in float8 costs: FFN gradient SQNR vs fp32, f8 act off/on
     (the linears' gradients are the same either way: only the SwiGLU changes)."""
     ref, _ = build("ffn", args, device, torch.float32)
@@ -148,7 +150,7 @@ def swiglu_fit(args, x, device):
     ref(xf).sum().backward()
     print(f"{'FFN gradients vs fp32':26} {'f8 act':6} {'SQNR dW min (dB)':>16} "
           f"{'SQNR dx (dB)':>12}")
-    for recipe, on, config in configs(args):
+    for recipe, on, config in configs(args, recipes):
         dw, dx = _grad_sqnr(ref, xf, convert(ref, config).to(x.dtype), x)
         print(f"{recipe:26} {on:6} {dw:16.2f} {dx:12.2f}")
 
@@ -163,6 +165,8 @@ def main():
     parser.add_argument("--compiled", action="store_true",
                         help="add the bytes torch.compile saves for backward (aot_eager partition)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--recipes", type=lambda s: tuple(s.split(",")), default=tuple(RECIPES[1:]),
+                        help="comma-separated float8 recipes to report after bf16 (default: all)")
     opts = parser.parse_args()
     dtype = getattr(torch, opts.dtype)
     args = ModelArgs(dim=opts.dim, n_heads=opts.n_heads, max_seq_len=max(opts.seq, 128))
@@ -171,11 +175,11 @@ def main():
     print(f"# dim={args.dim} ffn_hidden={args.ffn_hidden_dim} heads={args.n_heads} "
           f"tokens={opts.batch}x{opts.seq} {opts.dtype} {opts.device}; bytes; ratio = vs bf16")
     for kind in ("ffn", "block"):
-        report(kind, args, x, opts.device, dtype, opts.compiled)
+        report(kind, args, x, opts.device, dtype, opts.compiled, opts.recipes)
     print()
     axiswise_choices(args, x, opts.device)
     print()
-    swiglu_fit(args, x, opts.device)
+    swiglu_fit(args, x, opts.device, opts.recipes)
 
 
 if __name__ == "__main__":

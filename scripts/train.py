@@ -112,6 +112,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--float8-activations-for-backward", action="store_true",
                    help="keep float8 copies of the activations backward reads (grad_weight inputs, "
                         "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
+    p.add_argument("--recompute-swiglu-product", action="store_true",
+                   help="with --float8-activations-for-backward: w2 keeps nothing of its input and "
+                        "recomputes it in backward from the SwiGLU's float8 gate and up (other "
+                        "numerics for w2's weight gradient; not under --tp)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
@@ -309,7 +313,8 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     if args.float8 == "none":
         return None
     config = Float8LinearConfig.from_recipe_name(args.float8).replace(
-        float8_activations_for_backward=args.float8_activations_for_backward)
+        float8_activations_for_backward=args.float8_activations_for_backward,
+        recompute_swiglu_product=args.recompute_swiglu_product)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
         # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)

@@ -143,6 +143,9 @@ def test_float8_activations_flag_sets_the_config_field():
     assert train.float8_config(args).float8_activations_for_backward
     off = train.float8_config(train.parse_args(["--float8", "rowwise"]))
     assert not off.float8_activations_for_backward
+    rc = train.float8_config(train.parse_args(
+        ["--float8", "rowwise", "--float8-activations-for-backward", "--recompute-swiglu-product"]))
+    assert rc.recompute_swiglu_product and not off.recompute_swiglu_product
 
 
 def test_memory_line_splits_params_grads_optimizer_and_activations():
