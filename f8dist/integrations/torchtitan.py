@@ -92,6 +92,18 @@ def _float8_config(recipe_name: str, enable_fsdp_float8_all_gather: bool,
     )
 
 
+def _put(root, parent, attr, new):
+    """``new`` in the place ``Module.Config.traverse`` found a config at (``parent[attr]`` or
+    ``parent.attr``; the root itself when ``parent`` is None); returns the root."""
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return root
+
+
 class Float8Linear(f8dist.Float8Linear, Module):
     """f8dist's :class:`~f8dist.Float8Linear` as a torchtitan ``Module``, built from a
     :class:`Float8Linear.Config` (what :class:`Float8LinearConverter` puts in the model config).
@@ -226,12 +238,7 @@ class Float8LinearConverter(QuantizationConverter):
                 **{name: getattr(cfg, name) for name in _LAYER_OPTIONS},
                 fqn=fqn,
             )
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
+            model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
         logger.info("f8dist: %d linear(s) converted to float8 (%s recipe)", len(converted),
                     cfg.recipe_name)
@@ -329,10 +336,7 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                 **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)},
                 recipe_name=self.config.recipe_name, fqn=fqn,
             )
-            if isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
+            model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
         logger.info("f8dist: %d grouped experts converted to float8 (%s recipe)", len(converted),
                     self.config.recipe_name)

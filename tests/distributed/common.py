@@ -21,7 +21,7 @@ import datetime
 import json
 import os
 import traceback
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,34 @@ def write_result(args, obj: dict) -> None:
     if args.result and (not dist.is_initialized() or dist.get_rank() == 0):
         with open(args.result, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
+
+
+Scenarios = Callable[[int, int, torch.device, dict], Dict[str, Callable[[], None]]]
+
+
+def scenario_args(parser) -> None:
+    """The ``--scenarios a,b`` argument of a program that runs :func:`run_scenarios`."""
+    parser.add_argument("--scenarios", required=True)
+
+
+def run_scenarios(args, table: Scenarios, *, barrier: bool = False) -> None:
+    """Join the group, run the scenarios ``--scenarios`` names, in ``table``'s order, and write
+    the figures they put in one dict (``{"world": ...}`` to start). ``table(rank, world, device,
+    out)`` maps each scenario's name to the call that runs it; a name it does not know raises.
+    ``barrier``: wait for every rank before writing."""
+    rank, world, device = init()
+    out = {"world": world}
+    named = args.scenarios.split(",")
+    runs = table(rank, world, device, out)
+    unknown = [name for name in named if name not in runs]
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}: this program runs {list(runs)}")
+    for name, fn in runs.items():
+        if name in named:
+            fn()
+    if barrier:
+        dist.barrier()
+    write_result(args, out)
 
 
 def main(fn: Callable, extra_args: Optional[Callable] = None) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.fsdp import Float8AllGatherWeight
 from f8dist.testing import count_collectives
-from tests.distributed.common import assert_equal, init, main, write_result
+from tests.distributed.common import assert_equal, main, run_scenarios, scenario_args
 
 DIM, HIDDEN = 64, 128  # fc1 [128, 64] and fc2 [64, 128]: 64 and 32 rows per rank on 2 ranks
 STEPS = 3
@@ -114,23 +114,15 @@ def split(device, out):
 
 
 def run(args):
-    rank, world, device = init()
-    out = {"world": world}
-    scenarios = args.scenarios.split(",")
-    if "parity" in scenarios:
-        parity(device, world, True, out)
-        parity(device, world, False, out)
-    if "bytes" in scenarios:
-        bytes_ratio(device, out)
-    if "split" in scenarios:
-        split(device, out)
-    dist.barrier()
-    write_result(args, out)
+    def table(rank, world, device, out):
+        return {
+            "parity": lambda: [parity(device, world, fp8, out) for fp8 in (True, False)],
+            "bytes": lambda: bytes_ratio(device, out),
+            "split": lambda: split(device, out),
+        }
 
-
-def extra(parser):
-    parser.add_argument("--scenarios", required=True)
+    run_scenarios(args, table, barrier=True)
 
 
 if __name__ == "__main__":
-    main(run, extra)
+    main(run, scenario_args)

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.testing import count_collectives
 from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
-from tests.distributed.common import assert_equal, init, main, sqnr, write_result
+from tests.distributed.common import assert_equal, main, run_scenarios, scenario_args, sqnr
 
 DIM, HIDDEN, VOCAB, HEAD = 32, 128, 16, 4
 STEPS = 3
@@ -178,23 +178,20 @@ def plain_forward(plain, fresh, x):
 
 
 def run(args):
-    rank, world, device = init()
-    out = {"world": world}
-    scenarios = args.scenarios.split(",")
-    if "parity" in scenarios:
-        parity(device, world, True, out)
-        parity(device, world, False, out)
-    if "bytes" in scenarios:
-        bytes_ratio(device, out)
-    if "dcp" in scenarios:
-        if not args.ckpt_dir:
-            raise ValueError("the dcp scenario writes checkpoints: pass --ckpt-dir <a temporary dir>")
-        dcp_round_trip(device, args.ckpt_dir, out)
-    write_result(args, out)
+    def table(rank, world, device, out):
+        return {
+            "parity": lambda: [parity(device, world, fp8, out) for fp8 in (True, False)],
+            "bytes": lambda: bytes_ratio(device, out),
+            "dcp": lambda: dcp_round_trip(device, args.ckpt_dir, out),
+        }
+
+    if "dcp" in args.scenarios.split(",") and not args.ckpt_dir:
+        raise ValueError("the dcp scenario writes checkpoints: pass --ckpt-dir <a temporary dir>")
+    run_scenarios(args, table)
 
 
 def extra(parser):
-    parser.add_argument("--scenarios", required=True)
+    scenario_args(parser)
     parser.add_argument("--ckpt-dir", default=None, help="required by the dcp scenario")
 
 

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.testing import count_collectives
 from f8dist.fsdp import Float8ReduceScatterConfig, enable_float8_reduce_scatter
-from tests.distributed.common import init, main, sqnr, write_result
+from tests.distributed.common import main, run_scenarios, scenario_args, sqnr
 from tests.distributed.fsdp_float8 import HEAD, VOCAB, Net
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
@@ -192,25 +192,17 @@ def disagree(device, rank, out):
 
 
 def run(args):
-    rank, world, device = init()
-    out = {"world": world}
-    scenarios = args.scenarios.split(",")
-    if "disagree" in scenarios:
-        disagree(device, rank, out)
-    if "grads" in scenarios:
-        grads(device, rank, out)
-    if "bytes" in scenarios:
-        bytes_ratio(device, rank, out)
-    if "train" in scenarios:
-        train_runs(device, rank, out)
-    if "train_script" in scenarios:
-        train_script(out)
-    write_result(args, out)
+    def table(rank, world, device, out):
+        return {
+            "disagree": lambda: disagree(device, rank, out),
+            "grads": lambda: grads(device, rank, out),
+            "bytes": lambda: bytes_ratio(device, rank, out),
+            "train": lambda: train_runs(device, rank, out),
+            "train_script": lambda: train_script(out),
+        }
 
-
-def extra(parser):
-    parser.add_argument("--scenarios", required=True)
+    run_scenarios(args, table)
 
 
 if __name__ == "__main__":
-    main(run, extra)
+    main(run, scenario_args)
