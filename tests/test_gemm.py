@@ -191,7 +191,7 @@ def _block_operands(m, k, n, a_block, b_block, scale_dtype, mm_config=ScaledMMCo
     (8, 256, 256, (1, 128), (128, 128), torch.float32),  # DeepSeek-V3
     (8, 37, 16, (1, 32), (1, 32), E8M0),  # K = 37 tokens: the last block zero-padded
 ])
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_dtype):
     a, b, fa, fb = _block_operands(m, k, n, a_block, b_block, scale_dtype)
     assert fa._block == a_block and fb._block == b_block[::-1]  # b's block in its [K, N] layout
@@ -204,7 +204,7 @@ def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_d
     assert sqnr(emu, out) > exact_gemm_db()
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 def test_block_scaled_gemm_needs_block_scales_on_both_sides():
     _, _, fa, fb = _block_operands(16, 64, 32, (1, 32), (1, 32), E8M0)
     tensorwise = cast_to_float8(torch.randn(64, 32), CastSpec(dtype=E4M3))
@@ -446,7 +446,7 @@ def test_cuda_block_problem_names_the_fix(kernel, capability, kw, words):
         assert problem is not None and all(w in problem for w in words), problem
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_square_weights", "mxfp8_wgrad_with_hp"])
 def test_mxfp8_linear_through_the_cuda_args_is_bit_for_bit(recipe, monkeypatch):
     # a Float8Linear whose block gemms go through the arguments CUDA's MXFP8 kernel would get,
