@@ -301,13 +301,18 @@ def test_swizzle_32_4_4_is_cublas_layout_and_inverts(rows, cols):
 def test_mx_scales_are_exact_e8m0():
     # every quantizing e8m0 scale f8dist keeps, 2**-127 .. 2**127: its reciprocal (what the kernel
     # multiplies by) goes to e8m0 and back unchanged
-    from f8dist.gemm import _mx_scales, unswizzle_32_4_4
+    from f8dist.gemm import _mx_scales, swizzle_32_4_4, unswizzle_32_4_4
 
     quant = torch.ldexp(torch.ones(255), torch.arange(-127, 128)).to(E8M0)  # [255]
     inv = quant.to(torch.float32).reciprocal().reshape(51, 5)  # [rows, K/32]
     swizzled = _mx_scales(inv, (1, 32), 51)
     assert swizzled.dtype == E8M0
     assert torch.equal(unswizzle_32_4_4(swizzled.to(torch.float32), 51, 5), inv)
+    # torch's own conversion agrees byte for byte, and a NaN scale (a non-finite block) stays NaN
+    by_torch = swizzle_32_4_4(inv).to(E8M0)
+    assert torch.equal(swizzled.view(torch.uint8), by_torch.view(torch.uint8))
+    nan = _mx_scales(torch.full((1, 1), float("nan")), (1, 32), 1)
+    assert nan.to(torch.float32)[0].isnan()
 
 
 # (tokens, in_features, out_features): whole tiles; tokens, rows and K-blocks that pad to 128 / 4
