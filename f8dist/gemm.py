@@ -319,7 +319,7 @@ def _cuda_block_kernel(a_block, bt_block) -> Optional[str]:
     return "deepseek" if (a_block, bt_block) in _CUDA_BLOCK_PAIRS else None
 
 
-_EMULATE = ("Float8LinearConfig(emulate=True) (dequantize, then a high-precision matmul)")
+_EMULATE = "Float8LinearConfig(emulate=True) (dequantize, then a high-precision matmul)"
 
 
 def cuda_block_problem(kernel: Optional[str], capability: Optional[Tuple[int, int]], *,
@@ -420,13 +420,13 @@ def cuda_block_args(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
 def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, e8m0, out_dtype):
     """``a`` [M, K] @ ``b`` [K, N] on CUDA's block-scaled kernels ([Note: the block-scaled gemm],
     [Note: MXFP8 on CUDA]); ``e8m0``: both operands' scales are e8m0."""
-    bt_block = (b_block[1], b_block[0])
-    kernel = _cuda_block_kernel(a_block, bt_block)
+    kernel = _cuda_block_kernel(a_block, (b_block[1], b_block[0]))  # b seen from b.t()
     cuda = a.device.type == "cuda"
     problem = cuda_block_problem(
         kernel, torch.cuda.get_device_capability(a.device) if cuda else None,
         device=a.device.type, api=_has_block_api(kernel),
-        rocm=cuda and torch.version.hip is not None, e8m0=e8m0, dtypes=(a.dtype, b.dtype), blocks=f"{a_block} x {b_block}")
+        rocm=cuda and torch.version.hip is not None, e8m0=e8m0, dtypes=(a.dtype, b.dtype),
+        blocks=f"{a_block} x {b_block}")
     if problem is not None:
         raise NotImplementedError(problem + " ([Note: the block-scaled gemm] in f8dist/gemm.py)")
     args, kwargs = cuda_block_args(a, b, inv_a, inv_b, a_block, b_block, out_dtype=out_dtype)
