@@ -115,12 +115,12 @@ def test_float8_activations_for_backward_keep_at_most_0_6_of_bf16_in_the_ffn(rec
         assert kept < without and (bound is None or kept <= bound), (kind, kept, without, bound)
 
 
-@pytest.mark.parametrize("recipe", [*RECIPES, "mxfp8"])
+@pytest.mark.parametrize("recipe", [*RECIPES, "mxfp8", "delayed"])
 def test_the_block_keeps_at_most_0_6_of_bf16_with_the_swiglu_product_recomputed(recipe, bf16_kept):
     """Issue 26's goal for the block: with float8_activations_for_backward and
     recompute_swiglu_product, wq/wk/wv and w1/w3 sharing their input's float8 copy ([Note: one
-    cast per input]) and w2 keeping nothing of its input ([Note: a product recomputed in
-    backward]), the block keeps at most 0.6x of bf16's bytes (0.54-0.56x here)."""
+    cast per input], delayed scaling too) and w2 keeping nothing of its input ([Note: a product
+    recomputed in backward]), the block keeps at most 0.6x of bf16's bytes (0.54-0.56x here)."""
     on = dict(float8_activations_for_backward=True)
     module, x, extra = make_model("block", recipe, **on, recompute_swiglu_product=True)
     kept = measure_fwd_bwd(module, x, *extra).kept_bytes
