@@ -50,6 +50,7 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -216,15 +217,26 @@ def float8_linear_mm(
     if recompute is not None and (not backward or is_dtensor(input)):
         if is_dtensor(input):
             raise NotImplementedError(
-                "recompute_swiglu_product with a tensor-parallel input: backward would recompute "
-                "the local product only; turn recompute_swiglu_product off under tensor parallelism")
+                "an input recomputed in backward (recompute_swiglu_product, recompute_norm_output) "
+                "that is tensor-parallel: backward would recompute the local tensor only; turn "
+                "recompute_swiglu_product off under tensor parallelism, and recompute_norm_output "
+                "unless the norm's input is sequence-parallel")
         recompute = None
+    if recompute is not None:  # the [M, K] input again, in this gemm's dtype (autocast's)
+        fn, tensors = recompute
+        recompute = (functools.partial(_recomputed_input, fn, k, input.dtype), tensors)
     out_2d = _Float8Matmul.apply(  # [M, N]
         input_2d, weight, specs, scales, delayed, backward, shared, recompute)
     if input.dim() == 2:
         return out_2d
     # [Note: an output that is no view]
     return torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))  # [..., N]
+
+
+def _recomputed_input(fn, k: int, dtype: torch.dtype, *tensors) -> torch.Tensor:
+    """``fn(*tensors)``, an input given to ``float8_linear_mm`` for backward to recompute, as the
+    [M, K] input of the gemms, in their dtype."""
+    return fn(*tensors).reshape(-1, k).to(dtype)  # [M, K]
 
 
 # [Note: an output that is no view]

@@ -128,6 +128,54 @@ def test_the_block_keeps_at_most_0_6_of_bf16_with_the_swiglu_product_recomputed(
     assert kept < without and kept <= 0.6 * bf16_kept["block", None], (kept, without)
 
 
+def _grads(module, x, extra):
+    xi = x.clone().requires_grad_()
+    module(xi, *extra).float().square().sum().backward()
+    return [xi.grad, *(p.grad for p in module.parameters())]
+
+
+@pytest.mark.parametrize("recipe", [*RECIPES, "delayed"])
+def test_norm_outputs_recomputed_in_backward_keep_less_with_the_same_gradients(recipe, bf16_kept):
+    """recompute_norm_output ([Note: a norm output recomputed in backward] in
+    f8dist/models/norm.py): wq/wk/wv and w1/w3 keep nothing of the norms' outputs, which backward
+    recomputes from the norms' input and rstd, bit for bit: the block's gradients are those
+    without it, and it keeps two norm outputs fewer (bf16 for rowwise_with_gw_hp, float8 and its
+    scale else),
+    less than 0.5x of bf16's bytes. Also in an fp32 block under bf16 autocast."""
+    on = dict(float8_activations_for_backward=True, recompute_swiglu_product=True)
+    module, x, extra = make_model("block", recipe, **on)
+    recomputing = make_model("block", recipe, **on, recompute_norm_output=True)[0]
+    kept = [measure_fwd_bwd(m, x, *extra).kept_bytes for m in (module, recomputing)]
+    norm_output = x.numel() * (2 if recipe == "rowwise_with_gw_hp" else 1)
+    assert kept[0] - kept[1] >= 2 * norm_output and kept[1] <= 0.5 * bf16_kept["block", None], kept
+    assert all(torch.equal(a, b) for a, b in zip(_grads(module, x, extra),
+                                                  _grads(recomputing, x, extra)))
+    if recipe == "rowwise":
+        fp32 = [copy.deepcopy(m).float() for m in (module, recomputing)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            grads = [_grads(m, x.float(), extra) for m in fp32]
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_norm_outputs_recomputed_compiled():
+    """Compiled, the partitioner saves no norm output either: rowwise_with_gw_hp, whose
+    high-precision grad_weight gemms read the bf16 norm outputs, saves at most 0.6x of what it
+    saves for bf16 (with f8 act and the SwiGLU product recomputed), and its gradients are the
+    compiled ones without the option."""
+    from f8dist.testing import compiled_saved_bytes
+
+    on = dict(float8_activations_for_backward=True, recompute_swiglu_product=True)
+    bf16, x, extra = make_model("block", "bf16")
+    module = make_model("block", "rowwise_with_gw_hp", **on)[0]
+    recomputing = make_model("block", "rowwise_with_gw_hp", **on, recompute_norm_output=True)[0]
+    saved = [compiled_saved_bytes(m, x, *extra) for m in (bf16, module, recomputing)]
+    assert saved[1] - saved[2] == 2 * x.numel() * 2 and saved[2] <= 0.6 * saved[0], saved
+    torch._dynamo.reset()
+    grads = [_grads(torch.compile(m, fullgraph=True, backend="aot_eager"), x, extra)
+             for m in (module, recomputing)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 # -- axiswise: keep the high-precision input (default) or requantize the float8 copy -----------
 
 
