@@ -199,9 +199,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, recompute=None) -> torch.Tensor:
         """``recompute``: as in :meth:`Attention.forward`, for w1 and w3."""
-        gate = self.w1(x, **_norm_reader(self.w1, recompute))  # [..., hidden]
-        up = self.w3(x, **_norm_reader(self.w3, recompute))  # [..., hidden]
-        product, kwargs = swiglu_for(gate, up, self.w2)  # [..., hidden]
+        product, kwargs = swiglu_for(  # [..., hidden]; gate and up die before w2 runs
+            self.w1(x, **_norm_reader(self.w1, recompute)),
+            self.w3(x, **_norm_reader(self.w3, recompute)), self.w2)
         return self.w2(product, **kwargs)
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
