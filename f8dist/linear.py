@@ -61,7 +61,7 @@ from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInp
 from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_block_shape, check_gemm_shape
-from f8dist.placement import is_dtensor, local_part, reduce_partial
+from f8dist.placement import layout, local_part, reduce_partial, with_layout
 from f8dist.tensor import Float8Tensor
 
 __all__ = ["Float8Linear", "float8_linear_mm"]
@@ -214,17 +214,13 @@ def float8_linear_mm(
     shared = None
     if backward and share_with is not None and specs.saved_input is not SavedInput.HIGH_PRECISION:
         shared = shared_casts(share_with)
-    if recompute is not None and (not backward or is_dtensor(input)):
-        if is_dtensor(input):
-            raise NotImplementedError(
-                "an input recomputed in backward (recompute_swiglu_product, recompute_norm_output) "
-                "that is tensor-parallel: backward would recompute the local tensor only; turn "
-                "recompute_swiglu_product off under tensor parallelism, and recompute_norm_output "
-                "unless the norm's input is sequence-parallel")
+    if recompute is not None and not backward:
         recompute = None
-    if recompute is not None:  # the [M, K] input again, in this gemm's dtype (autocast's)
+    if recompute is not None:  # [Note: a recomputed input]
         fn, tensors = recompute
-        recompute = (functools.partial(_recomputed_input, fn, k, input.dtype), tensors)
+        recompute = (functools.partial(
+            _recomputed_input, fn, tuple(local_part(input_2d).shape), layout(input_2d),
+            input.dtype), tensors)
     out_2d = _Float8Matmul.apply(  # [M, N]
         input_2d, weight, specs, scales, delayed, backward, shared, recompute)
     if input.dim() == 2:
@@ -233,10 +229,29 @@ def float8_linear_mm(
     return torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))  # [..., N]
 
 
-def _recomputed_input(fn, k: int, dtype: torch.dtype, *tensors) -> torch.Tensor:
-    """``fn(*tensors)``, an input given to ``float8_linear_mm`` for backward to recompute, as the
-    [M, K] input of the gemms, in their dtype."""
-    return fn(*tensors).reshape(-1, k).to(dtype)  # [M, K]
+# [Note: a recomputed input]
+# ``float8_linear_mm(..., recompute=(fn, tensors))``: ``fn(*tensors)`` gives the input again in
+# backward, the high-precision values it had in forward (before autocast's cast, of any leading
+# shape). Backward takes it as the [M, K] input of the gemms, in their dtype. For a DTensor input
+# (a tensor-parallel linear, whose input a TP style made from the caller's tensor) it gives this
+# rank's part, and backward lays it out as the forward's input was: a rowwise-parallel w2 reads
+# its Shard(-1) input as the local product of the column-parallel w1 and w3 (the SwiGLU's
+# float8 gate and up are local too), a linear reading a replicated norm output reads it whole.
+# A plan that redistributes the tensor on its way in (a gathered input, other shards) gives the
+# linear other local values than ``fn`` recomputes; where their shapes differ, backward raises.
+
+
+def _recomputed_input(fn, shape: tuple, layout_2d, dtype: torch.dtype, *tensors) -> torch.Tensor:
+    """``fn(*tensors)`` as the forward's [M, K] input (``shape``: its local shape; ``layout_2d``:
+    its DTensor layout or None), in the gemms' dtype ([Note: a recomputed input])."""
+    local = fn(*tensors)  # [..., K]
+    if local.numel() != shape[0] * shape[1] or local.shape[-1] != shape[1]:
+        raise RuntimeError(
+            f"an input recomputed in backward (recompute_swiglu_product, recompute_norm_output) "
+            f"has shape {tuple(local.shape)}, but the linear read {list(shape)} on this rank: a "
+            "tensor-parallel plan redistributed it on its way in; turn the option off for this "
+            "plan")
+    return with_layout(layout_2d, local.reshape(shape).to(dtype))  # [M, K]
 
 
 # [Note: an output that is no view]

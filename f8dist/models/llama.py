@@ -147,10 +147,26 @@ def _norm_reader(linear: nn.Module, recompute) -> dict:
 
 
 def _normalize(norm: nn.Module, x: torch.Tensor):
-    """``(norm(x), recompute)``: f8dist's RMSNorm also gives what recomputes its output from the
-    tensors its backward keeps ([Note: a norm output recomputed in backward] in
-    f8dist/models/norm.py); another norm (a subclass's ``nn.RMSNorm``) gives None."""
-    return norm.normalize(x) if isinstance(norm, RMSNorm) else (norm(x), None)
+    """``(norm(x), kwargs)``: ``{"recompute": (fn, tensors)}`` for the module that reads the
+    output, from f8dist's RMSNorm, whose backward keeps what recomputes its output ([Note: a norm
+    output recomputed in backward] in f8dist/models/norm.py); ``{}`` from another norm (a
+    subclass's ``nn.RMSNorm``), without grad, and from a norm with hooks, which only a call of
+    the module runs (a TP style's layouts, FSDP2's all-gather). A keyword only when given, so
+    that a TP style's input layouts still count the positional inputs."""
+    if isinstance(norm, RMSNorm) and not _hooked(norm):
+        out, recompute = norm.normalize(x)
+        return out, ({} if recompute is None else {"recompute": recompute})
+    return norm(x), {}
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks (nn.Module._call_impl's test for its fast path)."""
+    from torch.nn.modules import module as m
+
+    return bool(module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks or m._global_backward_pre_hooks
+                or m._global_backward_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks)
 
 
 class Attention(nn.Module):
@@ -223,11 +239,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         normed, recompute = _normalize(self.attention_norm, x)
-        h = x + self.attention(normed, rope, recompute)
+        h = x + self.attention(normed, rope, **recompute)
         normed, recompute = _normalize(self.ffn_norm, h)
-        if isinstance(self.feed_forward, FeedForward):
-            return h + self.feed_forward(normed, recompute)
-        return h + self.feed_forward(normed)
+        return h + self.feed_forward(normed, **recompute)
 
     def init_weights(self, generator: torch.Generator) -> None:
         self.attention_norm.reset_parameters()

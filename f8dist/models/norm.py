@@ -33,7 +33,9 @@ again; a Float8Linear whose config has ``recompute_norm_output`` takes them as i
 its grad_weight gemm casts it, so its gradients are those without the option, bit for bit, and
 each reader pays the pass (and the cast, which the forward skips unless its output gemm needs
 it). Not for a DTensor input (sequence parallelism; the recompute would give the local rows, the
-linear reads them all-gathered): the linears then keep their input as without the option.
+linear reads them all-gathered), nor for a norm with hooks (a TP style's, FSDP2's), which
+``normalize`` would bypass: the model calls the module then, and the linears keep their input as
+without the option.
 """
 
 from __future__ import annotations
