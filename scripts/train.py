@@ -115,7 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--recompute-swiglu-product", action="store_true",
                    help="with --float8-activations-for-backward: w2 keeps nothing of its input and "
                         "recomputes it in backward from the SwiGLU's float8 gate and up (other "
-                        "numerics for w2's weight gradient; not under --tp)")
+                        "numerics for w2's weight gradient)")
     p.add_argument("--recompute-norm-output", action="store_true",
                    help="wq/wk/wv and w1/w3 keep nothing of the RMSNorm output they read and "
                         "recompute it in backward from the norm's input and rstd (the same "

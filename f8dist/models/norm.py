@@ -74,6 +74,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
         ctx.save_for_backward(x, weight, rstd)
         ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)  # no zeros for rstd's gradient in backward
         return _normalized(x, rstd, weight), rstd  # [..., D], [..., 1]
 
     @staticmethod
