@@ -44,8 +44,10 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
   A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
   linears that read the same input with the same spec ([Note: one cast per input] in
   f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
-  ``recompute_swiglu_product``) is not kept at all: backward recomputes it ([Note: a product
-  recomputed in backward] in f8dist/swiglu.py).
+  ``recompute_swiglu_product``, a norm's readers with ``recompute_norm_output``) is not kept at
+  all: backward recomputes it ([Note: a recomputed input]; [Note: a product recomputed in
+  backward] in f8dist/swiglu.py; [Note: a norm output recomputed in backward] in
+  f8dist/models/norm.py).
 """
 
 from __future__ import annotations
