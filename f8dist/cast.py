@@ -66,9 +66,19 @@ def high_precision(t: torch.Tensor) -> torch.Tensor:
 # for all. A cast is a pure function of the tensor and the spec, so each linear's gradients are
 # those of casting on its own, bit for bit; telemetry still sees one cast per linear (observers
 # are told of a shared cast under each site). The table is keyed weakly by the tensor's identity:
-# it dies with the tensor, and an in-place write (a new ``_version``) starts a new one. Not shared:
-# - casts given a scale or an amax (delayed scaling: each linear's scale comes from its own amax
-#   history, so the same spec casts to different bytes; grouped casts);
+# it dies with the tensor, and an in-place write (a new ``_version``) starts a new one.
+# Delayed scaling shares too: the siblings' input histories are the same, since every step each
+# records the amax of the same tensor (its own records, the sync's rolls and a checkpoint's
+# buffers are equal for all of them), so their scales are equal and so are their casts. The
+# cast is made with the scale of the first sibling that casts the input, the others' scales (the
+# same value) unused for it; each still records its amax into its own history, which keeps its
+# ``state_dict`` keys and the sync as they were. This is the rule of the TP styles' shared input
+# cast ([Note: delayed casts in the float8 styles] in f8dist/tp/style.py: cast with the named
+# linear's scale, recorded into every linear below the module). Only a linear that also reads
+# other tensors in other calls of the step can hold another history; it then computes with the
+# first sibling's scale of this input. Not shared:
+# - casts given an amax (the weight's, in backward) or any other given scale than a delayed one,
+#   and grouped casts;
 # - forwards that keep nothing for backward (eval, no grad): the cast is transient there, and the
 #   table would keep it as long as the input lives;
 # - tensors autograd did not make (no ``grad_fn``: a batch, a leaf): the caller may hand the same
@@ -81,7 +91,8 @@ def high_precision(t: torch.Tensor) -> torch.Tensor:
 #   and a per-op SAC policy replays its saved amaxes in the forward's order;
 # - casts under torch.compile: dynamo does not trace the table. The traced graph holds one cast per
 #   sibling, and AOTAutograd's common-subexpression elimination merges the identical ones before
-#   its partitioner chooses what to save (tests/test_linear.py checks the saved bytes).
+#   its partitioner chooses what to save (tests/test_linear.py checks the saved bytes); not the
+#   delayed ones, whose scales are different buffers (equal values that the graph cannot see).
 # The table lives as long as its input: the activations a model hands its linears die within
 # the forward; a tensor the caller keeps across steps keeps its float8 copy as long.
 _SHARED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -159,7 +170,7 @@ def cast_to_float8(
     once and takes the other layout from them. ``offsets``: the token groups of a grouped cast
     (``spec.grouped``, [Note: grouped casts] in f8dist/config.py). ``shared``: a table of casts of
     the same tensor (:func:`shared_casts`), looked up first and filled ([Note: one cast per
-    input]). Not differentiable: see :class:`ToFloat8` for that.
+    input]; a delayed cast found there has the first sibling's scale). Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
 
@@ -167,12 +178,14 @@ def cast_to_float8(
         >>> fp8._data.dtype, fp8._scale.shape
         (torch.float8_e4m3fn, torch.Size([]))
     """
-    if shared is not None and scale is None and amax is None and offsets is None:
+    delayed = spec.scaling_type is ScalingType.DELAYED
+    if (shared is not None and (scale is None or delayed) and amax is None and offsets is None
+            and not spec.grouped):
         key = (dataclasses.replace(spec, fqn=""), t.dtype, tuple(t.shape))
         out = shared.get(key)
-        if out is not None:
+        if out is not None:  # a delayed one: the first sibling's scale ([Note: one cast per input])
             return _observed(spec, t, out)
-        out = shared[key] = cast_to_float8(t, spec, store=store)
+        out = shared[key] = cast_to_float8(t, spec, scale, store=store)
         return out
     local = local_part(t)
     if isinstance(local, Float8Tensor):

@@ -618,6 +618,12 @@ class Float8LinearConfig:
     # grad_weight gemm then reads silu(gate8) * up8, not the product of the high-precision values:
     # other numerics (docs/performance.md), hence off by default
     recompute_swiglu_product: bool = False
+    # for the linears that read an RMSNorm's output (attention's wq/wk/wv, an FFN's w1/w3 in
+    # f8dist.models.llama): keep nothing of their input and recompute it in backward from what the
+    # norm keeps anyway, its input and rstd ([Note: a norm output recomputed in backward] in
+    # f8dist/models/norm.py). Gradients bit for bit those without it; backward pays the norm's
+    # pointwise pass and the grad_weight cast once per reader
+    recompute_norm_output: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -665,6 +671,9 @@ class Float8LinearConfig:
         if not isinstance(self.recompute_swiglu_product, bool):
             raise TypeError("Float8LinearConfig.recompute_swiglu_product must be a bool, "
                             f"got {self.recompute_swiglu_product!r}")
+        if not isinstance(self.recompute_norm_output, bool):
+            raise TypeError("Float8LinearConfig.recompute_norm_output must be a bool, "
+                            f"got {self.recompute_norm_output!r}")
         if self.recompute_swiglu_product and not self.float8_activations_for_backward:
             raise ValueError(
                 "recompute_swiglu_product recomputes an FFN's w2 input in backward from the float8 "

@@ -44,12 +44,15 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
   A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
   linears that read the same input with the same spec ([Note: one cast per input] in
   f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
-  ``recompute_swiglu_product``) is not kept at all: backward recomputes it ([Note: a product
-  recomputed in backward] in f8dist/swiglu.py).
+  ``recompute_swiglu_product``, a norm's readers with ``recompute_norm_output``) is not kept at
+  all: backward recomputes it ([Note: a recomputed input]; [Note: a product recomputed in
+  backward] in f8dist/swiglu.py; [Note: a norm output recomputed in backward] in
+  f8dist/models/norm.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -60,7 +63,7 @@ from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInp
 from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_block_shape, check_gemm_shape
-from f8dist.placement import is_dtensor, local_part, reduce_partial
+from f8dist.placement import layout, local_part, reduce_partial, with_layout
 from f8dist.tensor import Float8Tensor
 
 __all__ = ["Float8Linear", "float8_linear_mm"]
@@ -213,18 +216,44 @@ def float8_linear_mm(
     shared = None
     if backward and share_with is not None and specs.saved_input is not SavedInput.HIGH_PRECISION:
         shared = shared_casts(share_with)
-    if recompute is not None and (not backward or is_dtensor(input)):
-        if is_dtensor(input):
-            raise NotImplementedError(
-                "recompute_swiglu_product with a tensor-parallel input: backward would recompute "
-                "the local product only; turn recompute_swiglu_product off under tensor parallelism")
+    if recompute is not None and not backward:
         recompute = None
+    if recompute is not None:  # [Note: a recomputed input]
+        fn, tensors = recompute
+        recompute = (functools.partial(
+            _recomputed_input, fn, tuple(local_part(input_2d).shape), layout(input_2d),
+            input.dtype), tensors)
     out_2d = _Float8Matmul.apply(  # [M, N]
         input_2d, weight, specs, scales, delayed, backward, shared, recompute)
     if input.dim() == 2:
         return out_2d
     # [Note: an output that is no view]
     return torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))  # [..., N]
+
+
+# [Note: a recomputed input]
+# ``float8_linear_mm(..., recompute=(fn, tensors))``: ``fn(*tensors)`` gives the input again in
+# backward, the high-precision values it had in forward (before autocast's cast, of any leading
+# shape). Backward takes it as the [M, K] input of the gemms, in their dtype. For a DTensor input
+# (a tensor-parallel linear, whose input a TP style made from the caller's tensor) it gives this
+# rank's part, and backward lays it out as the forward's input was: a rowwise-parallel w2 reads
+# its Shard(-1) input as the local product of the column-parallel w1 and w3 (the SwiGLU's
+# float8 gate and up are local too), a linear reading a replicated norm output reads it whole.
+# A plan that redistributes the tensor on its way in (a gathered input, other shards) gives the
+# linear other local values than ``fn`` recomputes; where their shapes differ, backward raises.
+
+
+def _recomputed_input(fn, shape: tuple, layout_2d, dtype: torch.dtype, *tensors) -> torch.Tensor:
+    """``fn(*tensors)`` as the forward's [M, K] input (``shape``: its local shape; ``layout_2d``:
+    its DTensor layout or None), in the gemms' dtype ([Note: a recomputed input])."""
+    local = fn(*tensors)  # [..., K]
+    if local.numel() != shape[0] * shape[1] or local.shape[-1] != shape[1]:
+        raise RuntimeError(
+            f"an input recomputed in backward (recompute_swiglu_product, recompute_norm_output) "
+            f"has shape {tuple(local.shape)}, but the linear read {list(shape)} on this rank: a "
+            "tensor-parallel plan redistributed it on its way in; turn the option off for this "
+            "plan")
+    return with_layout(layout_2d, local.reshape(shape).to(dtype))  # [M, K]
 
 
 # [Note: an output that is no view]

@@ -81,14 +81,25 @@ def local_part(x: torch.Tensor) -> torch.Tensor:
 def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as this rank's part of a DTensor laid out like ``template`` (same mesh,
     placements, global shape and stride); ``local`` itself when ``template`` is no DTensor."""
-    if not is_dtensor(template):
+    return with_layout(layout(template), local)
+
+
+def layout(t: torch.Tensor) -> Optional[tuple]:
+    """(mesh, placements, global shape, stride) of a DTensor, None for a plain tensor: what
+    :func:`with_layout` needs to make a local tensor a DTensor like ``t``, without ``t``'s data."""
+    if not is_dtensor(t):
+        return None
+    return t.device_mesh, t.placements, t.shape, t.stride()
+
+
+def with_layout(layout: Optional[tuple], local: torch.Tensor) -> torch.Tensor:
+    """``local`` as this rank's part of a DTensor of ``layout`` (:func:`layout`); itself for None."""
+    if layout is None:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(
-        local, template.device_mesh, template.placements, run_check=False,
-        shape=template.shape, stride=template.stride(),
-    )
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def has_partial(placements: Sequence) -> bool:

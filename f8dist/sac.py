@@ -8,9 +8,9 @@ Worth keeping are outputs that are expensive to recompute and small compared wit
 * matmul outputs: ``aten.mm`` (what a float8 gemm looks like from outside: ``mm`` of two
   Float8Tensors, see f8dist/tensor.py), ``aten._scaled_mm`` (what it becomes once
   ``torch.compile`` has flattened the subclass) and scaled-dot-product attention;
-* the amax reductions behind float8 scales (``aten.amax``, ``aten.max``): one number per tensor,
-  per row or per block (4 bytes per 32 or 128 elements), and under FSDP/TP the input of an
-  all-reduce that would otherwise rerun in backward;
+* the amax reductions behind float8 scales (``aten.amax``, ``aten.max``) that reduce their tensor
+  at least ``amax_min_reduction``-fold (default 64): one number per tensor, per row of 64 or more
+  elements, per 128-element or 128x128 block ([Note: which amaxes SAC saves]);
 * ``reduce_scatter_tensor`` outputs (sequence/tensor parallel), as torchtitan does, and
   ``all_to_all_single`` outputs: expert parallelism's token dispatch and combine (and the token
   counts that plan them, f8dist/dispatch.py), so that backward's recompute re-runs the routing
@@ -24,6 +24,18 @@ dispatcher ops, and they open more of them in the recompute (which runs inside b
 forward; torch's selective checkpointing logs every op of the region by invocation index and
 rejects the recompute's extra ones. A profiler range computes nothing, so f8dist's SAC modes pass
 ``profiler`` ops through unlogged.
+
+[Note: which amaxes SAC saves]
+The recompute casts every tensor again, reading it whole, so a saved amax spares it only the
+reduction (which a compiled graph fuses into the cast's pass) and costs its bytes until backward.
+For a tensorwise or per-row amax that is a few bytes per token or output feature; MXFP8's
+1x32 blocks keep one amax per 32 elements, 1/32 of their tensor's bytes, and for the weights in
+proportion to the parameters, not the tokens: at dim 512 and 64 tokens per block, mxfp8 under SAC
+kept 1.43x bf16's bytes, 92% of the excess the weights' block amaxes (docs/performance.md). So
+an amax is saved only when it reduces its tensor at least ``amax_min_reduction``-fold: tensorwise,
+per row of 64 or more elements, 128-element and 128x128 blocks are kept, 32-element blocks
+recomputed. Either way the recompute's amax is the forward's, bit for bit (same tensor, same
+reduction), and so are the gradients.
 
 Never a pointwise op. The cast computes ``abs(x)`` before its amax; ``abs`` of a weight is as
 large as the (unsharded) weight, so saving it kept a full high-precision copy of every weight alive
@@ -73,12 +85,15 @@ class Float8SACConfig:
 
     ``recompute_every_nth_mm``: recompute every n-th matmul instead of saving it (2 = torchtitan's
     "every other matmul"; None saves all of them). ``save_amax``: keep the amax reductions of the
-    float8 casts. ``extra_ops_to_save``: more aten overloads to keep (never pointwise ones).
+    float8 casts that reduce their tensor at least ``amax_min_reduction``-fold ([Note: which
+    amaxes SAC saves]; 1 saves them all). ``extra_ops_to_save``: more aten overloads to keep
+    (never pointwise ones).
     """
 
     recompute_every_nth_mm: Optional[int] = 2
     save_attention: bool = True
     save_amax: bool = True
+    amax_min_reduction: int = 64
     save_reduce_scatter: bool = True
     extra_ops_to_save: Tuple[torch._ops.OpOverload, ...] = ()
 
@@ -88,6 +103,12 @@ class Float8SACConfig:
             raise ValueError(
                 f"Float8SACConfig.recompute_every_nth_mm must be a positive int (2 recomputes every "
                 f"other matmul, 1 all of them) or None (save every matmul), got {n!r}"
+            )
+        r = self.amax_min_reduction
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(
+                f"Float8SACConfig.amax_min_reduction must be a positive int (64 saves amaxes of "
+                f"rows of 64 or more elements, 1 every amax), got {r!r}"
             )
         if not isinstance(self.extra_ops_to_save, tuple):
             raise TypeError(
@@ -132,11 +153,25 @@ def float8_sac_policy(config: Optional[Float8SACConfig] = None):
             mm_count[mode] += 1
             if every is not None and mm_count[mode] % every == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in AMAX_OPS and _reduction(op, *args) < config.amax_min_reduction:
+            return CheckpointPolicy.PREFER_RECOMPUTE  # [Note: which amaxes SAC saves]
         if op in to_save:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def _reduction(op, x: torch.Tensor, dim=(), *args) -> int:
+    """How many elements of ``x`` an amax op reduces into each of its outputs: all of them for
+    ``aten.max`` and an ``aten.amax`` over no dims, else the product of the reduced dims' sizes."""
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if op is aten.max.default or not dims:
+        return x.numel()
+    out = 1
+    for d in dims:
+        out *= x.shape[d]
+    return out
 
 
 def float8_sac_context_fn(config: Optional[Float8SACConfig] = None):

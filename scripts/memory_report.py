@@ -1,6 +1,7 @@
 """Bytes kept for backward and peak bytes of a fwd+bwd: bf16 vs each float8 recipe, without and
 with ``float8_activations_for_backward`` ("f8 act" off / on; on+rc: also
-``recompute_swiglu_product``), plain, under ``float8_sac_context_fn`` (SAC)
+``recompute_swiglu_product``; on+rc+n: also ``recompute_norm_output``), plain, under
+``float8_sac_context_fn`` (SAC)
 and under full activation checkpointing (full AC), for a SwiGLU FFN and a LLaMA-style
 transformer block.
 
@@ -34,10 +35,13 @@ from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precom
 
 RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
            "mxfp8_square_weights", "blockwise"]
-# the "f8 act" column: float8_activations_for_backward off, on, and on with recompute_swiglu_product
+# the "f8 act" column: float8_activations_for_backward off, on, on with recompute_swiglu_product,
+# and with recompute_norm_output too
 MODES = {"off": {"float8_activations_for_backward": False},
          "on": {"float8_activations_for_backward": True},
-         "on+rc": {"float8_activations_for_backward": True, "recompute_swiglu_product": True}}
+         "on+rc": {"float8_activations_for_backward": True, "recompute_swiglu_product": True},
+         "on+rc+n": {"float8_activations_for_backward": True, "recompute_swiglu_product": True,
+                     "recompute_norm_output": True}}
 
 
 def build(kind: str, args: ModelArgs, device, dtype):
@@ -72,7 +76,7 @@ def configs(args: ModelArgs, recipes=tuple(RECIPES[1:])):
 def report(kind, args, x, device, dtype, compiled=False, recipes=tuple(RECIPES[1:])):
     base, extra = build(kind, args, device, dtype)
     cuda = x.is_cuda
-    head = (f"{'model':6} {'recipe':19} {'f8 act':6} {'plain kept':>11} {'ratio':>6} "
+    head = (f"{'model':6} {'recipe':19} {'f8 act':7} {'plain kept':>11} {'ratio':>6} "
             f"{'plain peak':>11} {'SAC kept':>10} {'scales':>7} {'ratio':>6} {'SAC peak':>10} "
             f"{'full AC kept':>12} {'ratio':>6}")
     if cuda:
@@ -94,7 +98,7 @@ def report(kind, args, x, device, dtype, compiled=False, recipes=tuple(RECIPES[1
             ref = {"plain": plain.kept_bytes, "sac": sac.kept_bytes, "full": full.kept_bytes,
                    "compiled": saved[0] if saved else None}
         line = (
-            f"{kind:6} {recipe:19} {on:6} {plain.kept_bytes:11d} "
+            f"{kind:6} {recipe:19} {on:7} {plain.kept_bytes:11d} "
             f"{plain.kept_bytes / ref['plain']:6.3f} {plain.peak_bytes:11d} {sac.kept_bytes:10d} "
             f"{sac.scale_bytes:7d} {sac.kept_bytes / ref['sac']:6.3f} {sac.peak_bytes:10d} "
             f"{full.kept_bytes:12d} {full.kept_bytes / ref['full']:6.3f}"
@@ -148,11 +152,11 @@ def swiglu_fit(args, x, device, recipes=tuple(RECIPES[1:])):
     ref, _ = build("ffn", args, device, torch.float32)
     xf = x.float().detach().requires_grad_()
     ref(xf).sum().backward()
-    print(f"{'FFN gradients vs fp32':26} {'f8 act':6} {'SQNR dW min (dB)':>16} "
+    print(f"{'FFN gradients vs fp32':26} {'f8 act':7} {'SQNR dW min (dB)':>16} "
           f"{'SQNR dx (dB)':>12}")
     for recipe, on, config in configs(args, recipes):
         dw, dx = _grad_sqnr(ref, xf, convert(ref, config).to(x.dtype), x)
-        print(f"{recipe:26} {on:6} {dw:16.2f} {dx:12.2f}")
+        print(f"{recipe:26} {on:7} {dw:16.2f} {dx:12.2f}")
 
 
 def main():

@@ -115,7 +115,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--recompute-swiglu-product", action="store_true",
                    help="with --float8-activations-for-backward: w2 keeps nothing of its input and "
                         "recomputes it in backward from the SwiGLU's float8 gate and up (other "
-                        "numerics for w2's weight gradient; not under --tp)")
+                        "numerics for w2's weight gradient)")
+    p.add_argument("--recompute-norm-output", action="store_true",
+                   help="wq/wk/wv and w1/w3 keep nothing of the RMSNorm output they read and "
+                        "recompute it in backward from the norm's input and rstd (the same "
+                        "gradients; float8 recipes only)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
@@ -314,7 +318,8 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
         return None
     config = Float8LinearConfig.from_recipe_name(args.float8).replace(
         float8_activations_for_backward=args.float8_activations_for_backward,
-        recompute_swiglu_product=args.recompute_swiglu_product)
+        recompute_swiglu_product=args.recompute_swiglu_product,
+        recompute_norm_output=args.recompute_norm_output)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
         # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)

@@ -458,15 +458,59 @@ def test_autocast_siblings_share_and_match():
         assert torch.equal(a, b)
 
 
+def test_delayed_siblings_share_and_keep_their_histories():
+    """Delayed siblings record the same amax every step, so their histories and scales are equal:
+    they keep one float8 copy of their input, cast with the first one's scale, over steps with
+    syncs (the first step's amax init, then the histories'), with the gradients and the
+    state_dict of siblings each casting its own copy, bit for bit."""
+    from f8dist import sync_float8_amax_and_scale_history
+
+    shared, unshared = _siblings("delayed"), _siblings("delayed", share=False)
+    torch.manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 64, dtype=torch.bfloat16) * (1 + 3 * step)  # the scales move
+        (n, grads), (n_ref, ref) = _kept_inputs(shared, x), _kept_inputs(unshared, x)
+        assert (n, n_ref) == (1, 3), step
+        for a, b in zip(grads, ref):
+            assert torch.equal(a, b), step
+        for m in (shared, unshared):
+            sync_float8_amax_and_scale_history(m)
+            for p in m.parameters():
+                p.grad = None
+        got, want = shared.state_dict(), unshared.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_delayed_siblings_cast_with_the_first_ones_scale():
+    """A sibling whose input history differs from the first one's (it read another tensor in
+    another step) computes with the first one's scale of the shared input ([Note: one cast per
+    input]) and records into its own history."""
+    from f8dist import sync_float8_amax_and_scale_history
+
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    module = _siblings("delayed")
+    for b_input in (x, x * 100):  # a step of all three, then one of b alone on another tensor
+        (module(b_input) if b_input is x else module.b(b_input)).sum().backward()
+        sync_float8_amax_and_scale_history(module)
+    assert module.b.fp8_scale_input < module.a.fp8_scale_input
+    scale = module.a.fp8_scale_input.clone()
+    h = x.clone().requires_grad_() * 2  # made by autograd: shared
+    module.a(h)
+    out = module.b(h)
+    ref = copy.deepcopy(module.b)
+    ref.fp8_scale_input.copy_(scale)
+    assert torch.equal(out, ref(h.detach().clone().requires_grad_()))
+    assert torch.equal(module.b.fp8_amax_input, h.detach().abs().max().float())
+
+
 def test_what_is_not_shared():
-    """Delayed scaling (a scale per linear's own history), an input written in place between two
-    readers (a new version), forwards without backward (their casts are transient) and a tensor
-    autograd did not make (a batch the caller may hand the next step too)."""
+    """An input written in place between two readers (a new version), forwards without backward
+    (their casts are transient) and a tensor autograd did not make (a batch the caller may hand
+    the next step too)."""
     from f8dist.cast import _SHARED
     from f8dist.testing import graph_saved_tensors
 
     x = torch.randn(8, 64, dtype=torch.bfloat16)
-    assert _kept_inputs(_siblings("delayed"), x)[0] == 3
     lin = _siblings("tensorwise")
     h = x.clone().requires_grad_() * 2
     y = lin.a(h)

@@ -157,24 +157,35 @@ def test_recompute_needs_float8_activations():
         Float8LinearConfig(recompute_swiglu_product=True)
 
 
-def test_recompute_under_tensor_parallelism_raises_naming_the_fix():
-    """A rowwise-parallel w2 reads a DTensor: backward would recompute the local product only,
-    so it raises instead (not built)."""
+def test_recompute_under_tensor_parallelism():
+    """A rowwise-parallel w2 reads its Shard(-1) input as the local product of the column-parallel
+    w1 and w3 ([Note: a recomputed input] in f8dist/linear.py): backward recomputes it from the
+    local float8 gate and up and lays it out as the forward's input was, so each rank's gradients
+    are those of a one-device w2 holding its weight shard (fake process group, rank 0 of 2). A
+    plan that hands w2 other local values (a slice of a replicated input) raises in backward."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from f8dist.swiglu import swiglu_for
+    from f8dist.tp import Float8RowwiseParallel
 
-    w2 = _ffn_parts("rowwise", True)
-    gate, up = _inputs()
-    product, kwargs = swiglu_for(gate, up, w2)
+    gate, up = (t[..., : H // 2] for t in _inputs())  # rank 0's channels
+    grad = torch.randn(2, 24, 32, dtype=torch.bfloat16)
+    local = _ffn_parts("rowwise", True)
+    local.weight = nn.Parameter(local.weight.detach()[:, : H // 2].clone())  # rank 0's shard
+    want = _ffn_grads(local, gate, up, grad)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        sharded = DTensor.from_local(product, mesh, [Shard(2)])
-        with pytest.raises(NotImplementedError, match="turn recompute_swiglu_product off"):
-            w2(sharded, **kwargs)
+        w2 = parallelize_module(_ffn_parts("rowwise", True), mesh, Float8RowwiseParallel())
+        got = _ffn_grads(w2, gate, up, grad)
+        for a, b in zip(want, got):
+            assert torch.equal(a, getattr(b, "_local_tensor", b))
+        split = parallelize_module(  # whole gate and up: w2 reads a slice of their product
+            _ffn_parts("rowwise", True), mesh, Float8RowwiseParallel(input_layouts=Replicate()))
+        with pytest.raises(RuntimeError, match="turn the option off for this plan"):
+            _ffn_grads(split, *_inputs(), grad)
     finally:
         dist.destroy_process_group()

@@ -146,6 +146,8 @@ def test_float8_activations_flag_sets_the_config_field():
     rc = train.float8_config(train.parse_args(
         ["--float8", "rowwise", "--float8-activations-for-backward", "--recompute-swiglu-product"]))
     assert rc.recompute_swiglu_product and not off.recompute_swiglu_product
+    n = train.float8_config(train.parse_args(["--float8", "rowwise", "--recompute-norm-output"]))
+    assert n.recompute_norm_output and not off.recompute_norm_output
 
 
 def test_memory_line_splits_params_grads_optimizer_and_activations():

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from f8dist.linear import Float8Linear
 from f8dist.models.norm import RMSNorm
 from f8dist.swiglu import swiglu_for
 
@@ -136,6 +137,38 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)  # [B, S, H, D]
 
 
+def _norm_reader(linear: nn.Module, recompute) -> dict:
+    """``{"recompute": recompute}`` for a Float8Linear that reads a norm's output and whose
+    config has ``recompute_norm_output``, else ``{}`` ([Note: a norm output recomputed in
+    backward] in f8dist/models/norm.py)."""
+    if recompute is None or not isinstance(linear, Float8Linear):
+        return {}
+    return {"recompute": recompute} if linear.config.recompute_norm_output else {}
+
+
+def _normalize(norm: nn.Module, x: torch.Tensor):
+    """``(norm(x), kwargs)``: ``{"recompute": (fn, tensors)}`` for the module that reads the
+    output, from f8dist's RMSNorm, whose backward keeps what recomputes its output ([Note: a norm
+    output recomputed in backward] in f8dist/models/norm.py); ``{}`` from another norm (a
+    subclass's ``nn.RMSNorm``), without grad, and from a norm with hooks, which only a call of
+    the module runs (a TP style's layouts, FSDP2's all-gather). A keyword only when given, so
+    that a TP style's input layouts still count the positional inputs."""
+    if isinstance(norm, RMSNorm) and not _hooked(norm):
+        out, recompute = norm.normalize(x)
+        return out, ({} if recompute is None else {"recompute": recompute})
+    return norm(x), {}
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks (nn.Module._call_impl's test for its fast path)."""
+    from torch.nn.modules import module as m
+
+    return bool(module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks or m._global_backward_pre_hooks
+                or m._global_backward_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -145,12 +178,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, recompute=None) -> torch.Tensor:
+        """``recompute``: ``(fn, tensors)`` that give ``x`` again, for the float8 linears whose
+        config has ``recompute_norm_output`` ([Note: a norm output recomputed in backward] in
+        f8dist/models/norm.py)."""
         b, s, _ = x.shape
         # -1: the local head count, see [Note: local heads]
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, D]
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, D]
-        v = self.wv(x).view(b, s, -1, self.head_dim)  # [B, S, Hkv, D]
+        q, k, v = (linear(x, **_norm_reader(linear, recompute)).view(b, s, -1, self.head_dim)
+                   for linear in (self.wq, self.wk, self.wv))  # [B, S, Hq | Hkv | Hkv, D]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
@@ -178,8 +213,11 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        product, kwargs = swiglu_for(self.w1(x), self.w3(x), self.w2)  # [..., hidden]
+    def forward(self, x: torch.Tensor, recompute=None) -> torch.Tensor:
+        """``recompute``: as in :meth:`Attention.forward`, for w1 and w3."""
+        product, kwargs = swiglu_for(  # [..., hidden]; gate and up die before w2 runs
+            self.w1(x, **_norm_reader(self.w1, recompute)),
+            self.w3(x, **_norm_reader(self.w3, recompute)), self.w2)
         return self.w2(product, **kwargs)
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
@@ -200,8 +238,10 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        normed, recompute = _normalize(self.attention_norm, x)
+        h = x + self.attention(normed, rope, **recompute)
+        normed, recompute = _normalize(self.ffn_norm, h)
+        return h + self.feed_forward(normed, **recompute)
 
     def init_weights(self, generator: torch.Generator) -> None:
         self.attention_norm.reset_parameters()

@@ -19,26 +19,66 @@ input, on every device, so memory reports measure what a fused kernel keeps:
 Gradients are autograd's up to the order of float32 sums (tested against float64). A DTensor
 input (sequence parallel: sharded along the sequence, whole rows on each rank) runs the same ops
 on its local rows; the weight's gradient is then Partial over those rows, as with ``nn.RMSNorm``.
+
+[Note: a norm output recomputed in backward]
+The linears that read a norm's output keep their own copy of it for their grad_weight gemm:
+float8 (one copy for siblings, [Note: one cast per input] in f8dist/cast.py) or, when that gemm
+runs in high precision (rowwise_with_gw_hp), the high-precision output itself. The norm keeps
+its input and ``rstd`` anyway, and from them the output is one pointwise pass,
+``(rstd * x.float() * w.float()).type_as(x)``, the forward's own products (one in the other
+order, which a product of two floats does not depend on, and which keeps a compiled graph from
+merging it with the forward's output), so bit for bit the forward's. :meth:`RMSNorm.normalize` returns the output and ``(fn, tensors)`` that give it
+again; a Float8Linear whose config has ``recompute_norm_output`` takes them as its ``recompute``
+(f8dist.models.llama) and keeps nothing of its input: backward recomputes it and casts it as
+its grad_weight gemm casts it, so its gradients are those without the option, bit for bit, and
+each reader pays the pass (and the cast, which the forward skips unless its output gemm needs
+it). Not for a DTensor input (sequence parallelism; the recompute would give the local rows, the
+linear reads them all-gathered), nor for a norm with hooks (a TP style's, FSDP2's), which
+``normalize`` would bypass: the model calls the module then, and the linears keep their input as
+without the option.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Tuple
+
 import torch
 import torch.nn as nn
 
+from f8dist.placement import is_dtensor
+
 __all__ = ["RMSNorm"]
+
+Recompute = Optional[Tuple[Callable[..., torch.Tensor], Tuple[torch.Tensor, ...]]]
+
+
+def _normalized(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The norm's output from its input [..., D], rstd [..., 1] and weight [D]."""
+    return (x.float() * rstd * weight.float()).type_as(x)  # [..., D]
+
+
+def _normalized_again(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`_normalized`, bit for bit (a product of two floats does not depend on their order),
+    written ``rstd * x`` so that a compiled graph does not merge it with the forward's output:
+    AOTAutograd's common-subexpression elimination would, and its partitioner would then save
+    that output for backward again."""
+    return (rstd * x.float() * weight.float()).type_as(x)  # [..., D]
 
 
 class _RMSNorm(torch.autograd.Function):
+    """(output, rstd); rstd is not differentiable, the tensor that backward keeps."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
         xf = x.float()  # [..., D]
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.float()).type_as(x)  # [..., D]
+        ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)  # no zeros for rstd's gradient in backward
+        return _normalized(x, rstd, weight), rstd  # [..., D], [..., 1]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor, _grad_rstd=None):
         x, weight, rstd = ctx.saved_tensors
         xf = x.float()  # [..., D]
         g = grad.float()  # [..., D]
@@ -66,14 +106,21 @@ class RMSNorm(nn.RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x)[0]
+
+    def normalize(self, x: torch.Tensor) -> Tuple[torch.Tensor, Recompute]:
+        """The output, and ``(fn, tensors)`` with ``fn(*tensors)`` the output again from what
+        backward keeps anyway, for its readers to recompute it ([Note: a norm output recomputed
+        in backward]); None where nothing is kept (no grad) or for a DTensor ``x``."""
         if (
             self.weight is None
             or len(self.normalized_shape) != 1
             or not torch.is_grad_enabled()
         ):
-            return super().forward(x)
+            return super().forward(x), None
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         weight = self.weight
         if weight.dtype != x.dtype:  # nn.RMSNorm multiplies in the promoted dtype
-            return super().forward(x)
-        return _RMSNorm.apply(x, weight, eps)
+            return super().forward(x), None
+        out, rstd = _RMSNorm.apply(x, weight, eps)  # [..., D], [..., 1]
+        return out, (None if is_dtensor(x) else (_normalized_again, (x, rstd, weight)))

@@ -212,33 +212,35 @@ def compiled_saved_bytes(
     module: nn.Module, x: torch.Tensor, *args, context_fn: Optional[Callable] = None
 ) -> int:
     """Bytes that ``torch.compile`` saves for backward in ``module(x.clone(), *args)`` (under
-    ``checkpoint(..., context_fn=context_fn)`` when given): the inputs of the partitioned backward
-    graph other than gradients and the forward's own inputs (parameters, buffers, ``x``).
+    ``checkpoint(..., context_fn=context_fn)`` when given): the storages of the inputs of the
+    partitioned backward graph other than gradients, each counted once, and none of the forward's
+    own inputs (parameters, buffers, ``x``).
 
     Compiled kernels allocate outside the dispatcher, so :class:`LiveBytes` cannot see them; this
     reads what AOTAutograd's partitioner (the one that applies a SAC policy) decided to keep. It
     compiles with the ``aot_eager`` backend: the same partition, no code generation. It resets
-    dynamo's caches first.
+    dynamo's caches first. A saved tensor that is a view counts as the tensor it views
+    ([Note: saved views]).
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import checkpoint
 
-    saved = []
+    saved, forward_graphs = [], []
+
+    def fw_compiler(gm, example_inputs):
+        forward_graphs.append(gm.graph)
+        return make_boxed_func(gm)
 
     def bw_compiler(gm, example_inputs):
-        saved.append(sum(
-            n.meta["val"].numel() * n.meta["val"].element_size()
-            for n in gm.graph.nodes
-            if n.op == "placeholder" and not n.name.startswith(("tangents", "primals"))
-            and isinstance(n.meta.get("val"), torch.Tensor)
-        ))
+        names = {n.name for n in gm.graph.nodes if n.op == "placeholder"
+                 and not n.name.startswith(("tangents", "primals"))}
+        saved.append(_saved_storage_bytes(forward_graphs[-1], names))
         return make_boxed_func(gm)
 
     backend = aot_autograd(
-        fw_compiler=lambda gm, example_inputs: make_boxed_func(gm),
-        bw_compiler=bw_compiler,
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler,
         partition_fn=min_cut_rematerialization_partition,
     )
 
@@ -255,3 +257,30 @@ def compiled_saved_bytes(
     if len(saved) != 1:
         raise RuntimeError(f"expected one compiled backward graph, got {len(saved)}")
     return saved[0]
+
+
+# [Note: saved views]
+# The partitioner saves tensors by graph node, and a view is a node of its own: the attention's
+# output is saved for its backward and, as the view ``out.transpose(1, 2).reshape(...)``, for the
+# output projection's grad_weight gemm; rope's cos and sin are saved as ``select``s of the
+# frequency table the model passes in. A compiled graph returns such views of one buffer (or of
+# its input, which AOTAutograd regenerates from the input), so they hold no bytes of their own.
+# Each saved node is therefore followed through view ops to the node that allocated it, and each
+# allocation counted once; one that is a forward input (a parameter, a buffer, ``x``) not at all.
+
+
+def _saved_storage_bytes(graph, names) -> int:
+    """Bytes of the allocations behind the forward ``graph``'s nodes named ``names`` (the saved
+    tensors), each once, forward inputs excluded ([Note: saved views])."""
+    nodes = {n.name: n for n in graph.nodes}
+    bases = {}
+    for name in names:
+        node = nodes[name]
+        while (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+               and isinstance(node.args[0], torch.fx.Node)):
+            node = node.args[0]
+        val = node.meta.get("val")
+        if node.op != "placeholder" and isinstance(val, torch.Tensor):
+            bases[node.name] = val.numel() * val.element_size()
+    return sum(bases.values())
+

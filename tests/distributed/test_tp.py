@@ -32,6 +32,12 @@ def test_tp_sp_float8_activations_for_backward_match_one_device(tp_results):
     _check_recipe("rowwise+float8_activations", tp_results["rowwise+float8_activations"])
 
 
+def test_tp_sp_recomputed_swiglu_product_matches_one_device(tp_results):
+    """recompute_swiglu_product under TP: the rowwise-parallel w2 recomputes its local input."""
+    name = "rowwise+float8_activations+recompute"
+    _check_recipe(name, tp_results[name])
+
+
 def test_tp_backward_takes_the_weight_amax_from_forward(tp_results):
     """[Note: what the matmul keeps for backward]: a TP-sharded tensorwise weight all-reduces its
     amax in forward only; computing it again in backward costs one all-reduce per float8 linear,

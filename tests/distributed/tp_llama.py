@@ -405,6 +405,11 @@ def run(args):
         # channels, the grad_weight inputs cast in forward: one device's numbers still
         results["rowwise+float8_activations"] = compare(
             args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True)
+        # w2 recomputes its Shard(-1) input from the local float8 gate and up ([Note: a
+        # recomputed input] in f8dist/linear.py); the sequence-parallel norms give no recompute
+        results["rowwise+float8_activations+recompute"] = compare(
+            args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True,
+            recompute_swiglu_product=True, recompute_norm_output=True)
         results["errors"] = errors(mesh)
         results["padded_shard_sqnr_db"] = padded_shard(mesh)
         results["rowwise_replicated_input"] = rowwise_replicated_input(mesh)

@@ -66,3 +66,25 @@ def test_mixed_dtypes_and_no_grad_fall_back_to_nn_rmsnorm():
         assert torch.equal(ref(x), ours(x))  # fp32 weight, bf16 input: promoted by nn.RMSNorm
     with torch.no_grad():
         assert torch.equal(ref(x.float()), ours(x.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalize_gives_the_output_again_from_what_backward_keeps(dtype):
+    """[Note: a norm output recomputed in backward]: ``fn(*tensors)`` is the output bit for bit,
+    from tensors that are the input, the rstd backward keeps and the weight (no new bytes); none
+    without grad."""
+    _, ours = _pair(dtype)
+    x = torch.randn(3, 8, 64, dtype=dtype, requires_grad=True) * 3
+    out, (fn, tensors) = ours.normalize(x)
+    assert torch.equal(out, ours(x)) and torch.equal(fn(*tensors), out)
+    kept = {t.untyped_storage().data_ptr() for t in out.grad_fn.saved_tensors}
+    assert {t.untyped_storage().data_ptr() for t in tensors} == kept
+    with torch.no_grad():
+        assert ours.normalize(x)[1] is None
+
+
+def test_recompute_norm_output_is_a_bool():
+    from f8dist import Float8LinearConfig
+
+    with pytest.raises(TypeError, match="recompute_norm_output must be a bool"):
+        Float8LinearConfig(recompute_norm_output=1)
