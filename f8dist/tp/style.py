@@ -90,7 +90,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from f8dist import agreement
-from f8dist.cast import ToFloat8, cast_to_float8
+from f8dist.cast import ToFloat8, cast_with_companion
 from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
@@ -101,6 +101,8 @@ __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8Modul
 
 OUTPUT_INPUT = (Gemm.OUTPUT, Operand.INPUT)
 GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
+GRAD_WEIGHT_INPUT = (Gemm.GRAD_WEIGHT, Operand.INPUT)
+GRAD_WEIGHT_GRAD_OUTPUT = (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,35 +122,68 @@ def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor,
     return scale if spec.scaling_type is ScalingType.DELAYED else None
 
 
+_HIGH_PRECISION = "high_precision"
+
+
+def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[CastSpec]):
+    """How the grad_weight gemm gets one device's operand when ``x`` is cast as ``spec`` before
+    it is communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reads
+    the communicated bytes, or re-scales them: tensorwise, rowwise, and under torch.compile), a
+    CastSpec (its own cast of ``x`` travels along as a companion: block scales along the tokens)
+    or ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or
+    token blocks that the sequence shards split)."""
+    if grad_weight is None or torch.compiler.is_compiling():
+        return None
+    if not grad_weight.enabled:
+        return _HIGH_PRECISION
+    if not grad_weight.blockwise:
+        return None
+    block = grad_weight.block_shape(x.dim())
+    if block == spec.block_shape(x.dim()):
+        return None
+    mesh = getattr(x, "device_mesh", None)
+    split = blocks_split_by_shards(
+        x.shape, block, mesh.shape if mesh is not None else (), getattr(x, "placements", ()))
+    return _HIGH_PRECISION if split else grad_weight
+
+
 def _cast_input(
     x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
 ) -> torch.Tensor:
     """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
-    or ``x`` itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise
-    cast scales over ([Note: which redistributions carry float8])."""
+    carrying the grad_weight gemm's cast when it needs one ([Note: the grad_weight gemm under
+    sequence parallelism]); or ``x`` itself when a redistribution to ``desired_layouts`` would
+    shard the dim an axiswise cast scales over ([Note: which redistributions carry float8]) or
+    the grad_weight gemm needs it in high precision."""
     # the dim its scales span: an axiswise cast's scaled-over dim, a block cast's inner dim
     axis = spec.axis % x.dim() if spec.axiswise or spec.blockwise else None
     layouts = (*getattr(x, "placements", ()), *desired_layouts)
     if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
-    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x))
+    gw = linears[0].specs[GRAD_WEIGHT_INPUT] if linears else None
+    other = _grad_weight_cast(x, spec, gw)
+    if other == _HIGH_PRECISION:
+        return x
+    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other)
 
 
 class _CastGradToFloat8(torch.autograd.Function):
     """Identity in forward; in backward casts the gradient of ``mod``'s output as its
     ``(grad_input, grad_output)`` spec says, so that what backward communicates next moves in
-    float8 (a delayed cast records into ``mod`` and uses its scale)."""
+    float8 (a delayed cast records into ``mod`` and uses its scale); ``other``: the grad_weight
+    gemm's cast, carried along ([Note: the grad_weight gemm under sequence parallelism])."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mod: Float8Linear):
+    def forward(ctx, x: torch.Tensor, mod: Float8Linear, other: Optional[CastSpec] = None):
         # a backward exists only for a forward with grad enabled: it recorded unless in eval()
-        ctx.mod, ctx.record = mod, mod.training
+        ctx.mod, ctx.record, ctx.other = mod, mod.training, other
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.mod.specs[GRAD_INPUT_GRAD_OUTPUT]
-        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.record)), None
+        scale = _scale_for(spec, [ctx.mod], grad, ctx.record)
+        return cast_with_companion(grad, spec, ctx.other, scale), None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,8 +382,12 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
             and mod.specs.gemm_in_float8(Gemm.GRAD_INPUT)
             and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
         ):
-            # backward all-gathers the sharded gradient: cast it to float8 first
-            outputs = _CastGradToFloat8.apply(outputs, mod)
+            # backward all-gathers the sharded gradient: cast it to float8 first, with the
+            # grad_weight gemm's own cast (the gradient has the output's shape and layout)
+            other = _grad_weight_cast(outputs, mod.specs[GRAD_INPUT_GRAD_OUTPUT],
+                                      mod.specs[GRAD_WEIGHT_GRAD_OUTPUT])
+            if other != _HIGH_PRECISION:
+                outputs = _CastGradToFloat8.apply(outputs, mod, other)
         return outputs.to_local() if use_local_output else outputs
 
 
