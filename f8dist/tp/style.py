@@ -19,10 +19,38 @@ Symmetrically, the gradient of a rowwise-parallel output that was reduce-scatter
 shards comes back sequence-sharded and is all-gathered in backward: it is cast to float8 (the
 ``(grad_input, grad_output)`` cast) before that all-gather.
 
-Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per column) re-scale the
-communicated float8 tensor (``cast_to_float8`` of a float8 tensor that does not fit), a second
-rounding that a one-device run does not have; layers whose input needs no redistribution are not
-cast here at all.
+The grad_weight gemm takes the same tensor scaled along the other axis, or in high precision:
+[Note: the grad_weight gemm under sequence parallelism] says how it still gets one device's
+operand. Layers whose input needs no redistribution are not cast here at all.
+
+[Note: the grad_weight gemm under sequence parallelism]
+The output gemm scales the SP input along K (per token, or 1 x K row blocks), but the grad_weight
+gemm contracts over the tokens: one device casts the high-precision input along the tokens, or
+reads it in high precision. Re-casting the gathered float8 would round twice (measured on 2 gloo
+ranks, dim 256: blockwise weight gradients 27-28 dB from one device, mxfp8_wgrad_with_hp 31 dB),
+so the style picks, per consuming linear's ``(grad_weight, input)`` spec and per forward (the
+token count is the batch's), with ``_grad_weight_cast``:
+
+* block scales along the tokens, shards holding whole token blocks (the rule of
+  ``blocks_split_by_shards``, [Note: token blocks of N-D activations] in f8dist/config.py): the
+  local high-precision shard is cast twice, in row blocks and in token blocks, and the second
+  cast travels as the first's companion ([Note: two casts of one tensor] in f8dist/tensor.py):
+  the all-gather moves both, 2 x (1 byte + scales) per element, in forward; the linear keeps only
+  the token-block bytes for backward (1 byte per element, as before: memory unchanged). Every
+  gemm reads one device's bytes, no collective added.
+* a high-precision grad_weight gemm (mxfp8_wgrad_with_hp, rowwise_with_gw_hp), or token blocks
+  that the sequence shards split (1x128 blocks need 128 * tp tokens per sequence, 1x32 ones
+  32 * tp): the input is all-gathered in high precision (2 bytes per element in bf16, 4 in fp32)
+  and the linear casts after the gather, as one device does; it keeps the high-precision input
+  for backward, as one device does.
+* tensorwise (the same bytes serve both gemms) and rowwise (per-column scales over the tokens,
+  powers of 2, so re-scaling the gathered per-token bytes is exact but for e4m3 subnormals):
+  unchanged, the gathered float8 is reused or re-scaled.
+
+The rowwise style's gradient takes the same choice for its ``(grad_weight, grad_output)`` cast:
+cast with its token-block companion before the backward all-gather, or all-gathered in high
+precision. Under torch.compile neither is made ([Note: float8 gradients under compile]): the
+grad_weight gemm re-casts the gathered float8 input, as before.
 
 [Note: which redistributions carry float8]
 An axiswise cast is not made before a redistribution that shards its scaled-over dim on either
@@ -46,10 +74,10 @@ gather, bit for bit. Weights are sharded on block boundaries (colwise: out_featu
 in_features) and cast shard by shard; a TP degree whose shards would split a block of any of the
 layer's casts (a weight's 1x32, 128x128 or 32x32 blocks, the sharded activation's or gradient's
 1 x K ones) raises when the style is applied, naming the fix, by the rule of f8dist/placement.py
-(``blocks_split_by_shards``). The grad_weight gemm blocks its operands along the tokens, so it
-re-casts the gathered float8 (as a rowwise recipe's re-scales): with e8m0 (power-of-2) scales
-that is exact but for e4m3 subnormals; with DeepSeek's float32 scales, or a high-precision
-grad_weight gemm (mxfp8_wgrad_with_hp), it is a second rounding that one device does not make.
+(``blocks_split_by_shards``). The grad_weight gemm blocks its operands along the tokens: its
+cast of the local shard travels with the row-block cast, or the tensor moves in high precision
+where sequence shards would split token blocks ([Note: the grad_weight gemm under sequence
+parallelism]).
 
 [Note: float8 gradients under compile]
 The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
