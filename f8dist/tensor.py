@@ -426,6 +426,24 @@ def _split(func, args, kwargs):
     return [rewrap(t, d, s) for d, s in zip(datas, scales)]
 
 
+# [Note: a slice of the whole dim]
+# DTensor's all-gather narrows the gathered tensor to the logical size of the gathered dim when the
+# two are not the same Python int object (``is not``, torch 2.13: so for any size above 256,
+# CPython's small-int cache), a slice that keeps every element: it keeps the float8 tensor as it is.
+@_implements([aten.slice.Tensor])
+def _slice(func, args, kwargs):
+    t, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    start = args[2] if len(args) > 2 else kwargs.get("start", None)
+    end = args[3] if len(args) > 3 else kwargs.get("end", None)
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    size = t._data.shape[dim]
+    if (start or 0) != 0 or (end is not None and end < size) or step != 1:
+        raise NotImplementedError(
+            f"slicing a Float8Tensor is defined for the whole dim only, got [{start}:{end}:{step}] "
+            f"of dim {dim} ({size}); call .to_original_precision() first")
+    return rewrap(t, func(t._data, *args[1:], **kwargs))
+
+
 @_implements([aten.cat.default])
 def _cat(func, args, kwargs):
     tensors = args[0]
@@ -454,7 +472,7 @@ def _cat(func, args, kwargs):
 # or re-view a tensor between its cast and its gemms
 _CARRY_COMPANION = frozenset([
     aten.detach.default, aten.alias.default, aten.clone.default, aten.view.default,
-    aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default,
+    aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default, aten.slice.Tensor,
     aten.split.Tensor, aten.chunk.default, aten.cat.default,
     c10d.all_gather_into_tensor.default, *_WRAPS,
 ])

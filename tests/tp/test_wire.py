@@ -119,3 +119,12 @@ def test_block_pieces_must_start_on_block_boundaries():
     assert torch.equal(torch.cat([top, bottom])._scale, w._scale)
     with pytest.raises(NotImplementedError, match="split its 128-wide blocks"):
         torch.chunk(w, 4)
+
+
+def test_a_slice_of_the_whole_dim_keeps_the_float8_tensor():
+    # [Note: a slice of the whole dim]: DTensor's all-gather narrows 512-token sequences to 512
+    fp8 = cast_to_float8(torch.randn(2, 512, 32), CastSpec(dtype=E4M3))
+    whole = fp8.narrow(1, 0, 512)
+    assert type(whole).__name__ == "Float8Tensor" and torch.equal(_bytes(whole), _bytes(fp8))
+    with pytest.raises(NotImplementedError, match="whole dim only"):
+        fp8.narrow(1, 0, 256)
