@@ -42,7 +42,12 @@ token count is the batch's), with ``_grad_weight_cast``:
   that the sequence shards split (1x128 blocks need 128 * tp tokens per sequence, 1x32 ones
   32 * tp): the input is all-gathered in high precision (2 bytes per element in bf16, 4 in fp32)
   and the linear casts after the gather, as one device does; it keeps the high-precision input
-  for backward, as one device does.
+  for backward, as one device does (2 bytes per element in bf16, where the gathered float8 kept
+  1). Exactness costs the bytes either way: the grad_weight gemm's operand cannot be derived from
+  the row-block bytes without a second rounding, so an exact path moves two float8 casts (1.03x
+  bf16's bytes with their scales) or high precision, never 0.52x. Gathering the token-block cast
+  in backward instead (as Transformer Engine does) would move the same bytes and keep 1 / tp of
+  them, at one backward all-gather per consuming linear.
 * tensorwise (the same bytes serve both gemms) and rowwise (per-column scales over the tokens,
   powers of 2, so re-scaling the gathered per-token bytes is exact but for e4m3 subnormals):
   unchanged, the gathered float8 is reused or re-scaled.
