@@ -164,8 +164,10 @@ def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[Cas
     the communicated bytes, or re-scales them: tensorwise, rowwise, and under torch.compile), a
     CastSpec (its own cast of ``x`` travels along as a companion: block scales along the tokens)
     or ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or
-    token blocks that the sequence shards split)."""
-    if grad_weight is None or torch.compiler.is_compiling():
+    token blocks that the sequence shards split). None too where no grad_weight gemm will read
+    it (no grad: eval, inference) or there is nothing to round (an empty batch)."""
+    if (grad_weight is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or x.numel() == 0):
         return None
     if not grad_weight.enabled:
         return _HIGH_PRECISION

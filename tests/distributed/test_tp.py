@@ -175,6 +175,8 @@ def test_tp_sp_block_scales_send_both_gemms_casts(block_results, recipe):
     assert figures["fwd_all_gather_bytes_per_element"] == 2 * (1 + SCALE_BYTES), figures
     assert figures["bwd_all_gather_bytes_per_element"] == 2 * (1 + SCALE_BYTES), figures
     assert figures["fwd_all_gather_calls"] == 4 * 5, figures
+    # a forward without grad (eval) has no grad_weight gemm to serve: the row blocks only
+    assert figures["no_grad_fwd_all_gather_bytes_per_element"] == 1 + SCALE_BYTES, figures
 
 
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES.split(",") + ["blockwise+split_seq"])
@@ -206,6 +208,8 @@ def test_tp_sp_high_precision_wire_where_float8_would_round_twice(block_results,
     assert figures["fwd_all_gather_bytes_per_element"] == 4.0, figures
     assert figures["bwd_all_gather_bytes_per_element"] == 4.0, figures
     assert figures["fwd_all_gather_calls"] == 5, figures
+    # without grad no grad_weight gemm runs: float8 row blocks cross, as one device casts them
+    assert figures["no_grad_fwd_all_gather_bytes_per_element"] == 1 + SCALE_BYTES, figures
 
 
 @pytest.fixture(scope="module")

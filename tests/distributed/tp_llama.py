@@ -199,6 +199,10 @@ def compare(
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
     }
+    with torch.no_grad(), count_collectives() as evaluation:  # no grad_weight gemm to serve
+        model(tokens[mine])
+    out["no_grad_fwd_all_gather_bytes_per_element"] = (
+        evaluation.expect("all_gather").input_bytes / ((2 * ARGS.n_layers + 1) * shard))
     return _worst_over_ranks(out)
 
 
