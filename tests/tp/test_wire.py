@@ -128,3 +128,31 @@ def test_a_slice_of_the_whole_dim_keeps_the_float8_tensor():
     assert type(whole).__name__ == "Float8Tensor" and torch.equal(_bytes(whole), _bytes(fp8))
     with pytest.raises(NotImplementedError, match="whole dim only"):
         fp8.narrow(1, 0, 256)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_linear_keeps_only_the_companion_and_gives_one_devices_weight_gradient(recipe):
+    """[Note: what the matmul keeps for backward]: an input that arrives in float8 carrying the
+    grad_weight gemm's cast keeps that cast only (1 byte per element, no row-block copy), and
+    the weight gradient is that of the high-precision input, bit for bit."""
+    import torch.nn as nn
+
+    from f8dist import Float8Linear, Float8LinearConfig
+    from f8dist.cast import cast_with_companion
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    torch.manual_seed(0)
+    ref = Float8Linear.from_float(nn.Linear(128, 128, bias=False), config)
+    lin = Float8Linear.from_float(nn.Linear(128, 128, bias=False), config)
+    lin.weight.data.copy_(ref.weight.data)
+    x, grad = torch.randn(2, 128, 128), torch.randn(2, 128, 128)
+    ref(x).backward(grad)
+    fwd, gw = lin.specs["output", "input"], lin.specs["grad_weight", "input"]
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = lin(cast_with_companion(x, fwd, gw))
+    out.backward(grad)
+    float8 = [t for t in kept if type(t).__name__ == "Float8Tensor"]
+    assert [t._block for t in float8] == [gw.block_shape(2)], float8
+    assert float8[0]._companion is None
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
