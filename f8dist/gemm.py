@@ -53,21 +53,22 @@ With block scales ([Note: block scales] in f8dist/config.py) ``a`` [M, K] has on
 On the CPU, ``f8dist::cpu_block_scaled_mm``: each block's float8 products summed in float32 (a
 batched matmul over the k-blocks, exact products), each block sum multiplied by its two
 dequantizing scales, the blocks summed in float32. A K that is not a multiple of bk (the
-grad_weight gemm's tokens) is zero-padded, exact. On CUDA block-scaled kernels take layouts of
-their own: MXFP8 (``torch._scaled_mm`` with e8m0 scales, sm100+) wants the scales of a and b in
-the 128x4 "swizzled" tile layout (``to_blocked``) and K a multiple of 32; DeepSeek's 1x128 x
-128x128 (sm90) wants float32 scales in layouts of its own (``_cuda_block_scales``).
+grad_weight gemm's tokens) is zero-padded, exact.
 
-On CUDA, ``_cuda_block_scaled_mm`` runs ``torch.nn.functional.scaled_mm`` (torch >= 2.10) for
-DeepSeek's blocks on sm90: per-token 1x128 x 128x128 weight blocks (the output and grad_input
-gemms of ``"blockwise"``) and 1x128 x 1x128 (its grad_weight gemm, blocks along the tokens). The
-operand ``a`` [M, K] with ``(1, 128)`` blocks is ``BlockWise1x128`` with scales [M, K/128]
-outer-dim-major (stride (1, M)); ``(128, 128)`` is ``BlockWise128x128`` with scales
-[round_up(K/128, 4), M/128], stride (1, round_up(K/128, 4)). ``b`` [K, N] is described by its
-transpose ``b.t()`` [N, K] the same way (its ``(128, 1)`` blocks are ``BlockWise1x128``). K is
-zero-padded to a multiple of 128 (exact). MXFP8 (1x32 e8m0 scales, the "swizzled" 128x4 layout)
-needs sm100 (Blackwell), and 32x32 squares have no CUDA kernel: those raise, naming
-``Float8LinearConfig(emulate=True)`` (dequantize, then a high-precision matmul) as the way to run.
+On CUDA, ``_cuda_block_scaled_mm`` runs ``torch.nn.functional.scaled_mm`` with the arguments of
+``cuda_block_args`` where ``cuda_block_problem`` finds a kernel for the device, and otherwise
+raises naming what to use instead (another recipe, or ``Float8LinearConfig(emulate=True)``:
+dequantize, then a high-precision matmul):
+
+* DeepSeek's blocks on sm90 (torch >= 2.10): per-token 1x128 x 128x128 weight blocks (the output
+  and grad_input gemms of ``"blockwise"``) and 1x128 x 1x128 (its grad_weight gemm, blocks along
+  the tokens). The operand ``a`` [M, K] with ``(1, 128)`` blocks is ``BlockWise1x128`` with scales
+  [M, K/128] outer-dim-major (stride (1, M)); ``(128, 128)`` is ``BlockWise128x128`` with scales
+  [round_up(K/128, 4), M/128], stride (1, round_up(K/128, 4)). ``b`` [K, N] is described by its
+  transpose ``b.t()`` [N, K] the same way (its ``(128, 1)`` blocks are ``BlockWise1x128``). K is
+  zero-padded to a multiple of 128 (exact). Run on an H200 (docs/numerics.md).
+* MXFP8's 1x32 e8m0 blocks on sm100+, 32x32 weight tiles expanded to 1x32: ``BlockWise1x32``
+  with e8m0 scales in the swizzled 128x4 tile layout ([Note: MXFP8 on CUDA]). Not run on a GPU.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from f8dist.config import ScaledMMConfig
+from f8dist.config import E4M3, E8M0, ScaledMMConfig
 from f8dist.scaling import expand_blocks, in_memory
 
 __all__ = ["scaled_mm", "check_gemm_shape", "check_block_shape", "GEMM_ALIGNMENT"]
@@ -201,8 +202,9 @@ def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_
         # torch's block kernels refuse fast accumulation ("scaled_gemm doesn't support fast
         # accum with 128x128 blockwise scaling", H200, torch 2.11); DeepSeek's kernels promote
         # their sums to float32 at every 128-block anyway
+        e8m0 = a_scale.dtype == E8M0 and b_scale.dtype == E8M0
         return _cuda_block_scaled_mm(a_data, b_data, inv_a, inv_b, tuple(a_block), tuple(b_block),
-                                     out_dtype=out_dtype)
+                                     e8m0=e8m0, out_dtype=out_dtype)
     return cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
                                list(a_block), list(b_block), out_dtype)
 
@@ -211,6 +213,9 @@ def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_
 # block-scaled gemm]); the pairs CUDA's DeepSeek kernels (sm90) take
 _CUDA_BLOCKS = {(1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128"}
 _CUDA_BLOCK_PAIRS = {((1, 128), (128, 128)), ((128, 128), (1, 128)), ((1, 128), (1, 128))}
+# MXFP8's contraction block, and the tile of its swizzled scale layout ([Note: MXFP8 on CUDA])
+MX_BLOCK = 32
+_SWIZZLE_ROWS, _SWIZZLE_COLS = 128, 4
 
 
 def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
@@ -226,27 +231,208 @@ def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tenso
     return inv.contiguous().t()  # [round_up(K/128, 4), outer/128]
 
 
-def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
-    """``a`` [M, K] @ ``b`` [K, N] on CUDA's block-scaled kernel ([Note: the block-scaled gemm])."""
-    bt_block = (b_block[1], b_block[0])  # b's blocks seen from b.t() [N, K]
-    scaled = getattr(F, "scaled_mm", None)
-    major = torch.cuda.get_device_capability(a.device)[0] if a.device.type == "cuda" else None
-    if scaled is None or major != 9 or (a_block, bt_block) not in _CUDA_BLOCK_PAIRS:
-        raise NotImplementedError(
-            f"no {a.device.type} kernel for float8 blocks {a_block} x {b_block} here: CUDA runs "
-            "DeepSeek's 1x128 / 128x128 blocks (the 'blockwise' recipe) on sm90 with torch >= "
-            "2.10, and MXFP8 (1x32) needs sm100. Set Float8LinearConfig(emulate=True) (dequantize, "
-            "then a high-precision matmul) or use another recipe ([Note: the block-scaled gemm] in "
-            "f8dist/gemm.py)")
-    kinds = getattr(F, "ScalingType", None) or F._ScalingType
+# [Note: MXFP8 on CUDA]
+# torch's MXFP8 gemm is ``torch.nn.functional.scaled_mm(a, b, sa, ScalingType.BlockWise1x32, sb,
+# ScalingType.BlockWise1x32, swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=...)``: cuBLAS's
+# block-scaled kernel, on CUDA sm100+ (torch's tests gate it on capability >= 10.0; ROCm takes
+# unswizzled scales and is not wired up). It wants ``a`` [M, K] row-major and ``b`` [K, N]
+# column-major, both e4m3, K and N multiples of 16, and for each operand seen with its contraction
+# dim last (``a``, ``b.t()`` [N, K]) the e8m0 dequantizing scales of its 1x32 blocks, [rows,
+# ceil(K/32)], padded to [round_up(rows, 128), round_up(ceil(K/32), 4)] and stored contiguous in
+# cuBLAS's "32_4_4" order (:func:`swizzle_32_4_4`): tiles of 128 rows x 4 block-columns, the tiles
+# row by row, inside a tile the scale of (row r, column c) at (r % 32) * 16 + (r // 32) * 4 + c.
+# torch checks (on CUDA and in its meta kernel) the dtypes, the number of scales, the swizzle
+# enum and contiguity, never the order inside: that is f8dist's to get right, so
+# tests/test_gemm.py checks :func:`swizzle_32_4_4` against the index formula element by element
+# and runs the whole argument list through a CPU reading of it, bit for bit the CPU kernel.
+#
+# f8dist pads K to a multiple of 32 (the grad_weight gemm's tokens; zero bytes, exact) and N to a
+# multiple of 16 (zero columns, sliced off); the padded scales are 1. A weight in 32x32 tiles
+# ("mxfp8_square_weights") has as the scale of each tile the scale of each of its 32 rows' 1x32
+# blocks, so its grid repeated 32 times along the rows (``_row_block_scales``, exact) is a 1x32
+# grid and the same kernel runs it. The e8m0 scales f8dist keeps are quantizing powers of 2 in
+# [2**-127, 2**127]; their reciprocals (what the kernel multiplies by) are in the same range and
+# convert to e8m0 exactly. Written against torch 2.13's source and checked on the CPU by torch's
+# meta kernel; not run on an sm100 GPU (scripts/cuda_block_check.py is the check to run there).
+
+
+def _round_up_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def swizzle_32_4_4(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales [R, C] (R rows, C blocks along K) in cuBLAS's 32_4_4 order ([Note: MXFP8 on
+    CUDA]): flat [round_up(R, 128) * round_up(C, 4)], the padding 1. Any dtype F.pad takes; the
+    inverse is :func:`unswizzle_32_4_4`.
+
+    Example::
+
+        >>> swizzle_32_4_4(torch.arange(8.0).reshape(2, 4)).shape
+        torch.Size([512])
+    """
+    r, c = scales.shape
+    rp, cp = _round_up_to(r, _SWIZZLE_ROWS), _round_up_to(c, _SWIZZLE_COLS)
+    padded = F.pad(scales, (0, cp - c, 0, rp - r), value=1.0)  # [R', C']
+    # row = 128 * tile_row + 32 * i + j, column = 4 * tile_col + k
+    tiles = padded.reshape(rp // 128, 4, 32, cp // 4, 4)  # [tile_row, i, j, tile_col, k]
+    return tiles.permute(0, 3, 2, 1, 4).reshape(-1)  # [tile_row, tile_col, j, i, k]
+
+
+def unswizzle_32_4_4(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The [rows, cols] block scales that :func:`swizzle_32_4_4` stored as ``flat``."""
+    rp, cp = _round_up_to(rows, _SWIZZLE_ROWS), _round_up_to(cols, _SWIZZLE_COLS)
+    tiles = flat.reshape(rp // 128, cp // 4, 32, 4, 4)  # [tile_row, tile_col, j, i, k]
+    return tiles.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]  # the same swap undoes it
+
+
+def _row_block_scales(inv: torch.Tensor, block: Tuple[int, int], rows: int) -> torch.Tensor:
+    """The scales [rows, nk] of 1 x bk blocks of an operand [rows, K] in ``block = (r, bk)``
+    blocks with scales [ceil(rows / r), nk]: each scale repeated for its r rows (exact)."""
+    return inv if block[0] == 1 else expand_blocks(inv, (block[0], 1), (rows, inv.shape[1]))
+
+
+def _torch_block_enums():
+    """torch's (ScalingType, SwizzleType) for ``F.scaled_mm``, or None where this torch lacks
+    them (looked up by feature: torch.nn.functional, else torch._C)."""
+    kinds = getattr(F, "ScalingType", None) or getattr(torch._C, "_ScalingType", None)
+    swizzles = getattr(F, "SwizzleType", None) or getattr(torch._C, "_SwizzleType", None)
+    if getattr(F, "scaled_mm", None) is None or kinds is None or swizzles is None:
+        return None
+    return kinds, swizzles
+
+
+def _has_block_api(kernel: Optional[str]) -> bool:
+    """Whether this torch's ``F.scaled_mm`` names the scaling (and swizzle) types of ``kernel``."""
+    enums = _torch_block_enums()
+    if enums is None or kernel is None:
+        return False
+    if kernel == "mxfp8":
+        return hasattr(enums[0], "BlockWise1x32") and hasattr(enums[1], "SWIZZLE_32_4_4")
+    return all(hasattr(enums[0], name) for name in _CUDA_BLOCKS.values())
+
+
+def _cuda_block_kernel(a_block, bt_block) -> Optional[str]:
+    """Which CUDA kernel takes blocks ``a_block`` x ``bt_block`` (each operand seen with its
+    contraction dim last): "mxfp8" (1x32, any rows: squares expand), "deepseek", or None."""
+    if a_block[1] == MX_BLOCK and bt_block[1] == MX_BLOCK:
+        return "mxfp8"
+    return "deepseek" if (a_block, bt_block) in _CUDA_BLOCK_PAIRS else None
+
+
+_EMULATE = "Float8LinearConfig(emulate=True) (dequantize, then a high-precision matmul)"
+
+
+def cuda_block_problem(kernel: Optional[str], capability: Optional[Tuple[int, int]], *,
+                       device: str = "cuda", api: bool = True, rocm: bool = False,
+                       e8m0: bool = True, dtypes=(E4M3, E4M3), blocks: str = "") -> Optional[str]:
+    """Why a block-scaled gemm for ``kernel`` (:func:`_cuda_block_kernel`) cannot run on a CUDA
+    GPU of ``capability`` (None: ``device`` is not CUDA), naming what to use instead; None if it
+    can ([Note: the block-scaled gemm], [Note: MXFP8 on CUDA]). ``e8m0``: both operands' scales
+    are e8m0; ``dtypes``: the operands' float8 dtypes."""
+    where = ("f8dist runs block-scaled gemms on the CPU (an exact kernel) and on CUDA: DeepSeek's "
+             "1x128 / 128x128 blocks (the 'blockwise' recipe) on sm90, MXFP8's 1x32 e8m0 blocks "
+             "(the 'mxfp8' recipes, 32x32 weight tiles too) on sm100+")
+    if capability is None:
+        return f"no {device} kernel for float8 blocks {blocks}: {where}. Set {_EMULATE}"
+    sm = f"sm{capability[0]}{capability[1]}"
+    if kernel is None:
+        return f"no CUDA kernel for float8 blocks {blocks}: {where}. Set {_EMULATE}"
+    if rocm:
+        return (f"ROCm: f8dist wires up CUDA's block-scaled kernels only ({where}). "
+                f"Set {_EMULATE}")
+    if kernel == "deepseek" and capability[0] != 9:
+        instead = ("use the 'mxfp8' recipes (MXFP8 runs on sm100+)" if capability[0] >= 10
+                   else "use the 'rowwise' or 'tensorwise' recipe")
+        return (f"DeepSeek's 1x128 / 128x128 block kernels run on sm90 only (torch's check), this "
+                f"GPU is {sm}: {instead}, or set {_EMULATE}")
+    if kernel == "mxfp8" and capability[0] < 10:
+        instead = ("use the 'blockwise' recipe (DeepSeek's 1x128 / 128x128 blocks run on sm90)"
+                   if capability[0] == 9 else "use the 'rowwise' or 'tensorwise' recipe")
+        return (f"MXFP8 (1x32 e8m0 blocks) needs sm100+ (Blackwell), this GPU is {sm}: "
+                f"{instead}, or set {_EMULATE}")
+    if not api:
+        names = ("ScalingType.BlockWise1x32 and SwizzleType.SWIZZLE_32_4_4 (MXFP8's gemm)"
+                 if kernel == "mxfp8" else "ScalingType.BlockWise1x128 (DeepSeek's blocks)")
+        return (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with {names}: "
+                f"upgrade torch, or set {_EMULATE}")
+    if kernel == "mxfp8" and not e8m0:
+        return ("CUDA's MXFP8 gemm takes e8m0 scales: set the casts' scale_dtype to "
+                f"torch.float8_e8m0fnu (the 'mxfp8' recipes do), or set {_EMULATE}")
+    if kernel == "mxfp8" and tuple(dtypes) != (E4M3, E4M3):
+        return (f"CUDA's MXFP8 gemm takes e4m3 operands only, got {dtypes[0]} x {dtypes[1]}: "
+                "cast every operand to torch.float8_e4m3fn (the 'mxfp8' recipes do), or set "
+                f"{_EMULATE}")
+    return None
+
+
+def _mx_scales(inv: torch.Tensor, block: Tuple[int, int], rows: int) -> torch.Tensor:
+    """e8m0 scales of an operand [rows, K] (contraction dim last) in ``block = (r, 32)`` blocks,
+    in MXFP8's layout ([Note: MXFP8 on CUDA])."""
+    grid = _row_block_scales(inv.to(torch.float32), block, rows)  # [rows, ceil(K/32)]
+    return _e8m0_bits(swizzle_32_4_4(grid))
+
+
+def _e8m0_bits(pow2: torch.Tensor) -> torch.Tensor:
+    """Positive float32 powers of 2 in [2**-127, 2**127] as e8m0, exactly: e8m0's byte is float32's
+    biased exponent (2**-127, a float32 subnormal, has exponent bits 0, e8m0's 0; NaN stays NaN).
+    Bits rather than a ``.to``, so a compiled graph needs no e8m0 conversion kernel."""
+    return (pow2.view(torch.int32) >> 23).to(torch.uint8).view(E8M0)
+
+
+def _cuda_mx_args(a, b, inv_a, inv_b, a_block, bt_block, out_dtype):
+    """``F.scaled_mm``'s (args, kwargs) for MXFP8 ([Note: MXFP8 on CUDA]); the output has
+    round_up(N, 16) columns."""
+    kinds, swizzles = _torch_block_enums()
+    (m, k), n = a.shape, b.shape[1]
+    pad_k, pad_n = -k % MX_BLOCK, -n % GEMM_ALIGNMENT
+    a = F.pad(a, (0, pad_k)) if pad_k else a.contiguous()  # [M, K'] row-major
+    bt = F.pad(b.t(), (0, pad_k, 0, pad_n)) if pad_k or pad_n else b.t().contiguous()  # [N', K']
+    sa = _mx_scales(inv_a, a_block, m)  # a's blocks, swizzled
+    sb = _mx_scales(inv_b.t(), bt_block, n)  # b.t()'s blocks, swizzled
+    mx, swizzle = kinds.BlockWise1x32, swizzles.SWIZZLE_32_4_4
+    return ((a, bt.t(), sa, mx, sb, mx),
+            dict(swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype))
+
+
+def _cuda_deepseek_args(a, b, inv_a, inv_b, a_block, bt_block, out_dtype):
+    """``F.scaled_mm``'s (args, kwargs) for DeepSeek's blocks ([Note: the block-scaled gemm])."""
+    kinds = _torch_block_enums()[0]
     pad = -a.shape[1] % 128
     a = F.pad(a, (0, pad)) if pad else a.contiguous()  # [M, K'] row-major
     b = (F.pad(b.t(), (0, pad)) if pad else b.t().contiguous()).t()  # [K', N] column-major
     sa = _cuda_block_scales(inv_a, a_block)
     sb = _cuda_block_scales(inv_b.t(), bt_block)
-    return scaled(a, b, sa, getattr(kinds, _CUDA_BLOCKS[a_block]),
-                  sb, getattr(kinds, _CUDA_BLOCKS[bt_block]),
-                  output_dtype=out_dtype)
+    return ((a, b, sa, getattr(kinds, _CUDA_BLOCKS[a_block]),
+             sb, getattr(kinds, _CUDA_BLOCKS[bt_block])), dict(output_dtype=out_dtype))
+
+
+def cuda_block_args(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
+    """The arguments of ``torch.nn.functional.scaled_mm`` that compute ``a`` [M, K] @ ``b`` [K, N]
+    with dequantizing float32 block scales on CUDA: (args, kwargs); the output may have padded
+    columns past N. No device check (:func:`cuda_block_problem`): on the meta device torch's own
+    checks judge them (tests/test_gemm.py)."""
+    a_block, bt_block = tuple(a_block), (b_block[1], b_block[0])  # b's blocks seen from b.t()
+    build = _cuda_mx_args if _cuda_block_kernel(a_block, bt_block) == "mxfp8" else \
+        _cuda_deepseek_args
+    return build(a, b, inv_a, inv_b, a_block, bt_block, out_dtype)
+
+
+def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, e8m0, out_dtype):
+    """``a`` [M, K] @ ``b`` [K, N] on CUDA's block-scaled kernels ([Note: the block-scaled gemm],
+    [Note: MXFP8 on CUDA]); ``e8m0``: both operands' scales are e8m0."""
+    kernel = _cuda_block_kernel(a_block, (b_block[1], b_block[0]))  # b seen from b.t()
+    cuda = a.device.type == "cuda"
+    problem = cuda_block_problem(
+        kernel, torch.cuda.get_device_capability(a.device) if cuda else None,
+        device=a.device.type, api=_has_block_api(kernel),
+        rocm=cuda and torch.version.hip is not None, e8m0=e8m0, dtypes=(a.dtype, b.dtype),
+        blocks=f"{a_block} x {b_block}")
+    if problem is not None:
+        raise NotImplementedError(problem + " ([Note: the block-scaled gemm] in f8dist/gemm.py)")
+    args, kwargs = cuda_block_args(a, b, inv_a, inv_b, a_block, b_block, out_dtype=out_dtype)
+    out = F.scaled_mm(*args, **kwargs)  # [M, N'] (MXFP8: N' = round_up(N, 16))
+    n = b.shape[1]
+    return out[:, :n] if out.shape[1] != n else out
 
 
 @torch.library.custom_op("f8dist::cpu_scaled_mm", mutates_args=())
@@ -298,7 +484,7 @@ def _in_kernel_layout(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _round_up(x: int) -> int:
-    return (x + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
+    return _round_up_to(x, GEMM_ALIGNMENT)
 
 
 def scaled_mm(

@@ -113,6 +113,16 @@ def torchao_converter() -> Optional[Callable]:
     from torchao.float8 import convert_to_float8_training as ao_convert
 
     def convert(model, recipe):
+        if recipe.startswith("mxfp8"):  # torchao's MXFP8 training on its own kernels (sm100)
+            if recipe == "mxfp8_square_weights":
+                raise RuntimeError("torchao has no MXFP8 recipe with 32x32 weight tiles")
+            if next(model.parameters()).device.type != "cuda":
+                raise RuntimeError("torchao's MXFP8 kernels (Triton, CUDA sm100) need a GPU")
+            from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+            from torchao.quantization import quantize_
+
+            quantize_(model, MXFP8TrainingOpConfig(wgrad_with_hp=recipe == "mxfp8_wgrad_with_hp"))
+            return model
         if recipe == "blockwise":  # torchao's DeepSeek-style prototype (sm90)
             from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig
             from torchao.quantization import quantize_

@@ -26,8 +26,9 @@ from bench_common import (
 from f8dist import Float8LinearConfig, convert_to_float8_training
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
-# not in the default run: CUDA runs blockwise on sm90 only ([Note: the block-scaled gemm])
-BLOCK_RECIPES = ["blockwise"]
+# not in the default run: CUDA runs blockwise on sm90 only, the MXFP8 recipes on sm100+ ([Note:
+# the block-scaled gemm] in f8dist/gemm.py)
+BLOCK_RECIPES = ["blockwise", "mxfp8", "mxfp8_square_weights"]
 MODES = ["eager", "compile"]
 COLUMNS = [
     "shape", "M", "K", "N", "mode", "recipe",
@@ -62,7 +63,8 @@ def layer_candidates(shape: GemmShape, recipes, mode: str, device: str, ao_conve
         if ao_convert is not None:
             try:
                 models[f"torchao:{recipe}"] = ao_convert(copy.deepcopy(base), recipe)
-            except (AssertionError, ImportError, RuntimeError) as e:  # e.g. blockwise needs sm90
+            except (AssertionError, ImportError, RuntimeError, NotImplementedError,
+                    ValueError) as e:  # e.g. blockwise needs sm90
                 print(f"torchao {recipe}: not run on {device} ({type(e).__name__}: {e})")
     if mode == "compile":
         models = {name: torch.compile(m) for name, m in models.items()}

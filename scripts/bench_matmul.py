@@ -1,5 +1,5 @@
-"""Benchmark the float8 gemm alone: ``torch._scaled_mm`` (tensorwise and rowwise scales, and DeepSeek's
-1x128 x 128x128 block scales where the device has the kernel) vs bf16 mm.
+"""Benchmark the float8 gemm alone: ``torch._scaled_mm`` (tensorwise and rowwise scales; DeepSeek's
+1x128 x 128x128 and MXFP8's 1x32 block scales where the device has the kernel) vs bf16 mm.
 
 Prints TFLOP/s of each and its ratio to bf16 (> 1: float8 is faster), and writes them to CSV.
 
@@ -18,10 +18,10 @@ from bench_common import GemmShape, add_common_args, median_times, report, shape
 
 COLUMNS = [
     "shape", "M", "K", "N",
-    "bf16_tflops", "tensorwise_tflops", "rowwise_tflops", "blockwise_tflops",
-    "tensorwise_vs_bf16", "rowwise_vs_bf16", "blockwise_vs_bf16",
+    "bf16_tflops", "tensorwise_tflops", "rowwise_tflops", "blockwise_tflops", "mxfp8_tflops",
+    "tensorwise_vs_bf16", "rowwise_vs_bf16", "blockwise_vs_bf16", "mxfp8_vs_bf16",
 ]
-FLOAT8 = ("tensorwise", "rowwise", "blockwise")
+FLOAT8 = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 
 
 def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
@@ -45,24 +45,27 @@ def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
     rowwise = scaled(row_a, col_b)
     if _runs(rowwise):  # the CPU's _scaled_mm has per-row scales from torch 2.13
         candidates["rowwise"] = rowwise
-    blockwise = _blockwise(a8, b8)
-    if _runs(blockwise):  # CUDA sm90 ([Note: the block-scaled gemm] in f8dist/gemm.py)
-        candidates["blockwise"] = blockwise
+    # CUDA: blockwise on sm90, mxfp8 on sm100+ ([Note: the block-scaled gemm] in f8dist/gemm.py)
+    for name, fn in (("blockwise", _block_gemm(a8, b8, (128, 128), torch.float32)),
+                     ("mxfp8", _block_gemm(a8, b8, (32, 1), torch.float8_e8m0fnu))):
+        if _runs(fn):
+            candidates[name] = fn
     return candidates
 
 
-def _blockwise(a8, b8):
-    """f8dist's gemm of 1x128 activation blocks and 128x128 weight blocks, unit scales (CUDA's
-    block kernels have no fast accumulation)."""
+def _block_gemm(a8, b8, b_block, scale_dtype):
+    """f8dist's gemm of 1 x bk activation blocks and ``b_block`` weight blocks (bk = b_block[0]),
+    unit scales in ``scale_dtype`` (CUDA's block kernels have no fast accumulation): "blockwise"
+    is 1x128 x 128x128 float32, "mxfp8" 1x32 x 32x1 e8m0."""
     from f8dist.config import ScaledMMConfig
     from f8dist.gemm import scaled_mm
 
-    (m, k), n = a8.shape, b8.shape[1]
-    sa = torch.ones(m, -(-k // 128), device=a8.device)  # [M, K/128]
-    sb = torch.ones(-(-k // 128), -(-n // 128), device=a8.device)  # [K/128, N/128]
+    (m, k), n, (bk, bn) = a8.shape, b8.shape[1], b_block
+    sa = torch.ones(m, -(-k // bk), device=a8.device).to(scale_dtype)  # [M, K/bk]
+    sb = torch.ones(-(-k // bk), -(-n // bn), device=a8.device).to(scale_dtype)  # [K/bk, N/bn]
     cfg = ScaledMMConfig()
     return lambda: scaled_mm(a8, sa, b8, sb, out_dtype=torch.bfloat16, mm_config=cfg,
-                             a_block=(1, 128), b_block=(128, 128))
+                             a_block=(1, bk), b_block=b_block)
 
 
 def _runs(fn) -> bool:

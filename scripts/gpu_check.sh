@@ -6,16 +6,18 @@
 #
 # Parts (in this order, timings first so nothing else runs beside them):
 #   env    the device, driver and torch
-#   block  scripts/cuda_block_check.py: CUDA's block-scaled gemm (the "blockwise" recipe, sm90)
-#          against f8dist's exact CPU kernel on the same float8 data, and a blockwise Float8Linear
-#          on CUDA against the CPU, eager and compiled
+#   block  scripts/cuda_block_check.py: CUDA's block-scaled gemms against f8dist's exact CPU kernel
+#          on the same float8 data, and a Float8Linear per block recipe on CUDA against the CPU,
+#          eager and compiled: DeepSeek's blocks ("blockwise") on sm90, MXFP8 ("mxfp8",
+#          "mxfp8_wgrad_with_hp", "mxfp8_square_weights") on sm100+; the kernel the GPU lacks is
+#          skipped with its reason printed
 #   bench  bench_matmul and bench_linear on the LLaMa-2-70B shapes, compiled: bf16 vs f8dist vs
 #          torchao in one run (torchao's columns when it is importable; BENCH_RECIPES picks)
 #   train  scripts/train.py, bf16 and each float8 recipe, compiled, one process: tps and memory
 #          (TRAIN_RECIPES and TRAIN_STEPS pick)
 #   bytes  scripts/bench_bytes.py on CUDA (inductor's byte accounting with Triton kernels)
 #   tests  the test suite with CUDA as the default device (tests/conftest.py; the block-scaled
-#          recipes' tests stay on the CPU: their gemm has a CPU kernel only); the multi-process
+#          recipes' tests stay on the CPU, checked against CUDA by the block part); the multi-process
 #          tests run on gloo (NCCL needs one GPU per rank, so they stay on the CPU ranks of gloo
 #          where there is one GPU)
 #
@@ -26,11 +28,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
 parts=${PARTS:-env block bench train bytes tests}
-bench_recipes=${BENCH_RECIPES:-tensorwise rowwise rowwise_with_gw_hp blockwise}
-train_recipes=${TRAIN_RECIPES:-none tensorwise rowwise rowwise_with_gw_hp delayed blockwise}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+# the block recipes this GPU has a kernel for ([Note: the block-scaled gemm] in f8dist/gemm.py):
+# DeepSeek's blocks on sm90, MXFP8 on sm100+, none elsewhere
+major=$("$py" -c "import torch; print(torch.cuda.get_device_capability()[0])" 2>/dev/null || echo 0)
+if [ "$major" -eq 9 ]; then block_recipes="blockwise"
+elif [ "$major" -ge 10 ]; then block_recipes="mxfp8 mxfp8_square_weights"
+else block_recipes=""; fi
+bench_recipes=${BENCH_RECIPES:-tensorwise rowwise rowwise_with_gw_hp $block_recipes}
+train_recipes=${TRAIN_RECIPES:-none tensorwise rowwise rowwise_with_gw_hp delayed $block_recipes}
 failed=()
 
 part() {  # part NAME CMD...: run, log to OUTDIR/NAME.log, remember a failure
@@ -68,10 +76,9 @@ if wants train; then
 fi
 
 if wants bytes; then
-  # of the block-scaled recipes only blockwise has a CUDA gemm, on sm90 ([Note: the block-scaled
-  # gemm] in f8dist/gemm.py)
+  # the block recipes with a CUDA gemm on this GPU ($block_recipes, chosen above)
   part bytes "$py" scripts/bench_bytes.py --device cuda --csv "$out/bytes.csv" \
-    --recipes tensorwise rowwise rowwise_with_gw_hp delayed delayed_rescaled blockwise
+    --recipes tensorwise rowwise rowwise_with_gw_hp delayed delayed_rescaled $block_recipes
 fi
 
 if wants tests; then

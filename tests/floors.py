@@ -21,9 +21,9 @@ def exact_gemm_db() -> float:
 
 def on_cpu(test):
     """Run ``test`` with the CPU as the default device, also under ``F8DIST_TEST_DEVICE=cuda``:
-    for tests of block-scaled gemms that take MXFP8 or 32x32 blocks, which have a CPU kernel only
-    ([Note: the block-scaled gemm] in f8dist/gemm.py; CUDA runs DeepSeek's blocks on sm90 alone,
-    checked by scripts/cuda_block_check.py)."""
+    for tests of block-scaled gemms, whose CUDA kernels need sm90 (DeepSeek's blocks) or sm100+
+    (MXFP8) ([Note: the block-scaled gemm] in f8dist/gemm.py): on CUDA they are checked against
+    the CPU kernel by scripts/cuda_block_check.py instead."""
     import functools
 
     @functools.wraps(test)

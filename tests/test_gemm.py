@@ -191,7 +191,7 @@ def _block_operands(m, k, n, a_block, b_block, scale_dtype, mm_config=ScaledMMCo
     (8, 256, 256, (1, 128), (128, 128), torch.float32),  # DeepSeek-V3
     (8, 37, 16, (1, 32), (1, 32), E8M0),  # K = 37 tokens: the last block zero-padded
 ])
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_dtype):
     a, b, fa, fb = _block_operands(m, k, n, a_block, b_block, scale_dtype)
     assert fa._block == a_block and fb._block == b_block[::-1]  # b's block in its [K, N] layout
@@ -204,7 +204,7 @@ def test_block_scaled_gemm_is_exact_per_block(m, k, n, a_block, b_block, scale_d
     assert sqnr(emu, out) > exact_gemm_db()
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 def test_block_scaled_gemm_needs_block_scales_on_both_sides():
     _, _, fa, fb = _block_operands(16, 64, 32, (1, 32), (1, 32), E8M0)
     tensorwise = cast_to_float8(torch.randn(64, 32), CastSpec(dtype=E4M3))
@@ -267,3 +267,232 @@ def test_cuda_block_scales_pass_torchs_own_checks(a_block, b_block, m, k, n):
                     getattr(kinds, _CUDA_BLOCKS[a_block]),
                     _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
                     output_dtype=torch.bfloat16)
+
+
+# -- MXFP8 on CUDA ([Note: MXFP8 on CUDA]): layouts checked on the CPU -----------------------------
+
+def _swizzled_index(r: int, c: int, cols: int) -> int:
+    """cuBLAS's 1-D block scaling factor layout, element by element: tiles of 128 rows x 4 columns
+    stored tile row by tile row, inside a tile (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4."""
+    tile = (r // 128) * -(-cols // 4) + c // 4
+    return tile * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+
+
+def _read_swizzled(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[rows, cols] read out of ``flat`` by :func:`_swizzled_index` (not by unswizzle_32_4_4),
+    the formula applied to every (row, column) pair at once."""
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    return flat.to(torch.float32)[_swizzled_index(r, c, cols)]  # [rows, cols]
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 3), (128, 4), (130, 9), (256, 8)])
+def test_swizzle_32_4_4_is_cublas_layout_and_inverts(rows, cols):
+    from f8dist.gemm import swizzle_32_4_4, unswizzle_32_4_4
+
+    x = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + 2  # distinct, not 1
+    flat = swizzle_32_4_4(x)
+    padded = -(-rows // 128) * 128 * (-(-cols // 4) * 4)
+    assert flat.shape == (padded,) and flat.is_contiguous()
+    assert torch.equal(_read_swizzled(flat, rows, cols), x)  # each element where cuBLAS reads it
+    assert int((flat == 1).sum()) == padded - rows * cols  # the rest is padding, 1
+    assert torch.equal(unswizzle_32_4_4(flat, rows, cols), x)  # the round trip
+
+
+def test_mx_scales_are_exact_e8m0():
+    # every quantizing e8m0 scale f8dist keeps, 2**-127 .. 2**127: its reciprocal (what the kernel
+    # multiplies by) goes to e8m0 and back unchanged
+    from f8dist.gemm import _mx_scales, swizzle_32_4_4, unswizzle_32_4_4
+
+    quant = torch.ldexp(torch.ones(255), torch.arange(-127, 128)).to(E8M0)  # [255]
+    inv = quant.to(torch.float32).reciprocal().reshape(51, 5)  # [rows, K/32]
+    swizzled = _mx_scales(inv, (1, 32), 51)
+    assert swizzled.dtype == E8M0
+    assert torch.equal(unswizzle_32_4_4(swizzled.to(torch.float32), 51, 5), inv)
+    # torch's own conversion agrees byte for byte, and a NaN scale (a non-finite block) stays NaN
+    by_torch = swizzle_32_4_4(inv).to(E8M0)
+    assert torch.equal(swizzled.view(torch.uint8), by_torch.view(torch.uint8))
+    nan = _mx_scales(torch.full((1, 1), float("nan")), (1, 32), 1)
+    assert nan.to(torch.float32)[0].isnan()
+
+
+# (tokens, in_features, out_features): whole tiles; tokens, rows and K-blocks that pad to 128 / 4
+# and to 32 along K; an N (out_features = 40) that pads to 16
+_MX_SHAPES = [(256, 512, 384), (200, 96, 64), (8, 32, 40)]
+
+
+def _mx_gemms(t, k_in, n_out, square, device):
+    """The three gemms of an MXFP8 linear as f8dist hands them to the block gemm: (name, a, b,
+    inv_a, a_block, inv_b, b_block), operands in their natural layouts (the weight's transpose and
+    grad_output's are views), dequantizing power-of-2 scales."""
+    torch.manual_seed(0)
+
+    def data(*shape):
+        return torch.randn(*shape, device=device).to(E4M3) if device == "cpu" else \
+            torch.empty(*shape, dtype=E4M3, device=device)
+
+    def inv(*shape):  # powers of 2, as e8m0 scales are
+        return torch.ldexp(torch.ones(*shape, device=device),
+                           torch.randint(-8, 8, shape, device=device))
+
+    x, w, go = data(t, k_in), data(n_out, k_in), data(t, n_out)  # [T, K], [N, K], [T, N]
+    c = lambda n: -(-n // 32)  # noqa: E731 - 32-blocks
+    if square:  # 32x32 weight tiles: [N/32, K/32] in the weight's [N, K] layout
+        w_inv, wt_block, w_block = inv(c(n_out), c(k_in)), (32, 32), (32, 32)
+        w_for_out, w_for_gi = w_inv.t(), w_inv
+    else:  # 1x32 along each gemm's contraction dim
+        wt_block, w_block = (32, 1), (32, 1)
+        w_for_out, w_for_gi = inv(n_out, c(k_in)).t(), inv(c(n_out), k_in)
+    return [
+        ("output", x, w.t(), inv(t, c(k_in)), (1, 32), w_for_out, wt_block),
+        ("grad_input", go, w, inv(t, c(n_out)), (1, 32), w_for_gi, w_block),
+        ("grad_weight", go.t(), x, inv(n_out, c(t)), (1, 32), inv(c(t), k_in), (32, 1)),
+    ]
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("t, k_in, n_out", _MX_SHAPES)
+def test_mxfp8_cuda_args_pass_torchs_own_checks(t, k_in, n_out, square):
+    # the exact tensors f8dist hands CUDA's MXFP8 kernel, judged by torch's own checks on the meta
+    # device (no GPU needed): the forward, grad_input and grad_weight gemms, the weight in 1x32
+    # blocks or 32x32 tiles, row-major operands and transposed views
+    import torch.nn.functional as F
+
+    from f8dist.gemm import _torch_block_enums, cuda_block_args
+
+    kinds, swizzles = _torch_block_enums()
+    for name, a, b, inv_a, a_block, inv_b, b_block in _mx_gemms(t, k_in, n_out, square, "meta"):
+        m, n = a.shape[0], b.shape[1]
+        args, kwargs = cuda_block_args(a, b, inv_a, inv_b, a_block, b_block,
+                                       out_dtype=torch.bfloat16)
+        a2, b2, sa, recipe_a, sb, recipe_b = args
+        assert recipe_a == recipe_b == kinds.BlockWise1x32, name
+        assert kwargs["swizzle_a"] == kwargs["swizzle_b"] == swizzles.SWIZZLE_32_4_4, name
+        assert sa.dtype == sb.dtype == E8M0 and sa.is_contiguous() and sb.is_contiguous(), name
+        out = F.scaled_mm(*args, **kwargs)
+        assert out.shape == (m, -(-n // 16) * 16) and out.dtype == torch.bfloat16, name
+        # and torch's check can fail: the same scales unswizzled (not 128 x 4 padded) or not
+        # marked swizzled are refused
+        nk = a2.shape[1] // 32
+        if m % 128 or nk % 4:
+            with pytest.raises(RuntimeError, match="MX scaling"):
+                F.scaled_mm(a2, b2, sa[: m * nk], recipe_a, sb, recipe_b, **kwargs)
+        with pytest.raises(RuntimeError, match="swizzle"):
+            F.scaled_mm(*args, **dict(kwargs, swizzle_a=swizzles.NO_SWIZZLE))
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("t, k_in, n_out", _MX_SHAPES)
+def test_mxfp8_cuda_args_compute_the_cpu_kernel_bit_for_bit(t, k_in, n_out, square):
+    # CUDA's MXFP8 gemm read on the CPU: the operands f8dist passes (padded), each scale read where
+    # cuBLAS reads it (_swizzled_index), through the CPU kernel in 1x32 blocks, equal f8dist's CPU
+    # kernel on the original operands and blocks (32x32 tiles included: their expansion is exact)
+    from f8dist.gemm import cpu_block_scaled_mm, cuda_block_args
+
+    for name, a, b, inv_a, a_block, inv_b, b_block in _mx_gemms(t, k_in, n_out, square, "cpu"):
+        n = b.shape[1]
+        want = cpu_block_scaled_mm(a, b, inv_a, inv_b, list(a_block), list(b_block),
+                                   torch.float32)
+        (a2, b2, sa, _, sb, _), _ = cuda_block_args(a, b, inv_a, inv_b, a_block, b_block,
+                                                    out_dtype=torch.float32)
+        assert a2.stride(1) == 1 and b2.stride(0) == 1, name  # row-major, column-major
+        (m, kp), np_ = a2.shape, b2.shape[1]
+        assert kp % 32 == 0 and np_ % 16 == 0 and kp - a.shape[1] < 32 and np_ - n < 16, name
+        sa_rows = _read_swizzled(sa, m, kp // 32)  # [M, K'/32]
+        sb_rows = _read_swizzled(sb, np_, kp // 32)  # [N', K'/32]
+        got = cpu_block_scaled_mm(a2, b2, sa_rows, sb_rows.t(), [1, 32], [32, 1], torch.float32)
+        assert torch.equal(got[:, :n], want), name
+        assert not got[:, n:].any(), name  # padded columns are zero
+
+
+def test_square_weight_tiles_expand_to_row_blocks_exactly():
+    # [Note: MXFP8 on CUDA]: a 32x32 tile's scale is the scale of each of its rows' 1x32 blocks;
+    # the CPU kernel with the expanded 1x32 grid gives the 32x32 path's bits (a weight of 48 rows:
+    # its last tile row cut short)
+    from f8dist.gemm import _row_block_scales, cpu_block_scaled_mm
+
+    _, _, fx, _ = _block_operands(24, 64, 48, (1, 32), (1, 32), E8M0)
+    w = torch.randn(48, 64)  # [N, K]
+    fw = cast_to_float8(w, CastSpec(dtype=E4M3, granularity=BLOCKWISE, axis=1,
+                                    block_size=(32, 32), scale_dtype=E8M0))
+    assert fw._block == (32, 32) and fw._scale.shape == (2, 2)
+    out = torch.mm(fx, fw.t())  # [24, 48], the 32x32 path
+    inv_w = fw._scale.to(torch.float32).reciprocal()  # [N/32, K/32]
+    rows = _row_block_scales(inv_w, (32, 32), 48)  # [N, K/32]
+    assert rows.shape == (48, 2)
+    assert torch.equal(rows[31], inv_w[0]) and torch.equal(rows[32], inv_w[1])
+    expanded = cpu_block_scaled_mm(fx._data, fw._data.t(), fx._scale.float().reciprocal(),
+                                   rows.t(), [1, 32], [32, 1], torch.float32)
+    assert torch.equal(expanded, out)
+
+
+@pytest.mark.parametrize("kernel, capability, kw, words", [
+    ("mxfp8", None, dict(device="meta"), ["no meta kernel", "sm100", "emulate=True"]),
+    ("mxfp8", (9, 0), {}, ["sm100", "sm90", "'blockwise'", "emulate=True"]),
+    ("mxfp8", (8, 9), {}, ["sm100", "sm89", "'rowwise'", "emulate=True"]),
+    ("mxfp8", (10, 0), dict(api=False), ["BlockWise1x32", "upgrade torch", "emulate=True"]),
+    ("mxfp8", (10, 0), dict(e8m0=False), ["e8m0", "emulate=True"]),
+    ("mxfp8", (10, 0), dict(dtypes=(E4M3, torch.float8_e5m2)), ["e4m3", "emulate=True"]),
+    ("mxfp8", (10, 0), dict(rocm=True), ["ROCm", "emulate=True"]),
+    ("deepseek", (10, 0), {}, ["sm90 only", "'mxfp8'", "emulate=True"]),
+    ("deepseek", (8, 0), {}, ["sm90 only", "'rowwise'", "emulate=True"]),
+    (None, (10, 0), dict(blocks="(1, 64) x (1, 64)"),
+     ["no CUDA kernel", "(1, 64)", "emulate=True"]),
+    ("mxfp8", (10, 0), {}, None),  # Blackwell runs MXFP8
+    ("mxfp8", (12, 0), {}, None),
+    ("deepseek", (9, 0), {}, None),  # Hopper runs DeepSeek's blocks
+])
+def test_cuda_block_problem_names_the_fix(kernel, capability, kw, words):
+    from f8dist.gemm import cuda_block_problem
+
+    problem = cuda_block_problem(kernel, capability, **kw)
+    if words is None:
+        assert problem is None
+    else:
+        assert problem is not None and all(w in problem for w in words), problem
+
+
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_square_weights", "mxfp8_wgrad_with_hp"])
+def test_mxfp8_linear_through_the_cuda_args_is_bit_for_bit(recipe, monkeypatch):
+    # a Float8Linear whose block gemms go through the arguments CUDA's MXFP8 kernel would get,
+    # read on the CPU as above: output and gradients equal the CPU kernel's bit for bit, and every
+    # block gemm of the recipe is one CUDA's MXFP8 kernel takes
+    import copy
+
+    import f8dist.gemm as gemm
+    from f8dist import Float8LinearConfig
+    from f8dist.linear import Float8Linear
+
+    kernel = gemm.cpu_block_scaled_mm
+    kernels = []
+
+    def via_cuda_args(a, b, inv_a, inv_b, a_block, b_block, out_dtype):
+        bt_block = (b_block[1], b_block[0])
+        kernels.append(gemm._cuda_block_kernel(tuple(a_block), bt_block))
+        (a2, b2, sa, _, sb, _), _ = gemm.cuda_block_args(a, b, inv_a, inv_b, a_block, b_block,
+                                                         out_dtype=out_dtype)
+        kp, np_ = a2.shape[1], b2.shape[1]
+        sa_rows = _read_swizzled(sa, a2.shape[0], kp // 32)  # [M, K'/32]
+        sb_rows = _read_swizzled(sb, np_, kp // 32)  # [N', K'/32]
+        out = kernel(a2, b2, sa_rows, sb_rows.t(), [1, 32], [32, 1], out_dtype)
+        return out[:, : b.shape[1]]
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40, bias=False)  # 40 outputs: N padded to 48 in the output gemm
+    f8 = Float8Linear.from_float(lin, Float8LinearConfig.from_recipe_name(recipe).replace(
+        pad_inner_dim=True), fqn="lin")  # 40 rows of the weight: the grad_input K padded to 64
+    x, grad = torch.randn(37, 96), torch.randn(37, 40)  # 37 tokens: grad_weight's K padded
+
+    def run(mod):
+        xi = x.clone().requires_grad_()
+        out = mod(xi)
+        out.backward(grad)
+        return out, xi.grad, mod.weight.grad
+
+    want = run(copy.deepcopy(f8))
+    monkeypatch.setattr(gemm, "cpu_block_scaled_mm", via_cuda_args)
+    got = run(copy.deepcopy(f8))
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    n_block_gemms = 2 if recipe == "mxfp8_wgrad_with_hp" else 3
+    assert kernels == ["mxfp8"] * n_block_gemms

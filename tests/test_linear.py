@@ -534,7 +534,7 @@ def _block_pair(recipe, dtype, **overrides):
     return _pair(recipe, dtype, in_features=128, out_features=128, **overrides)
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
 def test_block_recipes_sqnr(recipe, dtype):
@@ -544,7 +544,7 @@ def test_block_recipes_sqnr(recipe, dtype):
     _assert_close(recipe, _run(ref, x, grad), _run(f8, x, grad))
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
 def test_block_recipes_emulation_matches_the_kernel(recipe):
     # [Note: the block-scaled gemm]: the CPU kernel's exact products, scaled per block, against
@@ -556,13 +556,13 @@ def test_block_recipes_emulation_matches_the_kernel(recipe):
         assert sqnr(b, a) > exact_gemm_db()
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])  # the others: the same casts, fewer
 def test_block_recipes_compile_matches_eager(recipe):
     _assert_compile_matches_eager(_block_pair(recipe, torch.bfloat16)[1])
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_block_recipes_autocast_and_empty_batch(recipe):
     ref, f8 = _block_pair(recipe, torch.float32)
@@ -584,7 +584,7 @@ def test_block_recipes_autocast_and_empty_batch(recipe):
     assert torch.equal(gw, torch.zeros_like(f8.weight))
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 def test_block_scaled_layer_dims_must_divide_into_blocks():
     with pytest.raises(ValueError, match=r"lin \(128 -> 96\).*out_features=96 \(block 128\).*pad_inner_dim"):
         _pair("blockwise", torch.float32, in_features=128, out_features=96)
@@ -598,7 +598,7 @@ def test_block_scaled_layer_dims_must_divide_into_blocks():
         assert sqnr(r, a) > GRAD_FLOOR and sqnr(e, a) > exact_gemm_db()
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe, same", [("mxfp8", False), ("mxfp8_square_weights", True)])
 def test_square_weight_blocks_give_both_gemms_the_same_weight_bytes(recipe, same):
     # [Note: block scales]: a 32x32 block is the same block in both of the weight's gemms, so the
@@ -619,7 +619,7 @@ def test_square_weight_blocks_give_both_gemms_the_same_weight_bytes(recipe, same
     assert (fwd._block == bwd._block) == same and f8.specs.weight_same_bytes == same
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_block_non_finite_input_gives_non_finite_output(recipe):
     # [Note: non-finite values]: a block with an inf or NaN turns NaN, never a clipped number

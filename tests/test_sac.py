@@ -128,7 +128,7 @@ def test_compiled_sac_keeps_no_more_than_bf16():
     assert saved["tensorwise"] <= saved["bf16"] and saved["rowwise"] <= saved["bf16"], saved
 
 
-@on_cpu  # block-scaled gemms have a CPU kernel only
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_square_weights"])
 def test_block_scaled_recipes_under_sac(recipe):
     """The policy saves the block-scaled gemms and the block amaxes (never a pointwise op),

@@ -51,10 +51,11 @@ def test_bench_matmul_smoke(tmp_path, capsys):
     assert header == bench_matmul.COLUMNS
     assert len(rows) == 1  # one smoke shape
     row = rows[0]
-    kinds = ("tensorwise", "rowwise", "blockwise")  # blockwise: f8dist's CPU block kernel
+    # blockwise and mxfp8: f8dist's CPU block kernel
+    kinds = ("tensorwise", "rowwise", "blockwise", "mxfp8")
     if torch.__version__ < "2.13":  # the CPU's _scaled_mm has no per-row scales before 2.13
         assert row["rowwise_tflops"] == row["rowwise_vs_bf16"] == "-"
-        kinds = ("tensorwise", "blockwise")
+        kinds = ("tensorwise", "blockwise", "mxfp8")
     for kind in kinds:
         ratio = _positive(row[f"{kind}_vs_bf16"])
         # the ratio is the two printed throughputs divided (to the printed precision)
