@@ -31,7 +31,7 @@ from f8dist.tensor import Float8Tensor
 
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
-    "shared_casts",
+    "shared_casts", "cast_with_companion", "companion_for",
 ]
 
 
@@ -191,6 +191,9 @@ def cast_to_float8(
     if isinstance(local, Float8Tensor):
         if _fits(local, spec, offsets):
             return like(t, local.with_mm_config(spec.mm_config))
+        companion = local._companion  # [Note: two casts of one tensor] in f8dist/tensor.py
+        if companion is not None and _fits(companion, spec, offsets):
+            return like(t, companion.with_mm_config(spec.mm_config))
         t = high_precision(t)
     if not spec.enabled:
         raise ValueError(f"{spec.site}: its CastSpec says ScalingType.DISABLED; nothing to cast")
@@ -268,10 +271,32 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
     return _observed(spec, t, out)
 
 
+def cast_with_companion(t: torch.Tensor, spec: CastSpec, other: Optional[CastSpec],
+                        scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t`` cast as ``spec``, carrying its cast as ``other`` (the operand's other gemm) when
+    ``other`` is given ([Note: two casts of one tensor] in f8dist/tensor.py): both from ``t``'s
+    high-precision values, so each gemm reads one device's bytes however the pair then moves."""
+    out = cast_to_float8(t, spec, scale)
+    if other is None:
+        return out
+    return like(out, local_part(out).with_companion(local_part(cast_to_float8(t, other))))
+
+
+def companion_for(t: torch.Tensor, spec: CastSpec) -> Optional[torch.Tensor]:
+    """The companion cast ``t`` carries for ``spec`` ([Note: two casts of one tensor]), laid out
+    like ``t``; None when it carries none that fits."""
+    local = local_part(t)
+    companion = getattr(local, "_companion", None)
+    if companion is None or not _fits(companion, spec):
+        return None
+    return like(t, companion)
+
+
 class ToFloat8(torch.autograd.Function):
     """Differentiable cast: forward casts to float8, backward passes the gradient through in high
     precision (the cast is an identity up to rounding). Used where a float8 tensor must cross a
-    module boundary, e.g. a sequence-parallel input cast before its all-gather.
+    module boundary, e.g. a sequence-parallel input cast before its all-gather. ``other``: a
+    second cast to carry along (:func:`cast_with_companion`).
 
     Example::
 
@@ -280,9 +305,10 @@ class ToFloat8(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hp: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor]):
-        return cast_to_float8(hp, spec, scale)
+    def forward(ctx, hp: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor],
+                other: Optional[CastSpec] = None):
+        return cast_with_companion(hp, spec, other, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None

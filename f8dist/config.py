@@ -202,6 +202,19 @@ class ScaleRounding(_Name):
 # dims (f8dist/tensor.py), so a cast before the all-gather gives the bytes and scales of a cast
 # after it, bit for bit.
 #
+# [Note: token blocks of N-D activations]
+# The grad_weight gemm blocks its operands along the tokens: (inner, 1) blocks of the [M, K] view,
+# M = B * S tokens in row-major order, so on one device a block may hold the end of one sequence
+# and the start of the next. A sequence-parallel style casts the [B, S / tp, K] shard it holds
+# ([Note: two casts of one tensor] in f8dist/tensor.py), so an N-D operand in token blocks is
+# blocked along dim -2 (the sequence) within each sequence: ``block_shape`` (inner, 1) over its
+# last two dims, 1 along the others, scales [B, ceil(S / inner), K]. Those are the [M, K] view's
+# blocks, and a shard's blocks are the logical tensor's, exactly when every sequence holds whole
+# blocks (S % inner == 0; or B = 1) and every sequence shard does (S / tp % inner == 0): the rule
+# of ``blocks_split_by_shards`` (f8dist/placement.py), by which the style falls back to a
+# high-precision all-gather where it does not hold (e.g. 1x128 blocks need 128 * tp tokens per
+# sequence; MXFP8's 1x32, 32 * tp).
+#
 # [Note: e8m0 rounding]
 # RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
 # 2 that maps the block's amax inside the format, so no element saturates. It is what NVIDIA's
@@ -424,8 +437,10 @@ class CastSpec:
         """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
         ``axis``); None unless blockwise. Block scales are defined for 2-D operands, for the
         3-D weights of grouped casts, blocked per expert in their last two dims ([Note: grouped
-        casts]), and for N-D operands whose blocks are rows of the last dim (a [B, S, K]
-        activation in 1 x K blocks: [Note: row blocks of N-D activations])."""
+        casts]), for N-D operands whose blocks are rows of the last dim (a [B, S, K]
+        activation in 1 x K blocks: [Note: row blocks of N-D activations]) and for N-D operands
+        of the grad_weight gemm, in token blocks along dim -2 ([Note: token blocks of N-D
+        activations])."""
         if not self.blockwise:
             return None
         outer, inner = self.block_size
@@ -433,6 +448,8 @@ class CastSpec:
             return (outer, inner) if self.axis % 2 == 1 else (inner, outer)
         if outer == 1 and self.axis % ndim == ndim - 1:  # rows of the last dim
             return (outer, inner)
+        if outer == 1 and self.axis == 0:  # the tokens: [Note: token blocks of N-D activations]
+            return (inner, outer)
         raise NotImplementedError(
             f"{self.site}: block scales are defined for 2-D operands, expert weights and rows of "
             f"an N-D one's last dim, got a {ndim}-D one with {self.block_size} blocks along dim "

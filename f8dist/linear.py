@@ -41,6 +41,10 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
     exponents, so the second rounding changes nothing but e4m3 subnormals. The two options are
     exclusive (the config says so). scripts/memory_report.py measures the choices (bytes kept,
     grad_weight SQNR; docs/performance.md).
+  An input that arrives in float8 (a tensor-parallel style cast it before its all-gather)
+  carrying the grad_weight gemm's cast as its companion ([Note: two casts of one tensor] in
+  f8dist/tensor.py) keeps that cast only, 1 byte per element: what casting the high-precision
+  input in backward would give, bit for bit.
   A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
   linears that read the same input with the same spec ([Note: one cast per input] in
   f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
@@ -58,7 +62,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.cast import cast_to_float8, high_precision, logical_amax, shared_casts
+from f8dist.cast import cast_to_float8, companion_for, high_precision, logical_amax, shared_casts
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
 from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
@@ -146,6 +150,9 @@ class _Float8Matmul(torch.autograd.Function):
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
         kept = _max_of(weight_amax) if backward else None  # [] or None
         saved = x  # [Note: what the matmul keeps for backward]
+        companion = companion_for(x, specs[GRAD_WEIGHT, INPUT]) if backward else None
+        if companion is not None and specs.gemm_in_float8(GRAD_WEIGHT):
+            saved = companion  # only the bytes backward reads
         if recompute is not None:
             saved = None  # recomputed in backward from recompute's tensors
         elif backward and specs.saved_input is SavedInput.GRAD_WEIGHT_CAST:

@@ -51,6 +51,7 @@ cut in two steps, each of which must keep whole blocks.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -181,8 +182,14 @@ def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_size
     """Why shards of a tensor of ``shape`` laid out as ``placements`` over mesh dims of
     ``mesh_sizes`` ranks split its blocks of ``block`` ([Note: shards on block boundaries]); None when
     every shard starts on a block boundary. An N-D ``shape`` with a 2-D ``block`` is in row
-    blocks: blocks of 1 along its leading dims ([Note: row blocks of N-D activations] in
-    f8dist/config.py)."""
+    blocks, (1, cols): blocks of 1 along its leading dims ([Note: row blocks of N-D activations]
+    in f8dist/config.py), or in token blocks, (rows, 1): blocks of its [tokens, K] view, which
+    its sequences (dim -2) must hold whole ([Note: token blocks of N-D activations])."""
+    if len(shape) > len(block) == 2 and block[1] == 1 < block[0]:
+        sequences, tokens = math.prod(shape[:-2]), shape[-2]
+        if sequences > 1 and tokens % block[0]:
+            return (f"its {sequences} sequences of {tokens} tokens split the {block[0]}-token "
+                    f"blocks of its [{sequences * tokens}, {shape[-1]}] view")
     block = (1,) * (len(shape) - len(block)) + tuple(block)
     ranks_per_dim = {}  # dim -> the mesh sizes sharding it, outermost first
     for size, p in sorted(zip(mesh_sizes, placements), key=lambda sp: _is_strided(sp[1])):

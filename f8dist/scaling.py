@@ -298,6 +298,9 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     if len(shape) != 2 and block[0] == 1:  # [..., C]: rows of the [prod(...), C] view
         rows = scale.reshape(-1, scale.shape[-1])  # [prod(...), ceil(C / cols)]
         return expand_blocks(rows, block, (rows.shape[0], shape[-1])).reshape(shape)  # [..., C]
+    if scale.dim() > 3:  # token blocks of [..., S, K]: per sequence
+        per_seq = expand_blocks(scale.reshape(-1, *scale.shape[-2:]), block, (-1, *shape[-2:]))
+        return per_seq.reshape(shape)
     if scale.dim() == 3:
         e, nr, nc = scale.shape
         per_row = expand_blocks(scale.reshape(e * nr, nc), block, (e * nr * block[0], shape[2]))
@@ -326,7 +329,10 @@ def block_cast(
     if x.dim() != 2 and block[0] == 1:  # [..., C] in row blocks: rows of its [prod(...), C] view
         data, scale = block_cast(x.reshape(-1, x.shape[-1]), block, float8_dtype, **kw)
         return data.reshape(x.shape), scale.reshape(*x.shape[:-1], scale.shape[-1])
-    if x.dim() == 3:
+    if x.dim() > 3 and block[1] == 1:  # token blocks of [..., S, K]: per sequence
+        data, scale = block_cast(x.reshape(-1, *x.shape[-2:]), block, float8_dtype, **kw)
+        return data.reshape(x.shape), scale.reshape(*x.shape[:-2], *scale.shape[-2:])
+    if x.dim() == 3:  # [E, R, C] per matrix; [B, S, K] in token blocks per sequence, the same
         e, r = x.shape[:2]
         data, scale = block_cast(_stacked(x, block), block, float8_dtype, **kw)
         return _unstacked(data, e)[:, :r], _unstacked(scale, e)

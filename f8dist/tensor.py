@@ -8,7 +8,9 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
   (rows, cols), one scale per block of the 2-D ``_data``, [ceil(R / rows), ceil(C / cols)], in
   float32 or float8_e8m0fnu ([Note: block scales] in f8dist/config.py);
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
-* ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation).
+* ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation);
+* ``_companion``: None, or a second Float8Tensor of the same values cast for the operand's other
+  gemm ([Note: two casts of one tensor]).
 
 Only the ops in the op table below are defined; anything else raises, so a float8 tensor never
 silently turns into garbage. The table is complete when this module is imported (it is the one
@@ -21,10 +23,23 @@ place Float8Tensor ops are defined):
   wrapping Float8Tensors runs its sharding propagation and calls it on the shards;
 * the functional collectives, ``split`` and ``cat`` that DTensor's redistribution runs:
   float8 crosses the wire as uint8 ([Note: float8 on the wire]).
+
+[Note: two casts of one tensor]
+A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
+gemms may scale it along different axes: the output gemm's input in 1 x K row blocks, the
+grad_weight gemm's in token blocks ([Note: token blocks of N-D activations] in f8dist/config.py).
+The cast for the second gemm is made from the same high-precision shard and rides along as the
+first one's ``_companion`` (as Transformer Engine's float8 tensors carry row- and column-wise
+data): the ops that move or re-view a tensor on its way to the gemms (views, detach, the
+all-gather, split and cat of a redistribution, autocast's dtype) apply to both, any other op
+drops it. ``cast_to_float8`` takes the companion when it is what the spec asks for
+(f8dist/cast.py), so the second gemm reads bytes cast from high precision, never re-cast from
+float8.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -55,14 +70,20 @@ class Float8Tensor(torch.Tensor):
     _axiswise_dim: Optional[int]
     _mm_config: ScaledMMConfig
     _block: Optional[Tuple[int, int]]
+    _companion: Optional["Float8Tensor"]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
                 axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig(),
-                block: Optional[Tuple[int, int]] = None):
+                block: Optional[Tuple[int, int]] = None,
+                companion: Optional["Float8Tensor"] = None):
         self = wrapper_like(cls, data, orig_dtype)
         self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
         self._axiswise_dim, self._mm_config, self._block = axiswise_dim, mm_config, block
+        if companion is not None and companion.shape != data.shape:
+            raise ValueError(f"a companion cast {tuple(companion.shape)} of a Float8Tensor "
+                             f"{tuple(data.shape)} must have its shape")
+        self._companion = companion
         return self
 
     def __repr__(self):
@@ -78,13 +99,14 @@ class Float8Tensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         meta = (self._orig_dtype, self._axiswise_dim, self._mm_config, self._block)
-        return ["_data", "_scale"], meta
+        inner = ["_data", "_scale"] + (["_companion"] if self._companion is not None else [])
+        return inner, meta
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
         orig_dtype, axiswise_dim, mm_config, block = metadata
         return Float8Tensor(inner_tensors["_data"], inner_tensors["_scale"], orig_dtype,
-                            axiswise_dim, mm_config, block)
+                            axiswise_dim, mm_config, block, inner_tensors.get("_companion"))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -97,7 +119,10 @@ class Float8Tensor(torch.Tensor):
                 f"{func} is not defined on Float8Tensor. Float8Tensors only flow into float8 "
                 f"gemms; call .to_original_precision() first to use the high-precision value."
             )
-        return handler(func, args, kwargs)
+        out = handler(func, args, kwargs)
+        if func in _CARRY_COMPANION:  # [Note: two casts of one tensor]
+            out = _with_companions(out, handler, func, args, kwargs)
+        return out
 
     # -- public helpers -----------------------------------------------------------------------
 
@@ -108,6 +133,13 @@ class Float8Tensor(torch.Tensor):
     def with_mm_config(self, mm_config: ScaledMMConfig) -> "Float8Tensor":
         """The same bytes and scale, headed for a gemm with another ``ScaledMMConfig``."""
         return rewrap(self, self._data, mm_config=mm_config)
+
+    def with_companion(self, companion: Optional["Float8Tensor"]) -> "Float8Tensor":
+        """The same bytes and scale, carrying ``companion``: the same values cast for the
+        operand's other gemm ([Note: two casts of one tensor])."""
+        out = rewrap(self, self._data)
+        out._companion = companion
+        return out
 
     @property
     def is_axiswise(self) -> bool:
@@ -153,10 +185,28 @@ def _implements(ops):
     return decorator
 
 
+def _with_companions(out, handler, func, args, kwargs):
+    """``out`` (a Float8Tensor or a list of them) with the companions of ``args``' Float8Tensors
+    put through the same op ([Note: two casts of one tensor]); without them when any is missing."""
+    from torch.utils._pytree import tree_flatten, tree_map_only
+
+    inputs = [t for t in tree_flatten(args)[0] if isinstance(t, Float8Tensor)]
+    if not inputs or any(t._companion is None for t in inputs):
+        return out
+    companions = handler(func, tree_map_only(Float8Tensor, lambda t: t._companion, args), kwargs)
+    if isinstance(out, Float8Tensor):
+        out._companion = companions
+    elif isinstance(out, (list, tuple)):
+        for o, c in zip(out, companions):
+            o._companion = c
+    return out
+
+
 def _block_per_dim(t: "Float8Tensor") -> Tuple[int, ...]:
     """The block's extent along each dim of a block-scaled tensor: (rows, cols) of a 2-D one, 1
     along the leading dims of an N-D one in row blocks ([Note: row blocks of N-D activations] in
-    f8dist/config.py)."""
+    f8dist/config.py) or token blocks ((rows, 1) along its last two dims: [Note: token blocks of
+    N-D activations])."""
     return (1,) * (t._data.dim() - 2) + tuple(t._block)
 
 
@@ -217,12 +267,15 @@ def _view(func, args, kwargs):
     if data.shape == t._data.shape or not (t.is_axiswise or t.is_blockwise):
         return rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
     if t.is_blockwise:  # row blocks follow the rows: [Note: row blocks of N-D activations]
-        if t._block[0] != 1 or data.shape[-1] != t._data.shape[-1]:
-            raise NotImplementedError(
-                f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} (blocks "
-                f"{t._block}) to {tuple(data.shape)}: only tensors in row blocks reshape, keeping "
-                "their last dim; reshape before the cast")
-        return rewrap(t, data, t._scale.reshape(*data.shape[:-1], t._scale.shape[-1]))
+        if t._block[0] == 1 and data.shape[-1] == t._data.shape[-1]:
+            return rewrap(t, data, t._scale.reshape(*data.shape[:-1], t._scale.shape[-1]))
+        if _token_blocks_flatten(t, data.shape):  # [Note: token blocks of N-D activations]
+            return rewrap(t, data, t._scale.reshape(-1, t._scale.shape[-1]))
+        raise NotImplementedError(
+            f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} (blocks "
+            f"{t._block}) to {tuple(data.shape)}: only tensors in row blocks reshape, keeping "
+            "their last dim, and N-D ones in token blocks to their [tokens, K] view when every "
+            "sequence holds whole blocks; reshape before the cast")
     # Axiswise scales survive a reshape of the other dims as long as the scaled-over dim is the
     # last one and keeps its size: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with [B*S, 1].
     last = t._data.dim() - 1
@@ -233,6 +286,14 @@ def _view(func, args, kwargs):
         )
     scale = t._scale.reshape(*data.shape[:-1], 1)
     return rewrap(t, data, scale, data.dim() - 1)
+
+
+def _token_blocks_flatten(t: Float8Tensor, shape) -> bool:
+    """Whether an N-D ``t`` in token blocks reshapes to the [tokens, K] ``shape`` with its blocks
+    those of the 2-D view: every sequence (dim -2) holds whole blocks, or there is one sequence."""
+    dims, (rows, cols) = t._data.shape, t._block
+    return (t._data.dim() > 2 and cols == 1 and len(shape) == 2 and shape[-1] == dims[-1]
+            and (dims[-2] % rows == 0 or math.prod(dims[:-2]) == 1))
 
 
 @_implements([aten.is_same_size.default])
@@ -365,6 +426,24 @@ def _split(func, args, kwargs):
     return [rewrap(t, d, s) for d, s in zip(datas, scales)]
 
 
+# [Note: a slice of the whole dim]
+# DTensor's all-gather narrows the gathered tensor to the logical size of the gathered dim when the
+# two are not the same Python int object (``is not``, torch 2.13: so for any size above 256,
+# CPython's small-int cache), a slice that keeps every element: it keeps the float8 tensor as it is.
+@_implements([aten.slice.Tensor])
+def _slice(func, args, kwargs):
+    t, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    start = args[2] if len(args) > 2 else kwargs.get("start", None)
+    end = args[3] if len(args) > 3 else kwargs.get("end", None)
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    size = t._data.shape[dim]
+    if (start or 0) != 0 or (end is not None and end < size) or step != 1:
+        raise NotImplementedError(
+            f"slicing a Float8Tensor is defined for the whole dim only, got [{start}:{end}:{step}] "
+            f"of dim {dim} ({size}); call .to_original_precision() first")
+    return rewrap(t, func(t._data, *args[1:], **kwargs))
+
+
 @_implements([aten.cat.default])
 def _cat(func, args, kwargs):
     tensors = args[0]
@@ -387,3 +466,13 @@ def _cat(func, args, kwargs):
         raise NotImplementedError("cannot cat axiswise Float8Tensors along their scaled-over dim")
     scale = func([t._scale for t in tensors], dim)
     return rewrap(first, data, scale)
+
+
+# the ops that carry a companion cast through ([Note: two casts of one tensor]): those that move
+# or re-view a tensor between its cast and its gemms
+_CARRY_COMPANION = frozenset([
+    aten.detach.default, aten.alias.default, aten.clone.default, aten.view.default,
+    aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default, aten.slice.Tensor,
+    aten.split.Tensor, aten.chunk.default, aten.cat.default,
+    c10d.all_gather_into_tensor.default, *_WRAPS,
+])

@@ -12,8 +12,9 @@ Scenarios:
   fsdp llama   the LLaMA-style model (embedding, norms, output projection stay high precision)
   tp llama     TP+SP with f8dist's float8 styles (activations all-gathered in float8)
   2d llama     FSDP2 over dp x TP+SP over tp
-  tp ffn       residual SwiGLU FFNs (width --ffn-dim, hidden 2x) under TP+SP: every all-gather is
-               a float8 linear's activation (forward) or gradient (backward), so the ratio is theirs
+  tp ffn       residual SwiGLU FFNs (width --ffn-dim, hidden 2x, --ffn-seq tokens per sequence)
+               under TP+SP: every all-gather is a float8 linear's activation (forward) or gradient
+               (backward), so the ratio is theirs
   2d ffn       the same under FSDP2 x TP: adds the weights' FSDP2 all-gathers
 Variants: "float8" is the tensorwise recipe; "mxfp8", "blockwise" and "mxfp8_square_weights" are
 block-scaled recipes (their scales travel with the bytes: [Note: float8 on the wire] in
@@ -77,7 +78,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--ffn-dim", type=int, default=512,
                         help="width of the ffn scenarios (their TP shards must hold whole 128x128 "
                              "blocks for the blockwise rows)")
-    parser.add_argument("--smoke", action="store_true", help="tiny model (dim 64, 1 layer, seq 16)")
+    parser.add_argument("--ffn-seq", type=int, default=512,
+                        help="sequence length of the ffn scenarios (their sequence shards must hold "
+                             "whole 128-token blocks for the block recipes' float8 grad_weight "
+                             "casts to travel: [Note: the grad_weight gemm under sequence "
+                             "parallelism] in f8dist/tp/style.py)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model (dim 64, 1 layer, seq 16, ffn seq 64)")
     return parser
 
 
@@ -144,7 +151,7 @@ def _build(scenario: str, args, recipe, fp8_ag: bool, mesh):
         tokens = torch.randn(args.batch * args.seq, args.dim)
     elif model_name == "ffn":
         model = ResidualFFNs(args.ffn_dim, args.layers)
-        tokens = torch.randn(args.batch, args.seq // mesh["tp"].size(), args.ffn_dim)  # SP shard
+        tokens = torch.randn(args.batch, args.ffn_seq // mesh["tp"].size(), args.ffn_dim)  # SP shard
     else:
         margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=4, multiple_of=64,
                           max_seq_len=args.seq)
@@ -222,7 +229,7 @@ def run(args) -> list:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if args.smoke:
-        args.dim, args.layers, args.seq, args.ffn_dim = 64, 1, 16, 64
+        args.dim, args.layers, args.seq, args.ffn_dim, args.ffn_seq = 64, 1, 16, 64, 64
     world = dist.get_world_size()
     device = "cuda" if cuda else "cpu"
     if world % 2:

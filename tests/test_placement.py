@@ -23,6 +23,19 @@ def test_row_blocks_of_an_activation():
     assert "splits its 32-wide blocks" in blocks_split_by_shards([2, 6, 64], (1, 32), [4], [Shard(2)])
 
 
+def test_token_blocks_of_an_activation():
+    # [B, S, K] in the grad_weight gemm's 128-token blocks ([Note: token blocks of N-D
+    # activations]): blocks of its [B * S, K] view, so every sequence and every sequence shard
+    # must hold whole blocks; one sequence may end in a short block
+    assert blocks_split_by_shards([2, 256, 64], (128, 1), [2], [Shard(1)]) is None
+    assert blocks_split_by_shards([1, 200, 64], (128, 1), [], []) is None
+    assert blocks_split_by_shards([2, 256, 64], (128, 1), [2], [Shard(-1)]) is None  # K: any cut
+    why = blocks_split_by_shards([2, 16, 64], (128, 1), [2], [Shard(1)])
+    assert why == "its 2 sequences of 16 tokens split the 128-token blocks of its [32, 64] view"
+    why = blocks_split_by_shards([1, 256, 64], (128, 1), [4], [Shard(1)])
+    assert why == "4 ranks shard dim 1 of this [1, 256, 64] tensor into 64 per rank, which splits its 128-wide blocks"
+
+
 def test_a_dim_sharded_by_tp_then_fsdp():
     # 2-D FSDP x TP on a colwise weight: TP's Shard(0) over tp, FSDP2's _StridedShard(0) over dp
     placements = [_StridedShard(0, split_factor=2), Shard(0)]  # mesh (dp, tp)

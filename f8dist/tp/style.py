@@ -19,10 +19,43 @@ Symmetrically, the gradient of a rowwise-parallel output that was reduce-scatter
 shards comes back sequence-sharded and is all-gathered in backward: it is cast to float8 (the
 ``(grad_input, grad_output)`` cast) before that all-gather.
 
-Gemms that take the other axis (a rowwise recipe's grad_weight gemm scales per column) re-scale the
-communicated float8 tensor (``cast_to_float8`` of a float8 tensor that does not fit), a second
-rounding that a one-device run does not have; layers whose input needs no redistribution are not
-cast here at all.
+The grad_weight gemm takes the same tensor scaled along the other axis, or in high precision:
+[Note: the grad_weight gemm under sequence parallelism] says how it still gets one device's
+operand. Layers whose input needs no redistribution are not cast here at all.
+
+[Note: the grad_weight gemm under sequence parallelism]
+The output gemm scales the SP input along K (per token, or 1 x K row blocks), but the grad_weight
+gemm contracts over the tokens: one device casts the high-precision input along the tokens, or
+reads it in high precision. Re-casting the gathered float8 would round twice (measured on 2 gloo
+ranks, dim 256: blockwise weight gradients 27-28 dB from one device, mxfp8_wgrad_with_hp 31 dB),
+so the style picks, per consuming linear's ``(grad_weight, input)`` spec and per forward (the
+token count is the batch's), with ``_grad_weight_cast``:
+
+* block scales along the tokens, shards holding whole token blocks (the rule of
+  ``blocks_split_by_shards``, [Note: token blocks of N-D activations] in f8dist/config.py): the
+  local high-precision shard is cast twice, in row blocks and in token blocks, and the second
+  cast travels as the first's companion ([Note: two casts of one tensor] in f8dist/tensor.py):
+  the all-gather moves both, 2 x (1 byte + scales) per element, in forward; the linear keeps only
+  the token-block bytes for backward (1 byte per element, as before: memory unchanged). Every
+  gemm reads one device's bytes, no collective added.
+* a high-precision grad_weight gemm (mxfp8_wgrad_with_hp, rowwise_with_gw_hp), or token blocks
+  that the sequence shards split (1x128 blocks need 128 * tp tokens per sequence, 1x32 ones
+  32 * tp): the input is all-gathered in high precision (2 bytes per element in bf16, 4 in fp32)
+  and the linear casts after the gather, as one device does; it keeps the high-precision input
+  for backward, as one device does (2 bytes per element in bf16, where the gathered float8 kept
+  1). Exactness costs the bytes either way: the grad_weight gemm's operand cannot be derived from
+  the row-block bytes without a second rounding, so an exact path moves two float8 casts (1.03x
+  bf16's bytes with their scales) or high precision, never 0.52x. Gathering the token-block cast
+  in backward instead (as Transformer Engine does) would move the same bytes and keep 1 / tp of
+  them, at one backward all-gather per consuming linear.
+* tensorwise (the same bytes serve both gemms) and rowwise (per-column scales over the tokens,
+  powers of 2, so re-scaling the gathered per-token bytes is exact but for e4m3 subnormals):
+  unchanged, the gathered float8 is reused or re-scaled.
+
+The rowwise style's gradient takes the same choice for its ``(grad_weight, grad_output)`` cast:
+cast with its token-block companion before the backward all-gather, or all-gathered in high
+precision. Under torch.compile neither is made ([Note: float8 gradients under compile]): the
+grad_weight gemm re-casts the gathered float8 input, as before.
 
 [Note: which redistributions carry float8]
 An axiswise cast is not made before a redistribution that shards its scaled-over dim on either
@@ -46,10 +79,10 @@ gather, bit for bit. Weights are sharded on block boundaries (colwise: out_featu
 in_features) and cast shard by shard; a TP degree whose shards would split a block of any of the
 layer's casts (a weight's 1x32, 128x128 or 32x32 blocks, the sharded activation's or gradient's
 1 x K ones) raises when the style is applied, naming the fix, by the rule of f8dist/placement.py
-(``blocks_split_by_shards``). The grad_weight gemm blocks its operands along the tokens, so it
-re-casts the gathered float8 (as a rowwise recipe's re-scales): with e8m0 (power-of-2) scales
-that is exact but for e4m3 subnormals; with DeepSeek's float32 scales, or a high-precision
-grad_weight gemm (mxfp8_wgrad_with_hp), it is a second rounding that one device does not make.
+(``blocks_split_by_shards``). The grad_weight gemm blocks its operands along the tokens: its
+cast of the local shard travels with the row-block cast, or the tensor moves in high precision
+where sequence shards would split token blocks ([Note: the grad_weight gemm under sequence
+parallelism]).
 
 [Note: float8 gradients under compile]
 The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
@@ -90,7 +123,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from f8dist import agreement
-from f8dist.cast import ToFloat8, cast_to_float8
+from f8dist.cast import ToFloat8, cast_with_companion
 from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
@@ -101,6 +134,8 @@ __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8Modul
 
 OUTPUT_INPUT = (Gemm.OUTPUT, Operand.INPUT)
 GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
+GRAD_WEIGHT_INPUT = (Gemm.GRAD_WEIGHT, Operand.INPUT)
+GRAD_WEIGHT_GRAD_OUTPUT = (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,35 +155,70 @@ def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor,
     return scale if spec.scaling_type is ScalingType.DELAYED else None
 
 
+_HIGH_PRECISION = "high_precision"
+
+
+def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[CastSpec]):
+    """How the grad_weight gemm gets one device's operand when ``x`` is cast as ``spec`` before
+    it is communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reads
+    the communicated bytes, or re-scales them: tensorwise, rowwise, and under torch.compile), a
+    CastSpec (its own cast of ``x`` travels along as a companion: block scales along the tokens)
+    or ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or
+    token blocks that the sequence shards split). None too where no grad_weight gemm will read
+    it (no grad: eval, inference) or there is nothing to round (an empty batch)."""
+    if (grad_weight is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or x.numel() == 0):
+        return None
+    if not grad_weight.enabled:
+        return _HIGH_PRECISION
+    if not grad_weight.blockwise:
+        return None
+    block = grad_weight.block_shape(x.dim())
+    if block == spec.block_shape(x.dim()):
+        return None
+    mesh = getattr(x, "device_mesh", None)
+    split = blocks_split_by_shards(
+        x.shape, block, mesh.shape if mesh is not None else (), getattr(x, "placements", ()))
+    return _HIGH_PRECISION if split else grad_weight
+
+
 def _cast_input(
     x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
 ) -> torch.Tensor:
     """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
-    or ``x`` itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise
-    cast scales over ([Note: which redistributions carry float8])."""
+    carrying the grad_weight gemm's cast when it needs one ([Note: the grad_weight gemm under
+    sequence parallelism]); or ``x`` itself when a redistribution to ``desired_layouts`` would
+    shard the dim an axiswise cast scales over ([Note: which redistributions carry float8]) or
+    the grad_weight gemm needs it in high precision."""
     # the dim its scales span: an axiswise cast's scaled-over dim, a block cast's inner dim
     axis = spec.axis % x.dim() if spec.axiswise or spec.blockwise else None
     layouts = (*getattr(x, "placements", ()), *desired_layouts)
     if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
-    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x))
+    gw = linears[0].specs[GRAD_WEIGHT_INPUT] if linears else None
+    other = _grad_weight_cast(x, spec, gw)
+    if other == _HIGH_PRECISION:
+        return x
+    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other)
 
 
 class _CastGradToFloat8(torch.autograd.Function):
     """Identity in forward; in backward casts the gradient of ``mod``'s output as its
     ``(grad_input, grad_output)`` spec says, so that what backward communicates next moves in
-    float8 (a delayed cast records into ``mod`` and uses its scale)."""
+    float8 (a delayed cast records into ``mod`` and uses its scale); ``other``: the grad_weight
+    gemm's cast, carried along ([Note: the grad_weight gemm under sequence parallelism])."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mod: Float8Linear):
+    def forward(ctx, x: torch.Tensor, mod: Float8Linear, other: Optional[CastSpec] = None):
         # a backward exists only for a forward with grad enabled: it recorded unless in eval()
-        ctx.mod, ctx.record = mod, mod.training
+        ctx.mod, ctx.record, ctx.other = mod, mod.training, other
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.mod.specs[GRAD_INPUT_GRAD_OUTPUT]
-        return cast_to_float8(grad, spec, _scale_for(spec, [ctx.mod], grad, ctx.record)), None
+        scale = _scale_for(spec, [ctx.mod], grad, ctx.record)
+        return cast_with_companion(grad, spec, ctx.other, scale), None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,8 +417,12 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
             and mod.specs.gemm_in_float8(Gemm.GRAD_INPUT)
             and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
         ):
-            # backward all-gathers the sharded gradient: cast it to float8 first
-            outputs = _CastGradToFloat8.apply(outputs, mod)
+            # backward all-gathers the sharded gradient: cast it to float8 first, with the
+            # grad_weight gemm's own cast (the gradient has the output's shape and layout)
+            other = _grad_weight_cast(outputs, mod.specs[GRAD_INPUT_GRAD_OUTPUT],
+                                      mod.specs[GRAD_WEIGHT_GRAD_OUTPUT])
+            if other != _HIGH_PRECISION:
+                outputs = _CastGradToFloat8.apply(outputs, mod, other)
         return outputs.to_local() if use_local_output else outputs
 
 

@@ -99,15 +99,17 @@ def run_model(model, tokens, grad_logits):
 def compare(
     args, mesh, recipe: str, wire_reference: bool, *,
     float8_all_gather: bool = False, precompute: bool = False, weight_amax_from_forward=True,
-    **config_changes,
+    seq: int = None, **config_changes,
 ) -> dict:
     """One float8 recipe: SQNRs against one device and the counted all-gather bytes.
 
     ``float8_all_gather`` (2-D only): FSDP2 all-gathers the weights in float8; ``precompute``
     computes their scales before the forward with ``precompute_float8_dynamic_scale_for_fsdp``.
     ``weight_amax_from_forward=False``: backward's weight casts compute their own amax.
+    ``seq``: tokens per sequence (default SEQ, at most the model's ``max_seq_len``).
     ``config_changes``: Float8LinearConfig fields to set on the recipe's config.
     """
+    seq_len = seq or SEQ
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     device = mesh.device_type
@@ -135,8 +137,8 @@ def compare(
 
     # the global batch: dp_rank's slice goes to this rank's model
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, ARGS.vocab_size, (dp * BATCH, SEQ), generator=gen).to(device)
-    grad_logits = torch.randn(dp * BATCH, SEQ, ARGS.vocab_size, generator=gen).to(device)
+    tokens = torch.randint(0, ARGS.vocab_size, (dp * BATCH, seq_len), generator=gen).to(device)
+    grad_logits = torch.randn(dp * BATCH, seq_len, ARGS.vocab_size, generator=gen).to(device)
     mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
 
     grad_logits_tp = distribute_tensor(grad_logits[mine], mesh["tp"], [Shard(-1)])
@@ -154,10 +156,10 @@ def compare(
         if d == dp_rank:
             ref_logits, ref_grad_h = ref[0], ref[1]
 
-    seq = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)  # this rank's sequence shard
+    mine_seq = slice(tp_rank * seq_len // tp, (tp_rank + 1) * seq_len // tp)  # this rank's shard
     sqnrs = {
         "logits": sqnr(ref_logits.detach(), full(logits).detach()),
-        "grad_input": sqnr(ref_grad_h[:, seq], grad_h),
+        "grad_input": sqnr(ref_grad_h[:, mine_seq], grad_h),
     }
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
@@ -181,7 +183,7 @@ def compare(
         return _worst_over_ranks(out)
     # forward all-gathers: one per sequence-parallel input (attention, feed_forward per layer,
     # output), each of a [BATCH, SEQ / tp, dim] shard
-    shard = BATCH * (SEQ // tp) * ARGS.dim
+    shard = BATCH * (seq_len // tp) * ARGS.dim
     ag = fwd.expect("all_gather")
     # backward all-gathers: the gradients of wo / w2 outputs (float8) and of the embedding
     # output (plain RowwiseParallel: float32), each a [BATCH, SEQ / tp, dim] shard
@@ -197,6 +199,10 @@ def compare(
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
     }
+    with torch.no_grad(), count_collectives() as evaluation:  # no grad_weight gemm to serve
+        model(tokens[mine])
+    out["no_grad_fwd_all_gather_bytes_per_element"] = (
+        evaluation.expect("all_gather").input_bytes / ((2 * ARGS.n_layers + 1) * shard))
     return _worst_over_ranks(out)
 
 
@@ -373,17 +379,25 @@ def rowwise_replicated_input(mesh) -> dict:
 
 
 def run(args):
-    global ARGS
+    global ARGS, SEQ
     rank, world, device = init()
     if args.dim:  # block recipes: dims whose tp shards hold whole 128-wide blocks
         ARGS = dataclasses.replace(ARGS, dim=args.dim, multiple_of=args.dim)
+    if args.seq:  # block recipes: sequence shards that hold whole token blocks
+        SEQ = args.seq
+        ARGS = dataclasses.replace(ARGS, max_seq_len=SEQ)
     mesh = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
     results = {}
-    wire_reference = ["rowwise_with_gw_hp", *args.wire_reference.split(",")]  # see add_wire_casts
+    wire_reference = args.wire_reference.split(",")  # see add_wire_casts
     for recipe in args.recipes.split(","):
         results[recipe] = compare(args, mesh, recipe, wire_reference=False)
         if recipe in wire_reference:
             results[recipe + "+wire_reference"] = compare(args, mesh, recipe, wire_reference=True)
+    for recipe in args.split_seq_recipes.split(",") if args.split_seq_recipes else ():
+        # sequence shards of 8 tokens split the grad_weight gemm's token blocks: the SP input and
+        # gradient travel in high precision ([Note: the grad_weight gemm under sequence
+        # parallelism] in f8dist/tp/style.py)
+        results[recipe + "+split_seq"] = compare(args, mesh, recipe, wire_reference=False, seq=16)
     for recipe in args.float8_all_gather.split(",") if args.float8_all_gather else ():
         # FSDP2 gathers square weight blocks in float8 ([Note: block-scaled all-gather])
         results[recipe + "+float8_all_gather"] = compare(
@@ -420,6 +434,9 @@ def extra_args(parser):
     parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_with_gw_hp")
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--dim", type=int, default=None, help="model width (default 64)")
+    parser.add_argument("--seq", type=int, default=None, help=f"sequence length (default {SEQ})")
+    parser.add_argument("--split-seq-recipes", default="",
+                        help="recipes also run with 16-token sequences (token blocks split by SP)")
     parser.add_argument("--wire-reference", default="",
                         help="recipes also compared against one device making the same wire casts")
     parser.add_argument("--float8-all-gather", default="",

@@ -73,6 +73,43 @@ def test_row_blocks_cast_before_gather_equal_cast_after(recipe):
     assert [p._scale.shape for p in torch.chunk(whole, 2, dim=1)] == [s._scale.shape for s in shards]
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_token_block_companion_gathered_equals_one_device_cast(recipe):
+    """[Note: two casts of one tensor]: a [B, S, K] sequence shard cast in row blocks carries its
+    cast in token blocks; reassembled as the all-gather does (chunk, cat along the tokens) and
+    viewed [B * S, K] as the linear does, each gemm's cast finds the bytes and scales one device
+    casts from the whole high-precision tensor, and the linear keeps only the token-block copy."""
+    from f8dist.cast import cast_with_companion, companion_for
+    from f8dist.config import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    fwd, gw = config.cast_spec("output", "input"), config.cast_spec("grad_weight", "input")
+    x = torch.randn(2, 256, 64) * torch.logspace(-3, 3, 64)  # [B, S, K]
+    shards = [cast_with_companion(p, fwd, gw) for p in torch.chunk(x, 2, dim=1)]
+    assert shards[0]._companion._scale.shape == (2, 128 // gw.block_size[1], 64)
+    gathered = torch.cat(torch.chunk(torch.cat(shards, dim=0), 2, dim=0), dim=1).reshape(512, 64)
+    for spec in (fwd, gw):
+        ref, got = cast_to_float8(x.reshape(512, 64), spec), cast_to_float8(gathered, spec)
+        assert got._block == ref._block
+        assert torch.equal(_bytes(got), _bytes(ref)) and torch.equal(got._scale, ref._scale)
+    assert companion_for(gathered, gw)._block == gw.block_shape(2)
+    assert companion_for(gathered, fwd) is None
+    assert gathered.detach()._companion is not None  # moves and views keep it
+    assert gathered.t()._companion is None  # other ops drop it
+
+
+def test_token_blocks_reshape_only_when_sequences_hold_whole_blocks():
+    from f8dist.config import Float8LinearConfig
+
+    gw = Float8LinearConfig.from_recipe_name("mxfp8").cast_spec("grad_weight", "input")
+    fp8 = cast_to_float8(torch.randn(2, 48, 64), gw)  # 48 tokens: a block of 32 and a short one
+    with pytest.raises(NotImplementedError, match="token blocks"):
+        fp8.reshape(96, 64)
+    x = torch.randn(1, 48, 64)  # one sequence: the [48, 64] view's blocks
+    flat, ref = cast_to_float8(x, gw).reshape(48, 64), cast_to_float8(x.reshape(48, 64), gw)
+    assert torch.equal(_bytes(flat), _bytes(ref)) and torch.equal(flat._scale, ref._scale)
+
+
 def test_block_pieces_must_start_on_block_boundaries():
     from f8dist.config import Float8LinearConfig
 
@@ -82,3 +119,40 @@ def test_block_pieces_must_start_on_block_boundaries():
     assert torch.equal(torch.cat([top, bottom])._scale, w._scale)
     with pytest.raises(NotImplementedError, match="split its 128-wide blocks"):
         torch.chunk(w, 4)
+
+
+def test_a_slice_of_the_whole_dim_keeps_the_float8_tensor():
+    # [Note: a slice of the whole dim]: DTensor's all-gather narrows 512-token sequences to 512
+    fp8 = cast_to_float8(torch.randn(2, 512, 32), CastSpec(dtype=E4M3))
+    whole = fp8.narrow(1, 0, 512)
+    assert type(whole).__name__ == "Float8Tensor" and torch.equal(_bytes(whole), _bytes(fp8))
+    with pytest.raises(NotImplementedError, match="whole dim only"):
+        fp8.narrow(1, 0, 256)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+def test_linear_keeps_only_the_companion_and_gives_one_devices_weight_gradient(recipe):
+    """[Note: what the matmul keeps for backward]: an input that arrives in float8 carrying the
+    grad_weight gemm's cast keeps that cast only (1 byte per element, no row-block copy), and
+    the weight gradient is that of the high-precision input, bit for bit."""
+    import torch.nn as nn
+
+    from f8dist import Float8Linear, Float8LinearConfig
+    from f8dist.cast import cast_with_companion
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    torch.manual_seed(0)
+    ref = Float8Linear.from_float(nn.Linear(128, 128, bias=False), config)
+    lin = Float8Linear.from_float(nn.Linear(128, 128, bias=False), config)
+    lin.weight.data.copy_(ref.weight.data)
+    x, grad = torch.randn(2, 128, 128), torch.randn(2, 128, 128)
+    ref(x).backward(grad)
+    fwd, gw = lin.specs["output", "input"], lin.specs["grad_weight", "input"]
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = lin(cast_with_companion(x, fwd, gw))
+    out.backward(grad)
+    float8 = [t for t in kept if type(t).__name__ == "Float8Tensor"]
+    assert [t._block for t in float8] == [gw.block_shape(2)], float8
+    assert float8[0]._companion is None
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
