@@ -8,8 +8,8 @@ size (an empty token group, the grouped gemm padding its groups to 16 rows) is e
 for all ranks (``LocalIntNode.eq`` is "equal on every rank"; ``<`` raises where ranks disagree;
 slicing a tensor of a symbolic size fails in torch 2.13). Expert parallelism with uneven token
 slices and empty experts is rank-divergent by nature, so it runs here as threads instead: each
-rank runs f8dist's real code on plain tensors, and only the collectives are simulated. Use
-LocalTensorMode (``tests/distributed/local_ranks.py``) where every rank has the same shapes.
+rank runs f8dist's real code on plain tensors, and only the collectives are simulated. LocalTensorMode
+suits programs where every rank has the same shapes.
 
 Example::
 
