@@ -337,7 +337,8 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
 # [R / rows, C / cols] blocks, the row-major cast over [R / rows, rows, C / cols, cols], and
 # inductor fuses a reduction with a pointwise consumer only when all the reduction's outer loops
 # lead the consumer's (``CppScheduling._get_outer_loop_fusion_depth``). A square weight is read
-# twice in forward and its float8 bytes serve backward, as a rowwise weight is read once for each.
+# twice in forward; its float8 bytes serve backward eagerly, while compiled, the partitioner
+# re-casts it there from the bf16 weight and the saved block amaxes (one more read).
 #
 # [Note: e8m0 from bits]
 # Inductor's CPU backend has no e8m0 type: ``.to(torch.float8_e8m0fnu)`` runs as an eager
