@@ -25,7 +25,8 @@ from f8dist.placement import (
     blocks_split_by_shards, is_dtensor, like, local_part, reduce_partial,
 )
 from f8dist.scaling import (
-    amax_to_scale, block_cast, group_amax, group_ids, in_memory, saturated_cast, tensor_amax,
+    amax_to_scale, block_cast, group_amax, group_ids, in_memory, saturated_cast, stored_scale,
+    tensor_amax,
 )
 from f8dist.tensor import Float8Tensor
 
@@ -266,7 +267,7 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
     )
     if store:
         data = in_memory(data)
-    scale = scale.to(spec.scale_dtype)  # stored (e8m0: 1 byte per block), exact
+    scale = stored_scale(scale, spec.scale_dtype)  # e8m0: 1 byte per block, exact
     out = like(t, Float8Tensor(data, scale, t.dtype, None, spec.mm_config, block))
     return _observed(spec, t, out)
 

@@ -59,6 +59,7 @@ to reduce over (``[Note: amax]`` in f8dist/placement.py).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -80,6 +81,7 @@ __all__ = [
     "block_scale",
     "block_cast",
     "expand_blocks",
+    "stored_scale",
     "E8M0_MIN_EXP",
     "E8M0_MAX_EXP",
 ]
@@ -257,13 +259,24 @@ def _pow2(exp: torch.Tensor) -> torch.Tensor:
     return torch.where(exp < -126, out * 0.5, out)
 
 
+def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Block scales of :func:`block_scale` (float32 values that ``scale_dtype`` holds exactly) in
+    ``scale_dtype``, the dtype a Float8Tensor keeps them in. e8m0 is the float32 exponent field,
+    taken from the bits ([Note: e8m0 from bits]): 2**-127 (a float32 subnormal) gives 0, NaN 255,
+    as ``scale.to(torch.float8_e8m0fnu)`` does for these values."""
+    if scale_dtype != torch.float8_e8m0fnu:
+        return scale.to(scale_dtype)
+    biased = torch.bitwise_right_shift(scale.view(torch.int32), _MANTISSA_BITS) & 0xFF
+    return in_memory(biased.to(torch.uint8)).view(torch.float8_e8m0fnu)
+
+
 def _e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, rounding: str) -> torch.Tensor:
     """The quantizing power-of-2 scale of each block amax ([Note: e8m0 rounding]), float32."""
     fmax = fp8_max(float8_dtype)
     if rounding == "rceil":  # dequantizing 2**ceil(log2(amax / fmax))
         exp = _exponent(amax / fmax, ceil=True)
     elif rounding == "floor":  # dequantizing 2**(floor(log2(amax)) - emax)
-        exp = _exponent(amax, ceil=False) - _exponent(torch.tensor(fmax), ceil=False)
+        exp = _exponent(amax, ceil=False) - (math.frexp(fmax)[1] - 1)  # emax: 8 e4m3, 15 e5m2
     else:
         raise ValueError(f"unknown e8m0 rounding {rounding!r}; use 'rceil' or 'floor'")
     exp = torch.clamp(exp, min=E8M0_MIN_EXP, max=E8M0_MAX_EXP)
@@ -310,6 +323,34 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     return full.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]  # [R, C]
 
 
+# [Note: a block cast in one pass]
+# A cast in row blocks takes the amax of each row of the [R * C / cols, cols] view and casts the
+# same row with it: inductor's CPU backend fuses the two into one kernel that reads the tensor
+# once (an outer loop over the view's rows, the reduction then the cast), as it fuses a rowwise
+# cast, but only if the cast is realized in the view's shape. Reshaped back to [R, C] before it is
+# stored (for the gemm), the cast reads the amax at ``C / cols * r + c // cols`` over [R, C] where
+# the reduction wrote it at ``i`` over [R * C / cols]; the scheduler fuses a consumer only where
+# the indices match ("memory deps did not match" under TORCH_LOGS=fusion), so the amax and the
+# cast were two kernels, each reading the tensor (torch 2.13: GPU backends re-index such a
+# pointwise to the reduction's loops, ``Scheduler._try_reindex_pointwise_for_reduction``, which
+# is off for the CPU). :func:`in_memory` makes inductor store the cast in the view's shape; the
+# [R, C] tensor is a view of those bytes, the same bytes in the same order. The scales leave the
+# kernel as they are stored: an e8m0 scale is its exponent byte ([Note: e8m0 from bits]).
+# Square blocks (32 x 32, 128 x 128) stay two passes on the CPU: the block amax loops over
+# [R / rows, C / cols] blocks, the row-major cast over [R / rows, rows, C / cols, cols], and
+# inductor fuses a reduction with a pointwise consumer only when all the reduction's outer loops
+# lead the consumer's (``CppScheduling._get_outer_loop_fusion_depth``). A square weight is read
+# twice in forward; its float8 bytes serve backward eagerly, while compiled, the partitioner
+# re-casts it there from the bf16 weight and the saved block amaxes (one more read).
+#
+# [Note: e8m0 from bits]
+# Inductor's CPU backend has no e8m0 type: ``.to(torch.float8_e8m0fnu)`` runs as an eager
+# kernel after the cast (reading the float32 scales, writing the bytes), and a generated kernel
+# cannot take an e8m0 buffer. :func:`stored_scale` writes the exponent byte as uint8 in the cast's
+# kernel and views it as e8m0 (a free reinterpretation of stored bytes). Reading e8m0 scales back
+# (the gemm's ``.to(torch.float32)``) stays the eager conversion, for the same reason.
+
+
 def block_cast(
     x: torch.Tensor, block: tuple, float8_dtype: torch.dtype, *,
     scale_dtype: torch.dtype = torch.float32, rounding: str = "rceil",
@@ -321,8 +362,9 @@ def block_cast(
 
     A block that is one row of ``x`` (or one column) is cast as rows of a [R * C / cols, cols] view
     (of ``x.t()``): the amax of a row then the cast of the same row, which a compiled graph fuses
-    into one pass over ``x``, as it fuses a rowwise cast. Other blocks (squares, and rows that do
-    not divide ``x``) take the grid of :func:`block_amax`. A 3-D ``x`` [E, R, C] is cast per
+    into one pass over ``x``, as it fuses a rowwise cast ([Note: a block cast in one pass]).
+    Other blocks (squares, and rows that do not divide ``x``) take the grid of
+    :func:`block_amax`. A 3-D ``x`` [E, R, C] is cast per
     matrix ([Note: blocks of expert weights]): data [E, R, C], scales [E, nr, nc].
     """
     kw = dict(scale_dtype=scale_dtype, rounding=rounding, round_to_power_of_2=round_to_power_of_2)
@@ -340,7 +382,7 @@ def block_cast(
     if br == 1 and c % bc == 0:
         rows = x.reshape(r * (c // bc), bc)  # [R * C / cols, cols]
         scale = block_scale(tensor_amax(rows, -1), float8_dtype, **kw)  # [R * C / cols, 1]
-        data = saturated_cast(rows, scale, float8_dtype)
+        data = in_memory(saturated_cast(rows, scale, float8_dtype))  # stored as rows: the Note
         return data.reshape(r, c), scale.reshape(r, c // bc)
     if bc == 1 and br > 1 and r % br == 0:
         data_t, scale_t = block_cast(x.t(), (1, br), float8_dtype, **kw)

@@ -1,10 +1,12 @@
-"""f8dist/cast.py: ``cast_to_float8`` given an amax it already knows."""
+"""f8dist/cast.py: ``cast_to_float8`` given an amax it already knows; compiled block casts."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from f8dist.cast import cast_to_float8
-from f8dist.config import CastSpec, ScalingGranularity
+from f8dist.config import CastSpec, ScaleRounding, ScalingGranularity
 from tests.floors import on_cpu
 
 AXISWISE = ScalingGranularity.AXISWISE
@@ -65,3 +67,51 @@ def test_block_casts_of_dtensors_need_shards_on_block_boundaries():
             cast_to_float8(split, spec)
     finally:
         dist.destroy_process_group()
+
+
+def _block_specs():
+    """One spec per distinct block cast of the block recipes (the block in the operand's layout,
+    dtype, scale dtype, rounding), plus MXFP8's OCP floor rounding ([Note: e8m0 rounding])."""
+    from f8dist import Float8LinearConfig
+    from f8dist.config import Gemm
+
+    specs = {}
+    for recipe in ("mxfp8", "mxfp8_square_weights", "blockwise"):
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        for gemm in Gemm:
+            for operand in gemm.operands:
+                spec = config.cast_spec(gemm, operand, "lin")
+                if spec.blockwise:
+                    key = (spec.block_shape(2), spec.dtype, spec.scale_dtype, spec.scale_rounding)
+                    specs.setdefault(key, spec)
+    mx = next(s for s in specs.values() if s.block_size == (1, 32))
+    specs["floor"] = dataclasses.replace(mx, scale_rounding=ScaleRounding.FLOOR)
+    return list(specs.values())
+
+
+@on_cpu  # compiled casts on the CPU (the Note)
+@pytest.mark.parametrize("spec", _block_specs(), ids=lambda s: "{}x{}-{}-{}".format(
+    *s.block_shape(2), str(s.scale_dtype).split(".")[1], s.scale_rounding.value))
+def test_compiled_block_casts_are_eager_bit_for_bit(spec):
+    """[Note: a block cast in one pass] in f8dist/scaling.py: compiled, a block cast gives eager's
+    bytes and scales, bit for bit; blocks of zeros, of float32 subnormals, of an inf, and blocks
+    whose amax sits just above e4m3's max (where floor and rceil part) included."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256) * torch.logspace(-6, 6, 256)  # [256, 256], 12 decades
+    x[:128, :128] = 0.0
+    x[128:, :32] *= 1e-40  # subnormal float32 amaxes
+    x[:32, 128:160] = 449.0 * torch.rand(32, 32).sign()
+    x[200, 250] = float("inf")
+    x = x.to(torch.bfloat16)
+
+    def cast(t):
+        fp8 = cast_to_float8(t, spec)
+        return fp8._data, fp8._scale
+
+    torch._dynamo.reset()
+    for e, c in zip(cast(x), torch.compile(cast, fullgraph=True)(x)):
+        assert e.dtype == c.dtype and e.shape == c.shape
+        nan = torch.isnan(e.float())  # the inf's block: NaN either way, its sign bit may differ
+        assert torch.equal(nan, torch.isnan(c.float()))
+        bits = {1: torch.uint8, 4: torch.int32}[e.element_size()]
+        assert torch.equal(e.view(bits)[~nan], c.view(bits)[~nan])

@@ -156,15 +156,35 @@ def test_printed_table(capsys):
     assert "_scaled_mm" in printed
 
 
-def test_block_scaled_linear_gemms_read_float8():
+@pytest.fixture(scope="module")
+def linear():
+    return bench_bytes.run(["linear"], ["rowwise", "mxfp8"], small=True, torchao=False)
+
+
+def test_block_scaled_linear_gemms_read_float8(linear):
     """MXFP8 on the --small linear: its three gemms are the block-scaled CPU kernel on 1-byte
     operands (plus their block scales), and the step moves no more than the bound measured when
     the test was written (scripts/bench_bytes.py --small --blocks linear --recipes mxfp8)."""
-    results = bench_bytes.run(["linear"], ["mxfp8"], small=True, torchao=False)
-    acc, bf16 = results[("linear", "f8dist", "mxfp8")], results[("linear", "bf16", "-")]
+    acc, bf16 = linear[("linear", "f8dist", "mxfp8")], linear[("linear", "bf16", "-")]
     gemms = [k for k in acc.breakdown if k.kind == "gemm"]
     assert [g.op for g in gemms] == ["f8dist.cpu_block_scaled_mm.default"] * 3
     for g in gemms:
         operands = [b for b in g.reads if b.dtype == "e4m3"]
         assert len(operands) == 2, g
     assert acc.bytes / bf16.bytes <= 2.6
+
+
+
+def _bf16_bytes_read(acc) -> int:
+    """Bytes that inductor's generated kernels read of high-precision (bf16) buffers."""
+    return sum(b.bytes for k in acc.breakdown if k.kind == "kernel" for b in k.reads
+               if b.dtype == "bf16")
+
+
+def test_block_casts_read_their_tensors_once(linear):
+    """[Note: a block cast in one pass] in f8dist/scaling.py: compiled, each MXFP8 cast of the
+    --small linear's input, weight and gradient (1 x 32 blocks along K, 32 x 1 along the tokens)
+    reads its bf16 tensor once, as each rowwise cast does: no more bf16 bytes read than rowwise.
+    Before, the block amax and the cast were two kernels, each reading the tensor (2x)."""
+    rowwise, mxfp8 = (linear[("linear", "f8dist", r)] for r in ("rowwise", "mxfp8"))
+    assert 0 < _bf16_bytes_read(mxfp8) <= _bf16_bytes_read(rowwise)
