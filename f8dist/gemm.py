@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from f8dist.config import E4M3, E8M0, ScaledMMConfig
-from f8dist.scaling import expand_blocks, in_memory
+from f8dist.scaling import expand_blocks, in_memory, stored_scale
 
 __all__ = ["scaled_mm", "check_gemm_shape", "check_block_shape", "GEMM_ALIGNMENT"]
 
@@ -369,14 +369,7 @@ def _mx_scales(inv: torch.Tensor, block: Tuple[int, int], rows: int) -> torch.Te
     """e8m0 scales of an operand [rows, K] (contraction dim last) in ``block = (r, 32)`` blocks,
     in MXFP8's layout ([Note: MXFP8 on CUDA])."""
     grid = _row_block_scales(inv.to(torch.float32), block, rows)  # [rows, ceil(K/32)]
-    return _e8m0_bits(swizzle_32_4_4(grid))
-
-
-def _e8m0_bits(pow2: torch.Tensor) -> torch.Tensor:
-    """Positive float32 powers of 2 in [2**-127, 2**127] as e8m0, exactly: e8m0's byte is float32's
-    biased exponent (2**-127, a float32 subnormal, has exponent bits 0, e8m0's 0; NaN stays NaN).
-    Bits rather than a ``.to``, so a compiled graph needs no e8m0 conversion kernel."""
-    return (pow2.view(torch.int32) >> 23).to(torch.uint8).view(E8M0)
+    return stored_scale(swizzle_32_4_4(grid), E8M0)  # e8m0 from the exponent bits, exact
 
 
 def _cuda_mx_args(a, b, inv_a, inv_b, a_block, bt_block, out_dtype):
