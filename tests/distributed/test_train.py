@@ -104,17 +104,33 @@ def test_compile_says_it_is_compiling_before_the_first_step():
     assert said and "torch.compile: compiling the 1 transformer block(s)" in said[0], lines
 
 
-@pytest.mark.parametrize("layout,variants", [
-    ("--tp 1", {"full": "--ac full", "sac": "--ac sac", "accum": "--grad-accum-steps 2"}),
-    ("--tp 2", {"full": "--ac full", "accum": "--ac sac --grad-accum-steps 2"}),
-], ids=["fsdp2", "tp2"])
-def test_train_delayed_with_checkpointing_and_accumulation(layout, variants):
+DELAYED_LAYOUTS = {  # layout: {variant: its flags}, each against the layout's run without AC
+    "fsdp2": ("--tp 1", {"full": "--ac full", "sac": "--ac sac", "accum": "--grad-accum-steps 2"}),
+    "tp2": ("--tp 2", {"full": "--ac full", "accum": "--ac sac --grad-accum-steps 2"}),
+}
+
+
+@pytest.fixture(scope="module")
+def delayed_runs():
+    """Every run of both layouts in one torchrun launch (one start of 2 ranks, not two):
+    {layout: {variant: run}}."""
+    flags = "--steps 8 --log-every 100 --warmup-steps 3 --float8 delayed"
+    args = [f"--variant={layout}/{name}={place} {extra}"
+            for layout, (place, variants) in DELAYED_LAYOUTS.items()
+            for name, extra in {"none": "--ac none", **variants}.items()]
+    r = run_torchrun("train_variants", 2, "--train", flags, *args, timeout=400)
+    return {layout: {name.split("/", 1)[1]: run for name, run in r.items() if name.startswith(layout + "/")}
+            for layout in DELAYED_LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(DELAYED_LAYOUTS))
+def test_train_delayed_with_checkpointing_and_accumulation(delayed_runs, layout):
     """--float8 delayed: activation checkpointing (full, selective) gives the losses of the run
     without it, bit for bit; two micro-batches per step give those of one batch up to summation
     order and the first step's rounding (each micro-batch casts from its own amax)."""
-    flags = f"--steps 8 --log-every 100 --warmup-steps 3 --float8 delayed {layout}"
-    args = ["--variant=none=--ac none"] + [f"--variant={k}={v}" for k, v in variants.items()]
-    r = run_torchrun("train_variants", 2, "--train", flags, *args, timeout=300)
+    variants = DELAYED_LAYOUTS[layout][1]
+    r = delayed_runs[layout]
+    assert set(r) == {"none", *variants}, r.keys()
     base = r["none"]["losses"]
     assert r["none"]["steps"] == list(range(1, 9))
     # issue 23 item 17: FSDP2's "returned a view tensor" (TP's local logits) and DTensor's "2
