@@ -124,7 +124,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from f8dist import agreement
 from f8dist.cast import ToFloat8, cast_with_companion
-from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
+from f8dist.config import (
+    E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType, SPGradWeight,
+)
 from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
 from f8dist.linear import Float8Linear
@@ -158,16 +160,20 @@ def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor,
 _HIGH_PRECISION = "high_precision"
 
 
-def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[CastSpec]):
+def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[CastSpec],
+                      mode: SPGradWeight = SPGradWeight.FORWARD_GATHER):
     """How the grad_weight gemm gets one device's operand when ``x`` is cast as ``spec`` before
     it is communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reads
     the communicated bytes, or re-scales them: tensorwise, rowwise, and under torch.compile), a
-    CastSpec (its own cast of ``x`` travels along as a companion: block scales along the tokens)
-    or ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or
-    token blocks that the sequence shards split). None too where no grad_weight gemm will read
-    it (no grad: eval, inference) or there is nothing to round (an empty batch)."""
+    CastSpec (its own cast of ``x`` travels along as a companion, or stays behind for a backward
+    all-gather: block scales along the tokens) or ``_HIGH_PRECISION`` (communicate ``x``
+    unscaled: a high-precision grad_weight gemm, or token blocks that the sequence shards split).
+    None too where no grad_weight gemm will read it (no grad: eval, inference), there is nothing
+    to round (an empty batch) or ``mode`` puts bytes first (``SPGradWeight.RECAST``: the gemm
+    re-casts the communicated bytes; [Note: the grad_weight operand of a gathered tensor] in
+    f8dist/config.py)."""
     if (grad_weight is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or x.numel() == 0):
+            or x.numel() == 0 or mode is SPGradWeight.RECAST):
         return None
     if not grad_weight.enabled:
         return _HIGH_PRECISION
@@ -186,20 +192,23 @@ def _cast_input(
     x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
 ) -> torch.Tensor:
     """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
-    carrying the grad_weight gemm's cast when it needs one ([Note: the grad_weight gemm under
-    sequence parallelism]); or ``x`` itself when a redistribution to ``desired_layouts`` would
-    shard the dim an axiswise cast scales over ([Note: which redistributions carry float8]) or
-    the grad_weight gemm needs it in high precision."""
+    carrying the grad_weight gemm's cast when it needs one, or keeping it on this rank for a
+    backward all-gather ([Note: the grad_weight gemm under sequence parallelism]); or ``x``
+    itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise cast
+    scales over ([Note: which redistributions carry float8]) or the grad_weight gemm needs it in
+    high precision."""
     # the dim its scales span: an axiswise cast's scaled-over dim, a block cast's inner dim
     axis = spec.axis % x.dim() if spec.axiswise or spec.blockwise else None
     layouts = (*getattr(x, "placements", ()), *desired_layouts)
     if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
-    gw = linears[0].specs[GRAD_WEIGHT_INPUT] if linears else None
-    other = _grad_weight_cast(x, spec, gw)
+    specs = linears[0].specs if linears else None
+    mode = specs.sp_grad_weight if specs is not None else SPGradWeight.FORWARD_GATHER
+    other = _grad_weight_cast(x, spec, specs[GRAD_WEIGHT_INPUT] if specs else None, mode)
     if other == _HIGH_PRECISION:
         return x
-    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other)
+    keep = other is not None and mode is SPGradWeight.BACKWARD_GATHER and isinstance(x, DTensor)
+    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other, keep)
 
 
 class _CastGradToFloat8(torch.autograd.Function):
@@ -420,7 +429,7 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
             # backward all-gathers the sharded gradient: cast it to float8 first, with the
             # grad_weight gemm's own cast (the gradient has the output's shape and layout)
             other = _grad_weight_cast(outputs, mod.specs[GRAD_INPUT_GRAD_OUTPUT],
-                                      mod.specs[GRAD_WEIGHT_GRAD_OUTPUT])
+                                      mod.specs[GRAD_WEIGHT_GRAD_OUTPUT], mod.specs.sp_grad_weight)
             if other != _HIGH_PRECISION:
                 outputs = _CastGradToFloat8.apply(outputs, mod, other)
         return outputs.to_local() if use_local_output else outputs
