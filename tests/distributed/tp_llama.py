@@ -218,6 +218,7 @@ def compare(
         "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
+        "all_gather_bytes": ag.input_bytes + bag.input_bytes,  # forward and backward
         # float8 bytes kept for backward per element of the local sequence shards
         "float8_kept_bytes_per_element": kept["float8_kept_bytes"] / shard,
     }

@@ -156,3 +156,17 @@ def test_linear_keeps_only_the_companion_and_gives_one_devices_weight_gradient(r
     assert [t._block for t in float8] == [gw.block_shape(2)], float8
     assert float8[0]._companion is None
     assert torch.equal(lin.weight.grad, ref.weight.grad)
+
+
+def test_token_blocks_regroup_across_sequence_shards():
+    # DTensor gathers [1, S / tp, K] shards along dim 0 and views [tp, S / tp, K] as [1, S, K]:
+    # token blocks that every sequence holds whole stay those of the [tokens, K] view
+    from f8dist.config import Float8LinearConfig
+
+    gw = Float8LinearConfig.from_recipe_name("mxfp8").cast_spec("grad_weight", "input")
+    x = torch.randn(1, 128, 64)
+    pieces = cast_to_float8(x.reshape(2, 64, 64), gw).reshape(1, 128, 64)
+    ref = cast_to_float8(x, gw)
+    assert torch.equal(_bytes(pieces), _bytes(ref)) and torch.equal(pieces._scale, ref._scale)
+    with pytest.raises(NotImplementedError, match="token blocks"):  # 16-token sequences
+        cast_to_float8(x.reshape(2, 64, 64), gw).reshape(8, 16, 64)
