@@ -44,7 +44,9 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
   An input that arrives in float8 (a tensor-parallel style cast it before its all-gather)
   carrying the grad_weight gemm's cast as its companion ([Note: two casts of one tensor] in
   f8dist/tensor.py) keeps that cast only, 1 byte per element: what casting the high-precision
-  input in backward would give, bit for bit.
+  input in backward would give, bit for bit; one that left it on its rank (``KeptShard``,
+  ``sp_grad_weight="backward_gather"``) keeps that rank's shard of it and all-gathers it in
+  backward, once for all the linears that read it (``SharedGather`` in f8dist/cast.py).
   A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
   linears that read the same input with the same spec ([Note: one cast per input] in
   f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with

@@ -39,9 +39,9 @@ float8.
 
 A companion may also stay behind: with ``sp_grad_weight="backward_gather"`` ([Note: the
 grad_weight operand of a gathered tensor] in f8dist/config.py) the style casts the shard for the
-grad_weight gemm and attaches it as a :class:`KeptShard` (the shard's cast and its DTensor
-layout), which the same ops pass on unchanged, not moved: the linear keeps the shard for backward
-and all-gathers it there (f8dist/linear.py).
+grad_weight gemm and attaches it as a :class:`KeptShard` (the shard's cast and what gathers
+it), which the same ops pass on unchanged, not moved: the linear keeps the shard for backward and
+all-gathers it there (f8dist/linear.py).
 """
 
 from __future__ import annotations

@@ -45,9 +45,12 @@ token count is the batch's), with ``_grad_weight_cast``:
   for backward, as one device does (2 bytes per element in bf16, where the gathered float8 kept
   1). Exactness costs the bytes either way: the grad_weight gemm's operand cannot be derived from
   the row-block bytes without a second rounding, so an exact path moves two float8 casts (1.03x
-  bf16's bytes with their scales) or high precision, never 0.52x. Gathering the token-block cast
-  in backward instead (as Transformer Engine does) would move the same bytes and keep 1 / tp of
-  them, at one backward all-gather per consuming linear.
+  bf16's bytes with their scales) or high precision, never 0.52x.
+  ``Float8LinearConfig.sp_grad_weight`` trades otherwise ([Note: the grad_weight operand of a
+  gathered tensor] in f8dist/config.py): with "recast" this rule answers None (the row blocks
+  only, re-cast in backward); with "backward_gather" the token-block cast stays on its rank
+  (``_cast_input``'s ``keep``: a ``KeptShard``) and the linears all-gather it in backward, once
+  per shared input (Transformer Engine's way): the same bytes, 1 / tp of them kept.
 * tensorwise (the same bytes serve both gemms) and rowwise (per-column scales over the tokens,
   powers of 2, so re-scaling the gathered per-token bytes is exact but for e4m3 subnormals):
   unchanged, the gathered float8 is reused or re-scaled.
