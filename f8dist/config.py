@@ -562,11 +562,24 @@ class CastSpecs:
     def gemm_in_float8(self, gemm: Gemm) -> bool:
         return self[gemm, gemm.operands[0]].enabled
 
+    def own_grad_weight_operand(self, operand: Operand) -> bool:
+        """Whether the grad_weight gemm reads ``operand`` (the input, or grad_output) otherwise
+        than the float8 cast a tensor-parallel style communicates of it (the output gemm's, or
+        the grad_input gemm's): in high precision, or in token blocks where that cast has row
+        blocks. Then it needs its own operand sent along, kept, or re-cast ([Note: the grad_weight
+        operand of a gathered tensor]); otherwise it reads or re-scales the communicated bytes."""
+        sent = self[_COMMUNICATED[Operand(operand)], operand]
+        gw = self[Gemm.GRAD_WEIGHT, operand]
+        return sent.enabled and (not gw.enabled or (
+            gw.blockwise and gw.block_shape(2) != sent.block_shape(2)))
+
     def __iter__(self):
         return iter(self.specs)
 
 
 _CELLS = tuple(_CONTRACTION_AXIS)
+# the gemm whose cast of an operand a tensor-parallel style communicates (f8dist/tp/style.py)
+_COMMUNICATED = {Operand.INPUT: Gemm.OUTPUT, Operand.GRAD_OUTPUT: Gemm.GRAD_INPUT}
 
 
 def _same_bytes(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
@@ -800,23 +813,19 @@ class Float8LinearConfig:
                 f"{self.sp_grad_weight!r}") from None
         if self.sp_grad_weight is SPGradWeight.FORWARD_GATHER:
             return
-        # per communicated operand (the input, the gradient): its cast, the grad_weight gemm's
-        cells = ((Gemm.OUTPUT, Operand.INPUT), (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT))
-        pairs = [(self.cast_config(g, op), self.cast_config(Gemm.GRAD_WEIGHT, op)) for g, op in cells]
-        token_blocks = any(a.enabled and b.enabled and b.blockwise for a, b in pairs)
-        high_precision = any(a.enabled and not b.enabled for a, b in pairs)
-        table = self.short_str()
-        if self.sp_grad_weight is SPGradWeight.RECAST and not (token_blocks or high_precision):
+        specs, table = self.cast_specs(), self.short_str()
+        if self.sp_grad_weight is SPGradWeight.RECAST and not (
+                specs.own_grad_weight_operand(Operand.INPUT)
+                or specs.own_grad_weight_operand(Operand.GRAD_OUTPUT)):
             raise ValueError(
                 "sp_grad_weight='recast' re-casts a gathered float8 tensor for a grad_weight gemm "
                 "in token blocks or high precision, but this config's grad_weight gemm reads the "
                 f"gathered float8 as it is or re-scales it already ({table}): leave "
                 "sp_grad_weight at 'forward_gather' (tensorwise and rowwise recipes gather one "
                 "float8 copy whatever it says)")
-        gw_input = self.cast_config(Gemm.GRAD_WEIGHT, Operand.INPUT)
         if self.sp_grad_weight is SPGradWeight.BACKWARD_GATHER and not (
-                self.cast_config(Gemm.OUTPUT, Operand.INPUT).enabled and gw_input.enabled
-                and gw_input.blockwise):
+                specs.own_grad_weight_operand(Operand.INPUT)
+                and specs[Gemm.GRAD_WEIGHT, Operand.INPUT].enabled):
             raise ValueError(
                 "sp_grad_weight='backward_gather' all-gathers the grad_weight gemm's token-block "
                 "float8 cast of the input in backward, but this config's grad_weight gemm takes "

@@ -117,9 +117,9 @@ def _check_grad_weight_operand(x: torch.Tensor, specs: CastSpecs, found: bool) -
     if (found or not isinstance(local_part(x), Float8Tensor) or x.numel() == 0
             or torch.compiler.is_compiling() or specs.sp_grad_weight is SPGradWeight.RECAST):
         return
-    fwd, gw = specs[OUTPUT, INPUT], specs[GRAD_WEIGHT, INPUT]
-    if gw.enabled and not (gw.blockwise and gw.block_shape(2) != fwd.block_shape(2)):
+    if not specs.own_grad_weight_operand(INPUT):
         return  # it reads the gathered float8, or re-scales it: nothing was to travel along
+    gw = specs[GRAD_WEIGHT, INPUT]
     needs = (f"its {gw.block_size} token-block cast" if gw.enabled
              else "the high-precision input (a high-precision grad_weight gemm)")
     raise ValueError(

@@ -128,7 +128,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from f8dist import agreement
 from f8dist.cast import ToFloat8, cast_with_companion
 from f8dist.config import (
-    E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType, SPGradWeight,
+    E4M3, CastConfig, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand, ScalingType,
+    SPGradWeight,
 )
 from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
@@ -139,8 +140,6 @@ __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8Modul
 
 OUTPUT_INPUT = (Gemm.OUTPUT, Operand.INPUT)
 GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
-GRAD_WEIGHT_INPUT = (Gemm.GRAD_WEIGHT, Operand.INPUT)
-GRAD_WEIGHT_GRAD_OUTPUT = (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,31 +162,28 @@ def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor,
 _HIGH_PRECISION = "high_precision"
 
 
-def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[CastSpec],
-                      mode: SPGradWeight = SPGradWeight.FORWARD_GATHER):
-    """How the grad_weight gemm gets one device's operand when ``x`` is cast as ``spec`` before
-    it is communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reads
-    the communicated bytes, or re-scales them: tensorwise, rowwise, and under torch.compile), a
-    CastSpec (its own cast of ``x`` travels along as a companion, or stays behind for a backward
-    all-gather: block scales along the tokens) or ``_HIGH_PRECISION`` (communicate ``x``
-    unscaled: a high-precision grad_weight gemm, or token blocks that the sequence shards split).
-    None too where no grad_weight gemm will read it (no grad: eval, inference), there is nothing
-    to round (an empty batch) or ``mode`` puts bytes first (``SPGradWeight.RECAST``: the gemm
-    re-casts the communicated bytes; [Note: the grad_weight operand of a gathered tensor] in
-    f8dist/config.py)."""
-    if (grad_weight is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or x.numel() == 0 or mode is SPGradWeight.RECAST):
+def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Operand):
+    """How the grad_weight gemm of the linear with ``specs`` gets one device's ``operand`` when
+    ``x`` is cast before it is communicated ([Note: the grad_weight gemm under sequence
+    parallelism]): None (it reads the communicated bytes, or re-scales them: tensorwise, rowwise,
+    and under torch.compile), its CastSpec (its own cast of ``x`` travels along as a companion,
+    or stays behind for a backward all-gather: block scales along the tokens) or
+    ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or token
+    blocks that the sequence shards split). None too where no grad_weight gemm will read it (no
+    grad: eval, inference), there is nothing to round (an empty batch) or the linear puts bytes
+    first (``SPGradWeight.RECAST``: the gemm re-casts the communicated bytes; [Note: the
+    grad_weight operand of a gathered tensor] in f8dist/config.py)."""
+    if (specs is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or x.numel() == 0 or specs.sp_grad_weight is SPGradWeight.RECAST
+            or not specs.own_grad_weight_operand(operand)):
         return None
+    grad_weight = specs[Gemm.GRAD_WEIGHT, operand]
     if not grad_weight.enabled:
         return _HIGH_PRECISION
-    if not grad_weight.blockwise:
-        return None
-    block = grad_weight.block_shape(x.dim())
-    if block == spec.block_shape(x.dim()):
-        return None
     mesh = getattr(x, "device_mesh", None)
-    split = blocks_split_by_shards(
-        x.shape, block, mesh.shape if mesh is not None else (), getattr(x, "placements", ()))
+    split = blocks_split_by_shards(x.shape, grad_weight.block_shape(x.dim()),
+                                   mesh.shape if mesh is not None else (),
+                                   getattr(x, "placements", ()))
     return _HIGH_PRECISION if split else grad_weight
 
 
@@ -206,11 +202,11 @@ def _cast_input(
     if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
     specs = linears[0].specs if linears else None
-    mode = specs.sp_grad_weight if specs is not None else SPGradWeight.FORWARD_GATHER
-    other = _grad_weight_cast(x, spec, specs[GRAD_WEIGHT_INPUT] if specs else None, mode)
+    other = _grad_weight_cast(x, specs, Operand.INPUT)
     if other == _HIGH_PRECISION:
         return x
-    keep = other is not None and mode is SPGradWeight.BACKWARD_GATHER and isinstance(x, DTensor)
+    keep = (other is not None and specs.sp_grad_weight is SPGradWeight.BACKWARD_GATHER
+            and isinstance(x, DTensor))
     return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other, keep)
 
 
@@ -431,8 +427,7 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
         ):
             # backward all-gathers the sharded gradient: cast it to float8 first, with the
             # grad_weight gemm's own cast (the gradient has the output's shape and layout)
-            other = _grad_weight_cast(outputs, mod.specs[GRAD_INPUT_GRAD_OUTPUT],
-                                      mod.specs[GRAD_WEIGHT_GRAD_OUTPUT], mod.specs.sp_grad_weight)
+            other = _grad_weight_cast(outputs, mod.specs, Operand.GRAD_OUTPUT)
             if other != _HIGH_PRECISION:
                 outputs = _CastGradToFloat8.apply(outputs, mod, other)
         return outputs.to_local() if use_local_output else outputs
