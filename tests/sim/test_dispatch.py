@@ -29,7 +29,7 @@ def _moe(recipe, world):
 
 
 @pytest.mark.parametrize("world,recipe", [(4, None), (4, "rowwise"), (4, "tensorwise"),
-                                          (8, "rowwise")])
+                                          (8, "rowwise"), (8, "mxfp8")])
 def test_expert_parallel_on_simulated_ranks_matches_one_device(world, recipe):
     ref = _moe(recipe, world)
     layers = [copy.deepcopy(ref) for _ in range(world)]
