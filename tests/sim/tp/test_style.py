@@ -13,12 +13,15 @@ import copy
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8dist.models import parallelize_llama
+from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.models.llama import ModelArgs, Transformer
 from f8dist.numerics import sqnr
+from f8dist.testing import count_collectives
 from tests.distributed.test_tp import FLOOR_2D_DB
 from tests.distributed.tp_llama import run_model, shard_2d
 from tests.sim.threads import run_threads
@@ -120,3 +123,39 @@ def test_2d_mxfp8_reduces_no_amax_and_gives_one_device_weight_gradients():
         exact = [k for k, v in sqnrs.items() if v == float("inf")]
         assert len([k for k in exact if k.startswith("grad:") and "norm" not in k
                     and "tok_embeddings" not in k]) == n, sqnrs
+
+
+def test_hsdp_x_tp_reduces_each_weight_amax_once_over_dp_shard_and_tp():
+    """HSDP x TP on a dp_replicate 2 x dp_shard 2 x tp 2 mesh, weights gathered in float8: one
+    device's logits; each weight's amax is ONE all-reduce over its 4 dp_shard x tp ranks (not one
+    per axis), the activations' over tp, and precompute takes one all-reduce for all weights."""
+    config = Float8LinearConfig.from_recipe_name("tensorwise").replace(
+        enable_fsdp_float8_all_gather=True)
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, max_seq_len=SEQ)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    convert_to_float8_training(model, config=config)
+    models = [copy.deepcopy(model) for _ in range(8)]
+    tokens = torch.randint(0, args.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    expected = model(tokens).detach()
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        model = models[rank]
+        parallelize_llama(model, mesh["tp"], float8=True)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp_replicate", "dp_shard"])
+        fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
+        with count_collectives() as fwd:
+            logits = model(tokens)
+        assert torch.equal(full(logits), expected), rank
+        with count_collectives() as pre:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        n = sum(isinstance(m, Float8Linear) for m in model.modules())
+        shard_tp = tuple(sorted(mesh["dp_shard", "tp"].mesh.flatten().tolist()))
+        tp = tuple(sorted(mesh["tp"].mesh.flatten().tolist()))
+        return n, shard_tp, tp, _max_reduces(fwd), _max_reduces(pre)
+
+    for n, shard_tp, tp, fwd, pre in run_threads(8, rank_main):
+        assert len(shard_tp) == 4 and set(fwd) == {shard_tp, tp}, fwd
+        assert fwd[shard_tp] == n == 8 and pre == {shard_tp: 1}, (fwd, pre)
