@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8dist.fsdp import Float8AllGatherWeight
 from f8dist.testing import count_collectives
 from tests.sim.threads import run_threads
@@ -45,7 +45,9 @@ def make(recipe, fp8_all_gather, head=False):
     torch.manual_seed(0)
     config = Float8LinearConfig.from_recipe_name(recipe).replace(
         enable_fsdp_float8_all_gather=fp8_all_gather, pad_inner_dim=head)
-    return convert_to_float8_training(Net(head), config=config)
+    net = convert_to_float8_training(Net(head), config=config)
+    assert all(isinstance(m, Float8Linear) for m in (net.fc1, net.fc2, net.head) if m is not None)
+    return net
 
 
 def shard(model, mp_policy=None):
@@ -66,7 +68,8 @@ def parity(recipe, fp8_all_gather, head=False, steps=1):
     """Every rank trains a copy on its own batches; one device runs each rank's batch and sums
     the gradients in rank order (the threaded group's reduce-scatter order), then divides by 8,
     as FSDP2 does: outputs and gradients must be equal. Returns, per rank, the names of the
-    weights gathered in float8 and each step's (forward, backward) collective counts."""
+    weights gathered in float8, each step's (forward, backward) collective counts and the rows of
+    each weight's shard."""
     ref = make(recipe, fp8_all_gather, head)
     copies = [copy.deepcopy(ref) for _ in range(WORLD)]
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -104,7 +107,8 @@ def parity(recipe, fp8_all_gather, head=False, steps=1):
                 assert torch.equal(p.grad.full_tensor(), grads[step][name]), (rank, step, name)
             opt.step()
             opt.zero_grad()
-        return gathered_in_float8, counts
+        rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+        return gathered_in_float8, counts, rows
 
     return run_threads(WORLD, rank_main)
 
@@ -112,7 +116,7 @@ def parity(recipe, fp8_all_gather, head=False, steps=1):
 def test_square_blocks_gathered_in_float8_on_8_ranks():
     # one step: its forward all-gathers each weight, its backward all-gathers it again into
     # FSDP2's buffer (out=)
-    for gathered, counts in parity("mxfp8_square_weights", fp8_all_gather=True, steps=1):
+    for gathered, counts, _ in parity("mxfp8_square_weights", fp8_all_gather=True, steps=1):
         assert gathered == ["fc1.weight", "fc2.weight"]
         for fwd, bwd in counts:
             assert fwd["all_reduce"].calls == bwd["all_reduce"].calls == 0
@@ -144,7 +148,9 @@ def test_square_blocks_all_gather_bytes_on_8_ranks():
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_block_recipes_uneven_and_empty_shards_on_8_ranks(recipe):
-    for gathered, counts in parity(recipe, fp8_all_gather=False, head=True):
+    results = parity(recipe, fp8_all_gather=False, head=True)
+    assert [rows["head.weight"] for _, _, rows in results] == [3] * 6 + [2, 0]
+    for gathered, counts, _ in results:
         assert gathered == []
         for fwd, bwd in counts:  # a block's scale is its own: no amax collective
             assert fwd["all_reduce"].calls == bwd["all_reduce"].calls == 0
