@@ -3,10 +3,11 @@ f8dist/models/llama_tp.py) on a dp 2 x tp 4 mesh of 8 simulated ranks (threads, 
 simulating ranks in one process] in tests/sim/__init__.py), against one device: every dp rank's
 logits, the embedding output's gradient and every weight gradient within the 2-D floor of
 tests/distributed/test_tp.py (a 2 x 2 mesh on 4 gloo ranks), and every amax all-reduce over
-exactly the mesh axes that shard its tensor ([Note: amax] in f8dist/placement.py): tp for TP
-weights and sequence-parallel activations, dp and tp at once for a weight FSDP2 gathers in
-float8 (one per weight), none for block scales (whose float8 weight gradients are one device's
-bit for bit)."""
+exactly the mesh axes that shard its tensor ([Note: amax] in f8dist/placement.py): tp for
+sequence-parallel activations, dp and tp at once for a weight FSDP2 gathers in float8 (one per
+weight), none for block scales (whose float8 weight gradients are one device's bit for bit);
+on HSDP x TP, dp_shard and tp at once. (Rowwise's K-sharded amaxes over tp alone:
+tests/sim/test_cast.py; rowwise 2-D against one device: tests/distributed/test_tp.py.)"""
 
 import copy
 
@@ -83,17 +84,6 @@ def _check(results, recipe):
 def _max_reduces(counts):
     """amax all-reduces per group: {ranks: calls}."""
     return {ranks: n for (ranks, op), n in counts["all_reduce"].groups.items() if op == "max"}
-
-
-def test_2d_rowwise_amaxes_reduce_over_tp_only():
-    results = run_2d("rowwise")
-    _check(results, "rowwise")
-    for _, fwd, bwd, n, tp_ranks in results:
-        # the rowwise-parallel weights' per-row amaxes over their K shards: over this rank's 4
-        # tp ranks, never over dp; per-token activation and gradient scales need none (each
-        # token's row lives on one rank)
-        assert set(_max_reduces(fwd)) == {tp_ranks}, _max_reduces(fwd)
-        assert set(_max_reduces(bwd)) <= {tp_ranks}, _max_reduces(bwd)
 
 
 def test_2d_tensorwise_float8_all_gather_reduces_each_weight_amax_over_dp_and_tp():
