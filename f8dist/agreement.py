@@ -70,7 +70,10 @@ _unchecked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _hook = None
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")  # not in names
 _SHOWN = 5  # differences named in the error
-_rounds: Dict[str, int] = {}  # group name -> checks made over it: the store keys of the next one
+# (group name, rank) -> checks this rank made over the group: the store keys of its next one. Per
+# rank, not per process: a process may simulate several ranks as threads (tests/sim/threads.py),
+# each of which makes its own checks
+_rounds: Dict[Tuple[str, int], int] = {}
 
 
 def check_before_first_forward(model: nn.Module) -> None:
@@ -169,8 +172,8 @@ def agree(mine: Settings, group, *, what: str, fix: str) -> None:
     ranks = dist.get_process_group_ranks(group)
     me, leader = dist.get_rank(), ranks[0]
     name = getattr(group, "group_name", None) or dist.distributed_c10d._get_process_group_name(group)
-    _rounds[name] = _rounds.get(name, -1) + 1
-    prefix = f"f8dist/agreement/{name}/{_rounds[name]}/"
+    _rounds[name, me] = _rounds.get((name, me), -1) + 1
+    prefix = f"f8dist/agreement/{name}/{_rounds[name, me]}/"
     store = dist.distributed_c10d._get_default_store()
     text = json.dumps(sorted([m, f, v] for (m, f), v in mine.items()))
     store.set(f"{prefix}hash/{me}", hashlib.sha256(text.encode()).hexdigest())

@@ -22,17 +22,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.placement import (
-    blocks_split_by_shards, is_dtensor, like, local_part, reduce_partial,
+    blocks_split_by_shards, is_dtensor, layout, like, local_part, reduce_partial, with_layout,
 )
 from f8dist.scaling import (
     amax_to_scale, block_cast, group_amax, group_ids, in_memory, saturated_cast, stored_scale,
     tensor_amax,
 )
-from f8dist.tensor import Float8Tensor
+from f8dist.tensor import Float8Tensor, KeptShard
 
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
-    "shared_casts", "cast_with_companion", "companion_for",
+    "shared_casts", "cast_with_companion", "companion_for", "kept_shard_for", "SharedGather",
 ]
 
 
@@ -193,7 +193,7 @@ def cast_to_float8(
         if _fits(local, spec, offsets):
             return like(t, local.with_mm_config(spec.mm_config))
         companion = local._companion  # [Note: two casts of one tensor] in f8dist/tensor.py
-        if companion is not None and _fits(companion, spec, offsets):
+        if isinstance(companion, Float8Tensor) and _fits(companion, spec, offsets):
             return like(t, companion.with_mm_config(spec.mm_config))
         t = high_precision(t)
     if not spec.enabled:
@@ -273,24 +273,70 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
 
 
 def cast_with_companion(t: torch.Tensor, spec: CastSpec, other: Optional[CastSpec],
-                        scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        scale: Optional[torch.Tensor] = None, keep: bool = False) -> torch.Tensor:
     """``t`` cast as ``spec``, carrying its cast as ``other`` (the operand's other gemm) when
     ``other`` is given ([Note: two casts of one tensor] in f8dist/tensor.py): both from ``t``'s
-    high-precision values, so each gemm reads one device's bytes however the pair then moves."""
+    high-precision values, so each gemm reads one device's bytes however the pair then moves.
+    ``keep``: the second cast stays on this rank as a :class:`~f8dist.tensor.KeptShard` of the
+    DTensor ``t``, gathered in backward (:class:`SharedGather`)."""
     out = cast_to_float8(t, spec, scale)
     if other is None:
         return out
-    return like(out, local_part(out).with_companion(local_part(cast_to_float8(t, other))))
+    companion = local_part(cast_to_float8(t, other))
+    if keep:
+        companion = KeptShard(companion, SharedGather(layout(t)))
+    return like(out, local_part(out).with_companion(companion))
 
 
 def companion_for(t: torch.Tensor, spec: CastSpec) -> Optional[torch.Tensor]:
     """The companion cast ``t`` carries for ``spec`` ([Note: two casts of one tensor]), laid out
     like ``t``; None when it carries none that fits."""
-    local = local_part(t)
-    companion = getattr(local, "_companion", None)
-    if companion is None or not _fits(companion, spec):
+    companion = getattr(local_part(t), "_companion", None)
+    if not isinstance(companion, Float8Tensor) or not _fits(companion, spec):
         return None
     return like(t, companion)
+
+
+def kept_shard_for(t: torch.Tensor, spec: CastSpec) -> Optional[KeptShard]:
+    """The companion cast for ``spec`` that ``t`` left on this rank (a :class:`KeptShard`,
+    ``sp_grad_weight="backward_gather"``); None when it carries none that fits."""
+    kept = getattr(local_part(t), "_companion", None)
+    if not isinstance(kept, KeptShard) or not _fits(kept.local, spec):
+        return None
+    return kept
+
+
+class SharedGather:
+    """The backward all-gather of a :class:`~f8dist.tensor.KeptShard` (``sp_grad_weight=
+    "backward_gather"``, [Note: the grad_weight operand of a gathered tensor] in
+    f8dist/config.py), run once for all the linears that read the shard (wq, wk and wv of one
+    shared input): each reader's forward counts itself in (:meth:`add_reader`), the first
+    backward gathers, the last one lets the gathered tensor go."""
+
+    __slots__ = ("layout", "readers", "whole")
+
+    def __init__(self, layout: tuple):
+        self.layout, self.readers, self.whole = layout, 0, None  # layout: placement.layout's
+
+    def add_reader(self) -> None:
+        self.readers += 1
+
+    def __call__(self, local: torch.Tensor, shape: tuple, layout_as: Optional[tuple]) -> torch.Tensor:
+        """The whole tensor of the shard ``local`` (this rank's, as kept for backward), gathered
+        in float8 with its block scales and reshaped to ``shape`` ([B, S, K] token blocks to the
+        [B * S, K] view's: [Note: token blocks of N-D activations] in f8dist/config.py), as this
+        rank's part of a DTensor of ``layout_as`` (or None: the local tensor)."""
+        from torch.distributed.tensor import Replicate
+
+        if self.whole is None:
+            mesh = self.layout[0]
+            shard = with_layout(self.layout, local)
+            self.whole = shard.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()  # [B, S, K]
+        whole = self.whole
+        self.readers -= 1
+        if self.readers <= 0:  # the last reader: nothing keeps it any longer
+            self.whole = None
+        return with_layout(layout_as, whole.reshape(shape))  # [M, K]
 
 
 class ToFloat8(torch.autograd.Function):
@@ -307,9 +353,9 @@ class ToFloat8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hp: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor],
-                other: Optional[CastSpec] = None):
-        return cast_with_companion(hp, spec, other, scale)
+                other: Optional[CastSpec] = None, keep: bool = False):
+        return cast_with_companion(hp, spec, other, scale, keep)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        return grad, None, None, None, None

@@ -32,8 +32,8 @@ import torch
 __all__ = [
     "ScalingType", "ScalingGranularity", "Gemm", "Operand", "CastConfig", "CastSpec", "CastSpecs",
     "CastSite", "DelayedScalingConfig", "Float8GemmConfig", "Float8LinearConfig",
-    "Float8LinearRecipeName", "SavedInput", "ScaledMMConfig", "ScaleRounding", "E4M3", "E5M2",
-    "E8M0",
+    "Float8LinearRecipeName", "SavedInput", "ScaledMMConfig", "ScaleRounding", "SPGradWeight",
+    "E4M3", "E5M2", "E8M0",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -215,6 +215,39 @@ class ScaleRounding(_Name):
 # high-precision all-gather where it does not hold (e.g. 1x128 blocks need 128 * tp tokens per
 # sequence; MXFP8's 1x32, 32 * tp).
 #
+# [Note: the grad_weight operand of a gathered tensor]
+# A sequence-parallel style casts an activation shard before its all-gather in the output gemm's
+# row blocks (1 x K); the grad_weight gemm wants the same tensor in token blocks (or in high
+# precision), which cannot be derived from the row-block bytes without a second rounding.
+# ``Float8LinearConfig.sp_grad_weight`` (an :class:`SPGradWeight`) chooses how that gemm gets it,
+# for the input a style gathers in forward and the gradient the rowwise style gathers in backward
+# (the rule is ``_grad_weight_cast`` in f8dist/tp/style.py, [Note: the grad_weight gemm under
+# sequence parallelism]); tensorwise and rowwise recipes gather one float8 copy whatever it says,
+# so it applies to block recipes and high-precision grad_weight gemms only:
+#
+#   FORWARD_GATHER (default)  both casts in the forward all-gather (the token-block one as the
+#                             row-block one's companion), or high precision: one device's numbers;
+#                             2 x (1 byte + scales) per element (1.03x bf16), the linear keeps the
+#                             gathered token-block cast (1 byte per gathered element)
+#   RECAST                    the row-block cast only (1 byte + scales: 0.52x bf16), in forward
+#                             and, for the gradient, in backward; the grad_weight gemm re-casts
+#                             the gathered float8 (a second rounding: 27-33 dB weight gradients
+#                             against one device's, docs/numerics.md)
+#   BACKWARD_GATHER           forward gathers the row-block cast only and the style keeps the
+#                             local shard's token-block cast; the linear all-gathers it in
+#                             backward (Transformer Engine's way): the bytes of FORWARD_GATHER,
+#                             one device's numbers, 1 / tp of the token-block cast kept between
+#                             forward and backward, one more all-gather per linear in backward.
+#                             Token-block grad_weight gemms only (a high-precision one reads the
+#                             values: FORWARD_GATHER or RECAST); the gradient travels as in
+#                             FORWARD_GATHER (its all-gather is in backward already)
+#
+# FORWARD_GATHER is the default because it is exact and costs no collective more (the step's
+# all-gathers are one per tensor); the others trade numerics for bytes, or a backward all-gather
+# for memory. Linears that read one shared input (``PrepareFloat8ModuleInput``) get the cast its
+# ``fwd_config_submodule_fqn`` linear's config makes: a linear whose config asks for one device's
+# grad_weight operand and finds none fitting on its float8 input raises, naming the fix.
+#
 # [Note: e8m0 rounding]
 # RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
 # 2 that maps the block's amax inside the format, so no element saturates. It is what NVIDIA's
@@ -322,6 +355,15 @@ def _check_block(cc: "CastConfig") -> None:
             "are exact (set Float8LinearConfig.round_scales_to_power_of_2 for powers of 2): "
             "use scale_dtype=torch.float8_e8m0fnu or leave scale_rounding at RCEIL"
         )
+
+
+class SPGradWeight(_Name):
+    """How the grad_weight gemm gets a sequence-parallel operand that a tensor-parallel style
+    all-gathers in float8 ([Note: the grad_weight operand of a gathered tensor])."""
+
+    FORWARD_GATHER = "forward_gather"  # both casts cross in forward: exact, 1.03x bf16
+    RECAST = "recast"  # the row-block cast only, re-cast for grad_weight: 0.52x bf16, not exact
+    BACKWARD_GATHER = "backward_gather"  # token-block shard kept, gathered in backward: exact
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -504,6 +546,9 @@ class CastSpecs:
     # how the activations that produce this linear's input keep what their backward reads
     # (SwiGLU's inputs before an FFN's w2, f8dist/swiglu.py); None: in high precision
     activation: Optional[CastSpec] = None
+    # how the grad_weight gemm gets an operand a tensor-parallel style gathers in float8 ([Note:
+    # the grad_weight operand of a gathered tensor])
+    sp_grad_weight: SPGradWeight = SPGradWeight.FORWARD_GATHER
 
     def __getitem__(self, cell: Tuple[Gemm, Operand]) -> CastSpec:
         gemm, operand = cell
@@ -517,11 +562,24 @@ class CastSpecs:
     def gemm_in_float8(self, gemm: Gemm) -> bool:
         return self[gemm, gemm.operands[0]].enabled
 
+    def own_grad_weight_operand(self, operand: Operand) -> bool:
+        """Whether the grad_weight gemm reads ``operand`` (the input, or grad_output) otherwise
+        than the float8 cast a tensor-parallel style communicates of it (the output gemm's, or
+        the grad_input gemm's): in high precision, or in token blocks where that cast has row
+        blocks. Then it needs its own operand sent along, kept, or re-cast ([Note: the grad_weight
+        operand of a gathered tensor]); otherwise it reads or re-scales the communicated bytes."""
+        sent = self[_COMMUNICATED[Operand(operand)], operand]
+        gw = self[Gemm.GRAD_WEIGHT, operand]
+        return sent.enabled and (not gw.enabled or (
+            gw.blockwise and gw.block_shape(2) != sent.block_shape(2)))
+
     def __iter__(self):
         return iter(self.specs)
 
 
 _CELLS = tuple(_CONTRACTION_AXIS)
+# the gemm whose cast of an operand a tensor-parallel style communicates (f8dist/tp/style.py)
+_COMMUNICATED = {Operand.INPUT: Gemm.OUTPUT, Operand.GRAD_OUTPUT: Gemm.GRAD_INPUT}
 
 
 def _same_bytes(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
@@ -624,6 +682,13 @@ class Float8LinearConfig:
     # re-scale it along the token axis there (less memory, a second rounding), instead of the
     # high-precision input (exact); see [Note: what the matmul keeps for backward] in linear.py
     axiswise_requantize_input_for_grad_weight: bool = False
+    # block recipes and high-precision grad_weight gemms under sequence parallelism: how the
+    # grad_weight gemm gets the operand a tensor-parallel style all-gathers in float8 (both casts
+    # in forward, exact; the row-block cast re-cast, bytes first; the token-block shard gathered in
+    # backward, exact): [Note: the grad_weight operand of a gathered tensor]. Beside
+    # axiswise_requantize_input_for_grad_weight, which is about what a linear keeps, not what
+    # crosses the wire
+    sp_grad_weight: SPGradWeight = SPGradWeight.FORWARD_GATHER
     # keep what backward reads only for gradients in float8, cast in forward from high precision:
     # the grad_weight gemm's float8 input, cast as that gemm casts it (gradients bit for bit those
     # of casting in backward), and SwiGLU's inputs (f8dist/swiglu.py, activation_spec); see
@@ -720,6 +785,8 @@ class Float8LinearConfig:
                     "grad_weight gemm needs the high-precision input)"
                 )
 
+        self._check_sp_grad_weight()
+
         if self.enable_fsdp_float8_all_gather:
             w = self.cast_config_weight
             square = w.enabled and w.blockwise and self.cast_specs().weight_same_bytes
@@ -733,6 +800,38 @@ class Float8LinearConfig:
                     "enable_fsdp_float8_all_gather off (other weights are all-gathered in high "
                     "precision)"
                 )
+
+    def _check_sp_grad_weight(self) -> None:
+        """``sp_grad_weight`` is an SPGradWeight, and one that changes something for this table
+        ([Note: the grad_weight operand of a gathered tensor])."""
+        try:
+            object.__setattr__(self, "sp_grad_weight", SPGradWeight(self.sp_grad_weight))
+        except ValueError:
+            raise ValueError(
+                f"Float8LinearConfig.sp_grad_weight must be one of "
+                f"{[m.value for m in SPGradWeight]} (or an SPGradWeight), got "
+                f"{self.sp_grad_weight!r}") from None
+        if self.sp_grad_weight is SPGradWeight.FORWARD_GATHER:
+            return
+        specs, table = self.cast_specs(), self.short_str()
+        if self.sp_grad_weight is SPGradWeight.RECAST and not (
+                specs.own_grad_weight_operand(Operand.INPUT)
+                or specs.own_grad_weight_operand(Operand.GRAD_OUTPUT)):
+            raise ValueError(
+                "sp_grad_weight='recast' re-casts a gathered float8 tensor for a grad_weight gemm "
+                "in token blocks or high precision, but this config's grad_weight gemm reads the "
+                f"gathered float8 as it is or re-scales it already ({table}): leave "
+                "sp_grad_weight at 'forward_gather' (tensorwise and rowwise recipes gather one "
+                "float8 copy whatever it says)")
+        if self.sp_grad_weight is SPGradWeight.BACKWARD_GATHER and not (
+                specs.own_grad_weight_operand(Operand.INPUT)
+                and specs[Gemm.GRAD_WEIGHT, Operand.INPUT].enabled):
+            raise ValueError(
+                "sp_grad_weight='backward_gather' all-gathers the grad_weight gemm's token-block "
+                "float8 cast of the input in backward, but this config's grad_weight gemm takes "
+                f"no such cast ({table}): use 'forward_gather' (one device's numbers: a "
+                "high-precision grad_weight gemm's input crosses in high precision) or 'recast' "
+                "(the row-block float8 only, a second rounding)")
 
     # -- the resolved table -------------------------------------------------------------------
 
@@ -783,6 +882,7 @@ class Float8LinearConfig:
                 specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
             weight_same_bytes=_same_bytes(specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
             activation=self.activation_spec(f"{fqn}.activation" if fqn else "activation"),
+            sp_grad_weight=self.sp_grad_weight,
         )
 
     def _saved_input(self, specs: CastSpecs) -> SavedInput:

@@ -44,7 +44,9 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
   An input that arrives in float8 (a tensor-parallel style cast it before its all-gather)
   carrying the grad_weight gemm's cast as its companion ([Note: two casts of one tensor] in
   f8dist/tensor.py) keeps that cast only, 1 byte per element: what casting the high-precision
-  input in backward would give, bit for bit.
+  input in backward would give, bit for bit; one that left it on its rank (``KeptShard``,
+  ``sp_grad_weight="backward_gather"``) keeps that rank's shard of it and all-gathers it in
+  backward, once for all the linears that read it (``SharedGather`` in f8dist/cast.py).
   A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
   linears that read the same input with the same spec ([Note: one cast per input] in
   f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
@@ -62,8 +64,11 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.cast import cast_to_float8, companion_for, high_precision, logical_amax, shared_casts
-from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
+from f8dist.cast import (
+    cast_to_float8, companion_for, high_precision, kept_shard_for, logical_amax,
+    shared_casts,
+)
+from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput, SPGradWeight
 from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
 from f8dist.gemm import check_block_shape, check_gemm_shape
@@ -101,6 +106,30 @@ def _cast(gemm: Gemm, operand: Operand, t: torch.Tensor, specs: CastSpecs, scale
     ``shared``: the table of its sibling linears' casts ([Note: one cast per input])."""
     scale = (scales or {}).get((gemm, operand))
     return cast_to_float8(t, specs[gemm, operand], scale, amax=amax, store=store, shared=shared)
+
+
+def _check_grad_weight_operand(x: torch.Tensor, specs: CastSpecs, found: bool) -> None:
+    """Raise where ``x`` arrived in float8 (a tensor-parallel style cast it before its all-gather)
+    without the grad_weight gemm's operand that this linear's config asks for one device's
+    numbers from (``found``: it carries one that fits): the style cast a shared input with
+    another linear's config ([Note: the grad_weight operand of a gathered tensor] in
+    f8dist/config.py). Backward would re-cast the gathered float8, a second rounding."""
+    if (found or not isinstance(local_part(x), Float8Tensor) or x.numel() == 0
+            or torch.compiler.is_compiling() or specs.sp_grad_weight is SPGradWeight.RECAST):
+        return
+    if not specs.own_grad_weight_operand(INPUT):
+        return  # it reads the gathered float8, or re-scales it: nothing was to travel along
+    gw = specs[GRAD_WEIGHT, INPUT]
+    needs = (f"its {gw.block_size} token-block cast" if gw.enabled
+             else "the high-precision input (a high-precision grad_weight gemm)")
+    raise ValueError(
+        f"Float8Linear {gw.fqn or '<root>'}: its input arrived in float8, cast before a "
+        f"tensor-parallel all-gather, without what its grad_weight gemm reads for one device's "
+        f"numbers ({needs}; sp_grad_weight={specs.sp_grad_weight.value!r}): the input is shared "
+        "with a linear whose config the cast followed (PrepareFloat8ModuleInput's "
+        "fwd_config_submodule_fqn) and that config differs (recipe or sp_grad_weight). Give the "
+        "linears that read one input one Float8LinearConfig (convert_to_float8_training's "
+        "config), or set sp_grad_weight='recast' on this one to accept the re-cast")
 
 
 def _forward_weight_amax(weight: torch.Tensor, specs: CastSpecs) -> Optional[torch.Tensor]:
@@ -150,12 +179,21 @@ class _Float8Matmul(torch.autograd.Function):
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
         kept = _max_of(weight_amax) if backward else None  # [] or None
         saved = x  # [Note: what the matmul keeps for backward]
-        companion = companion_for(x, specs[GRAD_WEIGHT, INPUT]) if backward else None
+        companion = kept_shard = ctx.gather = None
+        if backward:  # [Note: the grad_weight operand of a gathered tensor] in f8dist/config.py
+            companion = companion_for(x, specs[GRAD_WEIGHT, INPUT])
+            kept_shard = kept_shard_for(x, specs[GRAD_WEIGHT, INPUT])
+            _check_grad_weight_operand(x, specs, companion is not None or kept_shard is not None)
         if companion is not None and specs.gemm_in_float8(GRAD_WEIGHT):
             saved = companion  # only the bytes backward reads
+        elif kept_shard is not None:  # this rank's shard of them, gathered in backward
+            saved = kept_shard.local  # [B, S / tp, K] float8
+            kept_shard.gather.add_reader()
+            ctx.gather = (kept_shard.gather, tuple(local_part(x).shape), layout(x))
         if recompute is not None:
-            saved = None  # recomputed in backward from recompute's tensors
-        elif backward and specs.saved_input is SavedInput.GRAD_WEIGHT_CAST:
+            saved, ctx.gather = None, None  # recomputed in backward from recompute's tensors
+        elif (backward and specs.saved_input is SavedInput.GRAD_WEIGHT_CAST
+              and ctx.gather is None):
             saved = _cast(GRAD_WEIGHT, INPUT, input, specs, scales, shared=shared)  # [M, K] float8
         fn, sources = recompute if recompute is not None else (None, ())
         ctx.save_for_backward(saved, weight, kept, *sources)
@@ -174,6 +212,10 @@ class _Float8Matmul(torch.autograd.Function):
         specs, scales = ctx.specs, ctx.scales
         if ctx.recompute is not None:
             saved_input = ctx.recompute(*sources)  # [M, K], the input's dtype
+        elif ctx.gather is not None:  # the kept shard of the grad_weight gemm's cast, gathered
+            gather, shape, layout_2d = ctx.gather
+            ctx.gather = None
+            saved_input = gather(saved_input, shape, layout_2d)  # [M, K] float8
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
         later = []  # [Note: record after the cast] in f8dist/delayed.py
         if ctx.delayed is not None:  # a delayed grad_output scale is known now

@@ -11,6 +11,7 @@ axes whose placement shards the tensor, and over no other axis:
     FSDP2 weight (Shard(0) over dp)                       all-reduce over dp
     TP weight or sequence-sharded activation               all-reduce over tp
     2-D FSDP x TP weight                                  one all-reduce over dp and tp
+    HSDP x TP weight (replicated over dp_replicate)       one all-reduce over dp_shard and tp
     expert weight [E, N, K], one amax per expert          over the axes sharding dims 1, 2 only
       (FSDP2 on dim 1 under EP x FSDP2: dp_shard; EP or FSDP2 on dim 0: none)
 
@@ -127,14 +128,19 @@ def reduce_over_shards(local: torch.Tensor, mesh, placements: Sequence, op: str)
     rank of the mesh.
 
     ``local`` may stack the values of several tensors sharded alike: they travel together. A
-    tensor sharded over every axis of the mesh (2-D FSDP x TP weights) takes ONE collective over
-    the whole mesh, not one per axis.
+    tensor sharded over several axes takes ONE collective over all of them, not one per axis: over
+    the whole mesh for 2-D FSDP x TP weights, over the (flattened) sharding axes of a mesh with
+    named dims otherwise (HSDP x TP weights: dp_shard and tp, not dp_replicate).
     """
     sharded = [not p.is_replicate() for p in placements]
     if not any(sharded):
         return local
     if all(sharded):
         return all_reduce(local, op, _whole_mesh_group(mesh))
+    names = mesh.mesh_dim_names
+    if names is not None and sum(sharded) > 1:  # e.g. HSDP x TP: dp_shard and tp, not dp_replicate
+        axes = mesh[tuple(n for n, s in zip(names, sharded) if s)]
+        return all_reduce(local, op, _whole_mesh_group(axes))
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     pending = [Partial(op) if s else Replicate() for s in sharded]

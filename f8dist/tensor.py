@@ -10,7 +10,8 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation);
 * ``_companion``: None, or a second Float8Tensor of the same values cast for the operand's other
-  gemm ([Note: two casts of one tensor]).
+  gemm ([Note: two casts of one tensor]), or a :class:`KeptShard` of one (the cast of this rank's
+  shard, gathered later).
 
 Only the ops in the op table below are defined; anything else raises, so a float8 tensor never
 silently turns into garbage. The table is complete when this module is imported (it is the one
@@ -35,12 +36,18 @@ all-gather, split and cat of a redistribution, autocast's dtype) apply to both, 
 drops it. ``cast_to_float8`` takes the companion when it is what the spec asks for
 (f8dist/cast.py), so the second gemm reads bytes cast from high precision, never re-cast from
 float8.
+
+A companion may also stay behind: with ``sp_grad_weight="backward_gather"`` ([Note: the
+grad_weight operand of a gathered tensor] in f8dist/config.py) the style casts the shard for the
+grad_weight gemm and attaches it as a :class:`KeptShard` (the shard's cast and what gathers
+it), which the same ops pass on unchanged, not moved: the linear keeps the shard for backward and
+all-gathers it there (f8dist/linear.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -48,7 +55,7 @@ from f8dist.config import ScaledMMConfig
 from f8dist.gemm import scaled_mm
 from f8dist.scaling import dequantize, expand_blocks
 
-__all__ = ["Float8Tensor", "rewrap", "wrapper_like"]
+__all__ = ["Float8Tensor", "KeptShard", "rewrap", "wrapper_like"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -63,6 +70,21 @@ def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+class KeptShard:
+    """A companion cast that stays on its rank ([Note: two casts of one tensor]): ``local``, the
+    Float8Tensor cast of this rank's shard, and ``gather``, what all-gathers it in backward, once
+    for every linear that reads it (``f8dist.cast.SharedGather``, which knows the DTensor layout
+    it is a shard of). Ops that carry companions pass it on as it is."""
+
+    __slots__ = ("local", "gather")
+
+    def __init__(self, local: "Float8Tensor", gather):
+        self.local, self.gather = local, gather
+
+    def __repr__(self):
+        return f"KeptShard({self.local!r})"
+
+
 class Float8Tensor(torch.Tensor):
     _data: torch.Tensor
     _scale: torch.Tensor
@@ -70,17 +92,17 @@ class Float8Tensor(torch.Tensor):
     _axiswise_dim: Optional[int]
     _mm_config: ScaledMMConfig
     _block: Optional[Tuple[int, int]]
-    _companion: Optional["Float8Tensor"]
+    _companion: Optional[Union["Float8Tensor", KeptShard]]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
                 axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig(),
                 block: Optional[Tuple[int, int]] = None,
-                companion: Optional["Float8Tensor"] = None):
+                companion: Optional[Union["Float8Tensor", KeptShard]] = None):
         self = wrapper_like(cls, data, orig_dtype)
         self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
         self._axiswise_dim, self._mm_config, self._block = axiswise_dim, mm_config, block
-        if companion is not None and companion.shape != data.shape:
+        if isinstance(companion, Float8Tensor) and companion.shape != data.shape:
             raise ValueError(f"a companion cast {tuple(companion.shape)} of a Float8Tensor "
                              f"{tuple(data.shape)} must have its shape")
         self._companion = companion
@@ -99,7 +121,10 @@ class Float8Tensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         meta = (self._orig_dtype, self._axiswise_dim, self._mm_config, self._block)
-        inner = ["_data", "_scale"] + (["_companion"] if self._companion is not None else [])
+        # a KeptShard is made in eager mode only ([Note: float8 gradients under compile] in
+        # f8dist/tp/style.py): no traced subclass holds one
+        carried = isinstance(self._companion, Float8Tensor)
+        inner = ["_data", "_scale"] + (["_companion"] if carried else [])
         return inner, meta
 
     @staticmethod
@@ -134,9 +159,9 @@ class Float8Tensor(torch.Tensor):
         """The same bytes and scale, headed for a gemm with another ``ScaledMMConfig``."""
         return rewrap(self, self._data, mm_config=mm_config)
 
-    def with_companion(self, companion: Optional["Float8Tensor"]) -> "Float8Tensor":
+    def with_companion(self, companion: Optional[Union["Float8Tensor", KeptShard]]) -> "Float8Tensor":
         """The same bytes and scale, carrying ``companion``: the same values cast for the
-        operand's other gemm ([Note: two casts of one tensor])."""
+        operand's other gemm, or a KeptShard of them ([Note: two casts of one tensor])."""
         out = rewrap(self, self._data)
         out._companion = companion
         return out
@@ -192,6 +217,14 @@ def _with_companions(out, handler, func, args, kwargs):
 
     inputs = [t for t in tree_flatten(args)[0] if isinstance(t, Float8Tensor)]
     if not inputs or any(t._companion is None for t in inputs):
+        return out
+    kept = inputs[0]._companion
+    if isinstance(kept, KeptShard):  # stays where it is: passed on if every input carries it
+        if all(t._companion is kept for t in inputs):
+            for o in (out if isinstance(out, (list, tuple)) else [out]):
+                o._companion = kept
+        return out
+    if any(not isinstance(t._companion, Float8Tensor) for t in inputs):
         return out
     companions = handler(func, tree_map_only(Float8Tensor, lambda t: t._companion, args), kwargs)
     if isinstance(out, Float8Tensor):
@@ -271,6 +304,10 @@ def _view(func, args, kwargs):
             return rewrap(t, data, t._scale.reshape(*data.shape[:-1], t._scale.shape[-1]))
         if _token_blocks_flatten(t, data.shape):  # [Note: token blocks of N-D activations]
             return rewrap(t, data, t._scale.reshape(-1, t._scale.shape[-1]))
+        if _token_blocks_regroup(t, data.shape):  # e.g. DTensor's gather of [1, S / tp, K] shards
+            rows = t._block[0]
+            return rewrap(t, data, t._scale.reshape(*data.shape[:-2], data.shape[-2] // rows,
+                                                    data.shape[-1]))
         raise NotImplementedError(
             f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} (blocks "
             f"{t._block}) to {tuple(data.shape)}: only tensors in row blocks reshape, keeping "
@@ -294,6 +331,16 @@ def _token_blocks_flatten(t: Float8Tensor, shape) -> bool:
     dims, (rows, cols) = t._data.shape, t._block
     return (t._data.dim() > 2 and cols == 1 and len(shape) == 2 and shape[-1] == dims[-1]
             and (dims[-2] % rows == 0 or math.prod(dims[:-2]) == 1))
+
+
+def _token_blocks_regroup(t: Float8Tensor, shape) -> bool:
+    """Whether an N-D ``t`` in token blocks reshapes to the N-D ``shape`` (the same last dim)
+    with its blocks kept: every sequence holds whole blocks before and after, so both are the
+    blocks of one [tokens, K] view (DTensor gathers [1, S / tp, K] shards along dim 0 and views
+    the [tp, S / tp, K] result as [1, S, K])."""
+    dims, (rows, cols) = t._data.shape, t._block
+    return (t._data.dim() > 2 and len(shape) > 2 and cols == 1 and shape[-1] == dims[-1]
+            and dims[-2] % rows == 0 and shape[-2] % rows == 0)
 
 
 @_implements([aten.is_same_size.default])

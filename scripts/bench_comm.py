@@ -18,7 +18,9 @@ Scenarios:
   2d ffn       the same under FSDP2 x TP: adds the weights' FSDP2 all-gathers
 Variants: "float8" is the tensorwise recipe; "mxfp8", "blockwise" and "mxfp8_square_weights" are
 block-scaled recipes (their scales travel with the bytes: [Note: float8 on the wire] in
-f8dist/tensor.py), run where the scenario's shards hold whole blocks (a row says so otherwise).
+f8dist/tensor.py), run where the scenario's shards hold whole blocks (a row says so otherwise);
+"+recast" and "+backward_gather" set ``Float8LinearConfig.sp_grad_weight`` (tp ffn: [Note: the
+grad_weight operand of a gathered tensor] in f8dist/config.py).
 FSDP variants shard fp32 master weights and all-gather in bf16 (MixedPrecisionPolicy(param_dtype=
 bfloat16)); "fp8-ag" all-gathers float8 weights instead, "+precompute" computes their scales in
 one all-reduce after the optimizer step, "+fp8-rs" reduce-scatters gradients in float8
@@ -64,8 +66,18 @@ SPLIT = "not run: this model's dims or shards do not divide into its blocks (see
 BLOCK_RECIPES = ("mxfp8", "blockwise", "mxfp8_square_weights")
 
 
+SP_GRAD_WEIGHT = ("recast", "backward_gather")
+
+
 def recipe_of(variant) -> str:
     return variant[1]
+
+
+def sp_grad_weight_of(name: str) -> str:
+    """The ``sp_grad_weight`` a variant's name asks for ([Note: the grad_weight operand of a
+    gathered tensor] in f8dist/config.py): its last "+" part, or the default."""
+    mode = name.split("+")[-1]
+    return mode if mode in SP_GRAD_WEIGHT else "forward_gather"
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -99,6 +111,9 @@ def _variants(scenario: str):
                 (FP8_RS, "tensorwise", True, True)]
     if parallel in ("tp", "2d"):  # block scales: no amax collective, scales on the wire
         out += [("mxfp8", "mxfp8", False, False), ("blockwise", "blockwise", False, False)]
+    if scenario == "tp ffn":  # Float8LinearConfig.sp_grad_weight's other choices
+        out += [(f"{r}+{mode}", r, False, False) for mode in SP_GRAD_WEIGHT
+                for r in ("mxfp8", "blockwise")]
     if parallel == "2d":  # square weight blocks all-gathered in float8 by FSDP2
         out += [("mxfp8_square_weights+fp8-ag", "mxfp8_square_weights", True, False),
                 ("blockwise+fp8-ag", "blockwise", True, False)]
@@ -140,7 +155,7 @@ def _ffn_tp_plan(model: ResidualFFNs, float8: bool) -> dict:
     return plan
 
 
-def _build(scenario: str, args, recipe, fp8_ag: bool, mesh):
+def _build(scenario: str, args, recipe, fp8_ag: bool, mesh, sp_grad_weight="forward_gather"):
     """A fresh model laid out for ``scenario``, and its input factory."""
     parallel, model_name = scenario.split()
     device = mesh.device_type
@@ -160,7 +175,8 @@ def _build(scenario: str, args, recipe, fp8_ag: bool, mesh):
         tokens = torch.randint(0, margs.vocab_size, (args.batch, args.seq))
     model, tokens = model.to(device), tokens.to(device)
     if float8:
-        config = Float8LinearConfig.from_recipe_name(recipe).replace(enable_fsdp_float8_all_gather=fp8_ag)
+        config = Float8LinearConfig.from_recipe_name(recipe).replace(
+            enable_fsdp_float8_all_gather=fp8_ag, sp_grad_weight=sp_grad_weight)
         convert_to_float8_training(model, config=config,
                                    module_filter_fn=lambda mod, fqn: fqn != "output",
                                    skip_incompatible=recipe not in BLOCK_RECIPES)
@@ -195,7 +211,7 @@ def _loss(model, tokens):
 def measure(scenario: str, variant, args, mesh) -> tuple:
     """Forward and whole-step counts of one training step (after one uncounted warm-up step)."""
     name, recipe, fp8_ag, precompute = variant
-    model, tokens = _build(scenario, args, recipe, fp8_ag, mesh)
+    model, tokens = _build(scenario, args, recipe, fp8_ag, mesh, sp_grad_weight_of(name))
     if name == FP8_RS:
         from f8dist.fsdp import enable_float8_reduce_scatter
 

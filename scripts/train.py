@@ -120,6 +120,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="wq/wk/wv and w1/w3 keep nothing of the RMSNorm output they read and "
                         "recompute it in backward from the norm's input and rstd (the same "
                         "gradients; float8 recipes only)")
+    p.add_argument("--sp-grad-weight", choices=("forward_gather", "recast", "backward_gather"),
+                   default="forward_gather",
+                   help="with --tp, block recipes: how the grad_weight gemm gets the sequence-"
+                        "parallel input (Float8LinearConfig.sp_grad_weight): both float8 casts "
+                        "in the forward all-gather (exact), the row-block cast only re-cast "
+                        "(0.52x bf16 on the wire, not one device's numbers), or the token-block "
+                        "shard kept and all-gathered in backward (exact, 1/tp of it kept)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
@@ -319,7 +326,7 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     config = Float8LinearConfig.from_recipe_name(args.float8).replace(
         float8_activations_for_backward=args.float8_activations_for_backward,
         recompute_swiglu_product=args.recompute_swiglu_product,
-        recompute_norm_output=args.recompute_norm_output)
+        recompute_norm_output=args.recompute_norm_output, sp_grad_weight=args.sp_grad_weight)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
         # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)

@@ -241,3 +241,24 @@ def test_grouped_cast_specs_are_the_table_per_expert_in_e4m3():
         assert s.grouped and not p.grouped and s.fqn == "moe.experts.w1"
         assert (s.granularity, s.axis, s.scaling_type) == (p.granularity, p.axis, p.scaling_type)
     assert Float8LinearConfig().grouped_cast_specs()["grad_input", "grad_output"].dtype == torch.float8_e4m3fn
+
+
+def test_sp_grad_weight_is_validated_and_reaches_the_cast_specs():
+    # [Note: the grad_weight operand of a gathered tensor]: a string or an SPGradWeight
+    from f8dist.config import SPGradWeight
+
+    config = Float8LinearConfig.from_recipe_name("mxfp8").replace(sp_grad_weight="backward_gather")
+    assert config.sp_grad_weight is SPGradWeight.BACKWARD_GATHER
+    assert config.cast_specs("w1").sp_grad_weight is SPGradWeight.BACKWARD_GATHER
+    assert Float8LinearConfig().cast_specs().sp_grad_weight is SPGradWeight.FORWARD_GATHER
+    with pytest.raises(ValueError, match="must be one of.*forward_gather"):
+        Float8LinearConfig(sp_grad_weight="both")
+    # a high-precision grad_weight gemm can take the re-cast, not a token-block cast
+    Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp").replace(sp_grad_weight="recast")
+    with pytest.raises(ValueError, match="takes no such cast.*'forward_gather'.*'recast'"):
+        Float8LinearConfig.from_recipe_name("mxfp8_wgrad_with_hp").replace(
+            sp_grad_weight="backward_gather")
+    # tensorwise and rowwise gather one float8 copy whatever the knob says
+    for recipe in ("tensorwise", "rowwise"):
+        with pytest.raises(ValueError, match="leave sp_grad_weight at 'forward_gather'"):
+            Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight="recast")

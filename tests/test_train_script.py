@@ -148,6 +148,14 @@ def test_float8_activations_flag_sets_the_config_field():
     assert rc.recompute_swiglu_product and not off.recompute_swiglu_product
     n = train.float8_config(train.parse_args(["--float8", "rowwise", "--recompute-norm-output"]))
     assert n.recompute_norm_output and not off.recompute_norm_output
+    sp = train.float8_config(train.parse_args(["--float8", "mxfp8", "--sp-grad-weight", "recast"]))
+    assert sp.sp_grad_weight == "recast" and off.sp_grad_weight == "forward_gather"
+
+
+def test_sp_grad_weight_flag_for_a_recipe_it_does_not_apply_to_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--float8", "rowwise", "--sp-grad-weight", "backward_gather"])
+    assert "sp_grad_weight='backward_gather'" in capsys.readouterr().err
 
 
 def test_memory_line_splits_params_grads_optimizer_and_activations():

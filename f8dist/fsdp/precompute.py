@@ -23,9 +23,9 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     Call it after ``optimizer.step()``. A stored scale is used by the weight's next all-gathers
     as long as the weight is unchanged (an in-place op on it, or on its high-precision tensor,
     drops the stored scale): a weight updated after the call is re-scaled with its own
-    all-reduce, never cast with a stale scale. 2-D FSDP x TP weights (sharded over every axis of
-    a mesh spanning all ranks) also take one all-reduce; other multi-axis shardings take one per
-    sharding axis.
+    all-reduce, never cast with a stale scale. 2-D FSDP x TP weights also take one all-reduce
+    (over every rank), and so do HSDP x TP weights (over dp_shard and tp at once, on a mesh with
+    named dims).
 
     Example::
 

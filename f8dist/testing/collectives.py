@@ -33,18 +33,28 @@ Bytes are per rank and per call, summed over calls:
 
 So a float8 all-gather of a weight with ``n`` elements on ``w`` ranks has ``output_bytes == n`` (1
 byte per element, uint8 on the wire) where a bf16 one has ``2 * n``.
+
+Each call is also counted by where it went: ``groups[(ranks, op)]``, the global ranks of its
+process group (sorted) and, for reductions, its reduce op ("max", "sum", "avg", ...; None for the
+others). So a test can say an amax was all-reduced over exactly the mesh axes that shard its
+tensor: ``counts["all_reduce"].calls_over(mesh["tp"], "max")``.
+
+Simulated ranks count as real ones: on torch's threaded process group each thread counts its own
+rank's calls; under ``LocalTensorMode`` (one program for every rank, [Note: simulating ranks in one
+process] in tests/sim/__init__.py) a ``LocalTensor`` is treated as a plain tensor, so a
+collective is counted once, with one rank's bytes and the group of the rank that issued it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Dict, Iterator
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveStats", "CollectiveCounts", "count_collectives", "KINDS"]
+__all__ = ["CollectiveStats", "CollectiveCounts", "count_collectives", "record_collective", "KINDS"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "gather",
          "scatter", "reduce")
@@ -57,6 +67,14 @@ class CollectiveStats:
     calls: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
+    # calls per (global ranks of the group, reduce op or None)
+    groups: Dict[Tuple[Tuple[int, ...], Optional[str]], int] = field(default_factory=dict)
+
+    def calls_over(self, group, op: Optional[str] = None) -> int:
+        """Calls over exactly ``group``'s ranks (a 1-D device mesh, a process group or the ranks
+        themselves), with reduce op ``op`` if given."""
+        ranks = _ranks_of(group)
+        return sum(n for (r, o), n in self.groups.items() if r == ranks and op in (None, o))
 
 
 class CollectiveCounts:
@@ -86,7 +104,9 @@ class CollectiveCounts:
         return stats
 
     def as_dict(self) -> Dict[str, Dict[str, int]]:
-        return {k: vars(s).copy() for k, s in self._stats.items() if s.calls}
+        """Calls and bytes per kind that ran (JSON-ready: ``groups`` left out)."""
+        return {k: {"calls": s.calls, "input_bytes": s.input_bytes, "output_bytes": s.output_bytes}
+                for k, s in self._stats.items() if s.calls}
 
     def __repr__(self):
         return f"CollectiveCounts({self.as_dict()})"
@@ -140,7 +160,43 @@ _NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL}
 def _defers(t: type) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return t is not torch.Tensor and t is not torch.nn.Parameter and not issubclass(t, FakeTensor)
+    return (t is not torch.Tensor and t is not torch.nn.Parameter and not issubclass(t, FakeTensor)
+            and t.__name__ != "LocalTensor")  # every simulated rank's plain tensor at once
+
+
+def _ranks_of(group) -> Tuple[int, ...]:
+    """The sorted global ranks of a 1-D device mesh, a process group (or its name) or a list."""
+    import torch.distributed as dist
+
+    if isinstance(group, (list, tuple, range)):
+        return tuple(sorted(group))
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        group = group.get_group()
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
+def _where(func, args, kwargs) -> Tuple[Optional[Tuple[int, ...]], Optional[str]]:
+    """(group ranks, reduce op) of a collective call; None for what cannot be resolved."""
+    ranks = op = None
+    for i, a in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if a.name in ("group_name", "process_group") and value is not None:
+            try:
+                ranks = _ranks_of(value)
+            except Exception:  # noqa: BLE001 (a group this rank cannot resolve: counted, unnamed)
+                ranks = None
+        elif a.name == "reduce_op" and value is not None:
+            op = value if isinstance(value, str) else _op_name(value)
+    return ranks, op
+
+
+def _op_name(reduce_op) -> str:
+    """"max", "sum", ... of a c10d ``ReduceOp``."""
+    return str(getattr(reduce_op, "op", reduce_op)).rsplit(".", 1)[-1].lower()
 
 
 class _CountingMode(TorchDispatchMode):
@@ -162,16 +218,35 @@ class _CountingMode(TorchDispatchMode):
         entry = table.get(func._overloadpacket.__name__) if table is not None else None
         if entry is not None:
             kind, i_in, i_out = entry
-            stats = self.counts[kind]
-            stats.calls += 1
-            stats.input_bytes += _nbytes(args[i_in])
-            if i_out == "ret":
-                stats.output_bytes += _nbytes(out)
-            elif i_out == "out":
-                stats.output_bytes += _nbytes(kwargs["out"])
-            else:
-                stats.output_bytes += _nbytes(args[i_out])
+            written = out if i_out == "ret" else kwargs["out"] if i_out == "out" else args[i_out]
+            self.add(kind, args[i_in], written, *_where(func, args, kwargs))
         return out
+
+    def add(self, kind, read, written, ranks, op) -> None:
+        stats = self.counts[kind]
+        stats.calls += 1
+        stats.input_bytes += _nbytes(read)
+        stats.output_bytes += _nbytes(written)
+        stats.groups[(ranks, op)] = stats.groups.get((ranks, op), 0) + 1
+
+
+def record_collective(kind: str, read, written, group, op: Optional[str] = None) -> None:
+    """Count one collective in every :func:`count_collectives` region active on this thread.
+
+    For process groups whose collectives do not reach the dispatcher: torch's threaded test
+    group implements them as Python methods, which ``torch.distributed.all_gather_into_tensor``
+    (FSDP2) calls directly (tests/sim/threads.py reports them here). A functional collective
+    reaches such a method from inside the dispatcher, while the counting modes that counted it
+    are off the mode stack, so it is not counted twice. ``read`` / ``written``: the tensors (or
+    lists of them) the call reads and writes on this rank; ``group``: its process group; ``op``:
+    its reduce op, if any."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _CountingMode)]
+    if modes:
+        where = (_ranks_of(group), None if op is None else _op_name(op))
+        for mode in modes:
+            mode.add(kind, read, written, *where)
 
 
 @contextlib.contextmanager

@@ -45,9 +45,12 @@ token count is the batch's), with ``_grad_weight_cast``:
   for backward, as one device does (2 bytes per element in bf16, where the gathered float8 kept
   1). Exactness costs the bytes either way: the grad_weight gemm's operand cannot be derived from
   the row-block bytes without a second rounding, so an exact path moves two float8 casts (1.03x
-  bf16's bytes with their scales) or high precision, never 0.52x. Gathering the token-block cast
-  in backward instead (as Transformer Engine does) would move the same bytes and keep 1 / tp of
-  them, at one backward all-gather per consuming linear.
+  bf16's bytes with their scales) or high precision, never 0.52x.
+  ``Float8LinearConfig.sp_grad_weight`` trades otherwise ([Note: the grad_weight operand of a
+  gathered tensor] in f8dist/config.py): with "recast" this rule answers None (the row blocks
+  only, re-cast in backward); with "backward_gather" the token-block cast stays on its rank
+  (``_cast_input``'s ``keep``: a ``KeptShard``) and the linears all-gather it in backward, once
+  per shared input (Transformer Engine's way): the same bytes, 1 / tp of them kept.
 * tensorwise (the same bytes serve both gemms) and rowwise (per-column scales over the tokens,
   powers of 2, so re-scaling the gathered per-token bytes is exact but for e4m3 subnormals):
   unchanged, the gathered float8 is reused or re-scaled.
@@ -124,7 +127,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from f8dist import agreement
 from f8dist.cast import ToFloat8, cast_with_companion
-from f8dist.config import E4M3, CastConfig, CastSpec, Float8LinearConfig, Gemm, Operand, ScalingType
+from f8dist.config import (
+    E4M3, CastConfig, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand, ScalingType,
+    SPGradWeight,
+)
 from f8dist.delayed import shared_scale
 from f8dist.gemm import check_gemm_shape
 from f8dist.linear import Float8Linear
@@ -134,8 +140,6 @@ __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8Modul
 
 OUTPUT_INPUT = (Gemm.OUTPUT, Operand.INPUT)
 GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
-GRAD_WEIGHT_INPUT = (Gemm.GRAD_WEIGHT, Operand.INPUT)
-GRAD_WEIGHT_GRAD_OUTPUT = (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,27 +162,28 @@ def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor,
 _HIGH_PRECISION = "high_precision"
 
 
-def _grad_weight_cast(x: torch.Tensor, spec: CastSpec, grad_weight: Optional[CastSpec]):
-    """How the grad_weight gemm gets one device's operand when ``x`` is cast as ``spec`` before
-    it is communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reads
-    the communicated bytes, or re-scales them: tensorwise, rowwise, and under torch.compile), a
-    CastSpec (its own cast of ``x`` travels along as a companion: block scales along the tokens)
-    or ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or
-    token blocks that the sequence shards split). None too where no grad_weight gemm will read
-    it (no grad: eval, inference) or there is nothing to round (an empty batch)."""
-    if (grad_weight is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or x.numel() == 0):
+def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Operand):
+    """How the grad_weight gemm of the linear with ``specs`` gets one device's ``operand`` when
+    ``x`` is cast before it is communicated ([Note: the grad_weight gemm under sequence
+    parallelism]): None (it reads the communicated bytes, or re-scales them: tensorwise, rowwise,
+    and under torch.compile), its CastSpec (its own cast of ``x`` travels along as a companion,
+    or stays behind for a backward all-gather: block scales along the tokens) or
+    ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or token
+    blocks that the sequence shards split). None too where no grad_weight gemm will read it (no
+    grad: eval, inference), there is nothing to round (an empty batch) or the linear puts bytes
+    first (``SPGradWeight.RECAST``: the gemm re-casts the communicated bytes; [Note: the
+    grad_weight operand of a gathered tensor] in f8dist/config.py)."""
+    if (specs is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or x.numel() == 0 or specs.sp_grad_weight is SPGradWeight.RECAST
+            or not specs.own_grad_weight_operand(operand)):
         return None
+    grad_weight = specs[Gemm.GRAD_WEIGHT, operand]
     if not grad_weight.enabled:
         return _HIGH_PRECISION
-    if not grad_weight.blockwise:
-        return None
-    block = grad_weight.block_shape(x.dim())
-    if block == spec.block_shape(x.dim()):
-        return None
     mesh = getattr(x, "device_mesh", None)
-    split = blocks_split_by_shards(
-        x.shape, block, mesh.shape if mesh is not None else (), getattr(x, "placements", ()))
+    split = blocks_split_by_shards(x.shape, grad_weight.block_shape(x.dim()),
+                                   mesh.shape if mesh is not None else (),
+                                   getattr(x, "placements", ()))
     return _HIGH_PRECISION if split else grad_weight
 
 
@@ -186,20 +191,23 @@ def _cast_input(
     x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
 ) -> torch.Tensor:
     """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
-    carrying the grad_weight gemm's cast when it needs one ([Note: the grad_weight gemm under
-    sequence parallelism]); or ``x`` itself when a redistribution to ``desired_layouts`` would
-    shard the dim an axiswise cast scales over ([Note: which redistributions carry float8]) or
-    the grad_weight gemm needs it in high precision."""
+    carrying the grad_weight gemm's cast when it needs one, or keeping it on this rank for a
+    backward all-gather ([Note: the grad_weight gemm under sequence parallelism]); or ``x``
+    itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise cast
+    scales over ([Note: which redistributions carry float8]) or the grad_weight gemm needs it in
+    high precision."""
     # the dim its scales span: an axiswise cast's scaled-over dim, a block cast's inner dim
     axis = spec.axis % x.dim() if spec.axiswise or spec.blockwise else None
     layouts = (*getattr(x, "placements", ()), *desired_layouts)
     if not spec.enabled or any(isinstance(p, Shard) and p.dim % x.dim() == axis for p in layouts):
         return x
-    gw = linears[0].specs[GRAD_WEIGHT_INPUT] if linears else None
-    other = _grad_weight_cast(x, spec, gw)
+    specs = linears[0].specs if linears else None
+    other = _grad_weight_cast(x, specs, Operand.INPUT)
     if other == _HIGH_PRECISION:
         return x
-    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other)
+    keep = (other is not None and specs.sp_grad_weight is SPGradWeight.BACKWARD_GATHER
+            and isinstance(x, DTensor))
+    return ToFloat8.apply(x, spec, _scale_for(spec, linears, x), other, keep)
 
 
 class _CastGradToFloat8(torch.autograd.Function):
@@ -419,8 +427,7 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
         ):
             # backward all-gathers the sharded gradient: cast it to float8 first, with the
             # grad_weight gemm's own cast (the gradient has the output's shape and layout)
-            other = _grad_weight_cast(outputs, mod.specs[GRAD_INPUT_GRAD_OUTPUT],
-                                      mod.specs[GRAD_WEIGHT_GRAD_OUTPUT])
+            other = _grad_weight_cast(outputs, mod.specs, Operand.GRAD_OUTPUT)
             if other != _HIGH_PRECISION:
                 outputs = _CastGradToFloat8.apply(outputs, mod, other)
         return outputs.to_local() if use_local_output else outputs

@@ -167,7 +167,8 @@ SCALE_BYTES = 1 / 32  # per element: an e8m0 byte per 32 (mxfp8), a float32 per 
 @pytest.fixture(scope="module")
 def block_results():
     return run_torchrun("tp_llama", 2, "--recipes", BLOCK_RECIPES, "--dim", "256", "--seq", "256",
-                        "--split-seq-recipes", "blockwise", "--only-recipes", timeout=300)
+                        "--split-seq-recipes", "blockwise", "--sp-grad-weight",
+                        "mxfp8+backward_gather,blockwise+recast", "--only-recipes", timeout=300)
 
 
 @pytest.mark.parametrize("recipe", TWO_CASTS)
@@ -200,8 +201,7 @@ def test_tp_sp_mxfp8_weight_gradients_are_bit_identical(block_results):
     # float8 weight gradient are one device's bit for bit (the norms' weight gradients are sums
     # over sequence shards, in another order)
     sqnr = block_results["mxfp8"]["sqnr_db"]
-    grads = {k: v for k, v in sqnr.items() if k.startswith("grad:") and k.endswith("weight")
-             and "norm" not in k and "tok_embeddings" not in k}
+    grads = _float8_weight_grads(sqnr)
     assert len(grads) == 15 and sqnr["logits"] == float("inf"), sqnr
     assert all(v == float("inf") for v in grads.values()), grads
 
@@ -216,6 +216,51 @@ def test_tp_sp_high_precision_wire_where_float8_would_round_twice(block_results,
     assert figures["fwd_all_gather_calls"] == 5, figures
     # without grad no grad_weight gemm runs: float8 row blocks cross, as one device casts them
     assert figures["no_grad_fwd_all_gather_bytes_per_element"] == 1 + SCALE_BYTES, figures
+
+
+def _float8_weight_grads(sqnr):
+    return {k: v for k, v in sqnr.items() if k.startswith("grad:") and k.endswith("weight")
+            and "norm" not in k and "tok_embeddings" not in k}
+
+
+def test_tp_sp_recast_sends_one_float8_copy_and_rounds_weight_gradients_twice(block_results):
+    # sp_grad_weight="recast" ([Note: the grad_weight operand of a gathered tensor] in
+    # f8dist/config.py): the row-block cast only, forward and backward (two calls each: bytes,
+    # scales); the grad_weight gemm re-casts it: 26.9-28.0 dB from one device (measured, blockwise
+    # at dim 256), where the other gemms stay one device's
+    figures = block_results["blockwise+recast"]
+    assert figures["fwd_all_gather_bytes_per_element"] == 1 + SCALE_BYTES, figures
+    assert figures["bwd_all_gather_bytes_per_element"] == 1 + SCALE_BYTES, figures
+    assert figures["fwd_all_gather_calls"] == 2 * 5, figures
+    sqnr = figures["sqnr_db"]
+    grads = _float8_weight_grads(sqnr)
+    assert len(grads) == 15 and all(25.0 <= v < FLOOR_DB for v in grads.values()), grads
+    assert min(sqnr["logits"], sqnr["grad_input"]) >= FLOOR_DB, sqnr
+
+
+def test_tp_sp_backward_gather_keeps_one_tp_th_and_matches_one_device(block_results):
+    # sp_grad_weight="backward_gather": forward moves the row blocks only, the linears keep their
+    # rank's token-block shard and gather it once per shared input in backward: the default's
+    # bytes in all, half the float8 kept for backward at tp=2, one device's weight gradients
+    figures, default = block_results["mxfp8+backward_gather"], block_results["mxfp8"]
+    assert figures["fwd_all_gather_bytes_per_element"] == 1 + SCALE_BYTES, figures
+    assert figures["fwd_all_gather_calls"] == 2 * 5, figures
+    assert figures["all_gather_bytes"] == default["all_gather_bytes"], (figures, default)
+    assert 2 * figures["float8_kept_bytes_per_element"] == default["float8_kept_bytes_per_element"] > 0
+    sqnr = figures["sqnr_db"]
+    grads = _float8_weight_grads(sqnr)
+    assert len(grads) == 15 and sqnr["logits"] == float("inf"), sqnr
+    assert all(v == float("inf") for v in grads.values()), grads
+
+
+def test_tp_sp_shared_input_follows_one_config(block_results):
+    # w1 and w3 read one input cast with w1's config: w1 bytes first and w3 exact raises, naming
+    # the fix; w1 keeping its shard for backward gives w3 one device's gradient too (mxfp8)
+    cases = block_results["shared_input"]
+    error = cases["w1_recast+w3_forward_gather"]
+    assert error.startswith("ValueError: Float8Linear w3") and "fwd_config_submodule_fqn" in error
+    assert "one Float8LinearConfig" in error and "sp_grad_weight='recast'" in error
+    assert cases["w1_backward_gather+w3_forward_gather"] == {"w1": float("inf"), "w3": float("inf")}
 
 
 @pytest.fixture(scope="module")

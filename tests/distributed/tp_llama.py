@@ -78,9 +78,10 @@ def shard_2d(model: Transformer, dp_mesh) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
-def run_model(model, tokens, grad_logits):
+def run_model(model, tokens, grad_logits, kept=None):
     """Forward + backward; returns (logits, grad of the embedding output, forward counts,
-    backward counts)."""
+    backward counts). ``kept``: a dict that gets ``float8_kept_bytes``, the bytes of the float8
+    tensors the forward keeps for backward on this rank."""
     captured = {}
 
     def keep(mod, args, out):
@@ -90,10 +91,28 @@ def run_model(model, tokens, grad_logits):
     handle = model.tok_embeddings.register_forward_hook(keep)
     with count_collectives() as fwd:
         logits = model(tokens)
+    if kept is not None:
+        kept["float8_kept_bytes"] = float8_saved_bytes(logits)
     with count_collectives() as bwd:
         logits.backward(grad_logits)
     handle.remove()
     return logits, captured["h"].grad, fwd, bwd
+
+
+def float8_saved_bytes(out: torch.Tensor) -> int:
+    """Bytes of the float8 tensors (data and scales) autograd keeps for ``out``'s backward on this
+    rank, each storage once: what [Note: the grad_weight operand of a gathered tensor] trades."""
+    from f8dist.testing.memory import graph_saved_tensors, storages
+
+    seen, total = set(), 0
+    for t in graph_saved_tensors(out.grad_fn):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, Float8Tensor):
+            for st in storages(local):
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+    return total
 
 
 def compare(
@@ -147,7 +166,8 @@ def compare(
         with count_collectives() as pre:
             precompute_float8_dynamic_scale_for_fsdp(model)
     weight_scales = capture_weight_scales(model) if float8_all_gather else None
-    logits, grad_h, fwd, bwd = run_model(model, tokens[mine], grad_logits_tp)
+    kept = {}
+    logits, grad_h, fwd, bwd = run_model(model, tokens[mine], grad_logits_tp, kept)
     # the reference runs every dp rank's batch on its own (activations are scaled per batch,
     # [Note: amax]), accumulating weight gradients over them
     for d in range(dp):
@@ -198,6 +218,9 @@ def compare(
         "float8_linears": sum(isinstance(m, Float8Linear) for m in model.modules()),
         "bwd_all_gather_bytes_per_element": (bag.input_bytes - 4 * shard)
         / (2 * ARGS.n_layers * shard),
+        "all_gather_bytes": ag.input_bytes + bag.input_bytes,  # forward and backward
+        # float8 bytes kept for backward per element of the local sequence shards
+        "float8_kept_bytes_per_element": kept["float8_kept_bytes"] / shard,
     }
     with torch.no_grad(), count_collectives() as evaluation:  # no grad_weight gemm to serve
         model(tokens[mine])
@@ -326,6 +349,44 @@ def errors(mesh) -> dict:
     return messages
 
 
+def shared_input(mesh) -> dict:
+    """An FFN whose w1 and w3 share one sequence-parallel input (PrepareFloat8ModuleInput, cast
+    with w1's config) but differ in ``sp_grad_weight`` (mxfp8). Per case: the error it raised, or
+    the SQNR of w1's and w3's weight gradients against one device."""
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from f8dist.models.llama import FeedForward
+    from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+    tp, r = mesh["tp"].size(), mesh["tp"].get_local_rank()
+    out = {}
+    for w1_mode, w3_mode in (("recast", "forward_gather"), ("backward_gather", "forward_gather")):
+        torch.manual_seed(0)
+        ref = FeedForward(64, 128)
+        ffn = copy.deepcopy(ref)
+        for name, mode in (("w1", w1_mode), ("w2", w1_mode), ("w3", w3_mode)):
+            config = Float8LinearConfig.from_recipe_name("mxfp8").replace(sp_grad_weight=mode)
+            setattr(ffn, name, Float8Linear.from_float(getattr(ffn, name), config, fqn=name))
+            setattr(ref, name, Float8Linear.from_float(getattr(ref, name), config, fqn=name))
+        x, grad = torch.randn(1, 32 * 2 * tp, 64), torch.randn(1, 32 * 2 * tp, 64)
+        ref(x).backward(grad)
+        parallelize_module(ffn, mesh["tp"], {
+            "": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                         fwd_config_submodule_fqn="w1"),
+            "w1": Float8ColwiseParallel(), "w3": Float8ColwiseParallel(),
+            "w2": Float8RowwiseParallel(output_layouts=Shard(1))})
+        case = f"w1_{w1_mode}+w3_{w3_mode}"
+        try:
+            ffn(x.chunk(tp, 1)[r]).backward(grad.chunk(tp, 1)[r])
+        except ValueError as e:
+            out[case] = f"{type(e).__name__}: {e}"
+            continue
+        out[case] = {n: sqnr(getattr(ref, n).weight.grad, getattr(ffn, n).weight.grad.full_tensor())
+                     for n in ("w1", "w3")}
+    return out
+
+
 def padded_shard(mesh) -> float:
     """A 48-wide layer over tp=2 (local 24) with pad_inner_dim: SQNR of its output vs one device."""
     import torch.nn as nn
@@ -402,6 +463,12 @@ def run(args):
         # FSDP2 gathers square weight blocks in float8 ([Note: block-scaled all-gather])
         results[recipe + "+float8_all_gather"] = compare(
             args, mesh, recipe, wire_reference=False, float8_all_gather=True)
+    for variant in args.sp_grad_weight.split(",") if args.sp_grad_weight else ():
+        # [Note: the grad_weight operand of a gathered tensor] in f8dist/config.py
+        recipe, mode = variant.split("+")
+        results[variant] = compare(args, mesh, recipe, wire_reference=False, sp_grad_weight=mode)
+    if args.sp_grad_weight:
+        results["shared_input"] = shared_input(mesh)
     if args.only_recipes:
         write_result(args, results)
         return
@@ -442,6 +509,9 @@ def extra_args(parser):
     parser.add_argument("--float8-all-gather", default="",
                         help="2-D: block recipes with square weight blocks also run with FSDP2's "
                              "float8 all-gather")
+    parser.add_argument("--sp-grad-weight", default="",
+                        help="recipe+mode variants of Float8LinearConfig.sp_grad_weight, e.g. "
+                             "mxfp8+backward_gather; also runs the shared-input cases")
     parser.add_argument("--only-recipes", action="store_true",
                         help="run the recipes only (no tensorwise variants, errors, small layers)")
     parser.add_argument("--hp-tp", action="store_true", help="PyTorch's styles (high-precision TP)")

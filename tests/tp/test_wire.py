@@ -156,3 +156,41 @@ def test_linear_keeps_only_the_companion_and_gives_one_devices_weight_gradient(r
     assert [t._block for t in float8] == [gw.block_shape(2)], float8
     assert float8[0]._companion is None
     assert torch.equal(lin.weight.grad, ref.weight.grad)
+
+
+def test_token_blocks_regroup_across_sequence_shards():
+    # DTensor gathers [1, S / tp, K] shards along dim 0 and views [tp, S / tp, K] as [1, S, K]:
+    # token blocks that every sequence holds whole stay those of the [tokens, K] view
+    from f8dist.config import Float8LinearConfig
+
+    gw = Float8LinearConfig.from_recipe_name("mxfp8").cast_spec("grad_weight", "input")
+    x = torch.randn(1, 128, 64)
+    pieces = cast_to_float8(x.reshape(2, 64, 64), gw).reshape(1, 128, 64)
+    ref = cast_to_float8(x, gw)
+    assert torch.equal(_bytes(pieces), _bytes(ref)) and torch.equal(pieces._scale, ref._scale)
+    with pytest.raises(NotImplementedError, match="token blocks"):  # 16-token sequences
+        cast_to_float8(x.reshape(2, 64, 64), gw).reshape(8, 16, 64)
+
+
+def test_a_float8_input_without_the_grad_weight_operand_raises_unless_recast_is_asked():
+    """[Note: the grad_weight operand of a gathered tensor]: an input cast (for a shared input,
+    with another linear's config) without the token-block cast this linear's exact config asks
+    for raises, naming the fix; with sp_grad_weight="recast" the gemm re-casts it."""
+    import torch.nn as nn
+
+    from f8dist import Float8Linear, Float8LinearConfig
+    from f8dist.cast import ToFloat8
+
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    for mode in ("forward_gather", "recast"):
+        config = Float8LinearConfig.from_recipe_name("mxfp8").replace(sp_grad_weight=mode)
+        lin = Float8Linear.from_float(nn.Linear(64, 64, bias=False), config, fqn="wk")
+        x8 = ToFloat8.apply(x, lin.specs["output", "input"], None)  # row blocks only
+        if mode == "recast":
+            lin(x8).sum().backward()
+            assert lin.weight.grad is not None
+            continue
+        with pytest.raises(ValueError, match="Float8Linear wk: .*token-block cast.*one Float8LinearConfig"):
+            lin(x8)
+        with torch.no_grad():
+            lin(x8)  # no grad_weight gemm: nothing is missing

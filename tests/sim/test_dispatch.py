@@ -1,5 +1,5 @@
 """Expert parallelism (f8dist/dispatch.py) on 4 and 8 simulated ranks in one process
-([Note: simulating ranks in one process] in tests/distributed/threads.py) against one device:
+([Note: simulating ranks in one process] in tests/sim/__init__.py) against one device:
 each rank routes its own uneven slice of one batch (one rank none at all), some experts get no
 token; outputs, input gradients and the experts' weight gradients bit for bit one device's. The
 real multi-process gloo tests are tests/distributed/test_moe_ep.py."""
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.models.moe import MoE, MoEArgs
 from f8dist.models.moe_parallel import parallelize_moe
-from tests.distributed.threads import run_threads
+from tests.sim.threads import run_threads
 
 DIM, HIDDEN, PER_RANK = 64, 32, 4  # experts per rank
 SIZES = [7, 2, 0, 5, 3, 1, 4, 6]  # tokens per rank: uneven, rank 2 has none
@@ -29,7 +29,7 @@ def _moe(recipe, world):
 
 
 @pytest.mark.parametrize("world,recipe", [(4, None), (4, "rowwise"), (4, "tensorwise"),
-                                          (8, "rowwise")])
+                                          (8, "rowwise"), (8, "mxfp8")])
 def test_expert_parallel_on_simulated_ranks_matches_one_device(world, recipe):
     ref = _moe(recipe, world)
     layers = [copy.deepcopy(ref) for _ in range(world)]

@@ -1,0 +1,103 @@
+"""Simulate ``world`` ranks in this process: one thread per rank on torch's threaded process group
+(in-memory collectives, functional ones included): FSDP2, DTensor and rank-divergent programs.
+
+See [Note: simulating ranks in one process] in tests/sim/__init__.py for which tests fit
+threads and which fit LocalTensorMode (tests/sim/local.py).
+
+Example::
+
+    >>> run_threads(4, lambda rank: rank * 2)
+    [0, 2, 4, 6]
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, List
+
+import torch
+import torch.distributed as dist
+
+
+def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120) -> List[object]:
+    """``fn(rank)`` on ``world`` simulated ranks, each in a default process group of its own
+    thread; their results, by rank. The first rank to raise fails every rank's collectives (no
+    hang) and its exception is re-raised here."""
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg,
+    )
+
+    store = dist.HashStore()
+    results: List[object] = [None] * world
+    errors: List[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 (SystemExit: another rank failed first)
+            if not isinstance(e, SystemExit):
+                errors.append(e)
+            ProcessLocalGroup.exception_handle(e)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # functional collectives per thread
+    ProcessLocalGroup.reset()
+    counted = _count_python_collectives(ProcessLocalGroup)
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if any(t.is_alive() for t in threads):
+            ProcessLocalGroup.exception_handle(TimeoutError())
+            raise TimeoutError(f"a simulated rank ran past {timeout} s")
+    finally:
+        for name, method in counted.items():
+            setattr(ProcessLocalGroup, name, method)
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+        ProcessLocalGroup.reset()
+    if errors:
+        raise errors[0]
+    return results
+
+
+# The threaded group's collectives that do not call another of its collectives: (kind, what
+# each reads, what it writes) from the method's arguments ([Note: what is counted] in
+# f8dist/testing/collectives.py).
+_COLLECTIVES = {
+    "allreduce": ("all_reduce", lambda a: a[0], lambda a: a[0]),
+    "allreduce_coalesced": ("all_reduce", lambda a: a[0], lambda a: a[0]),
+    "allgather": ("all_gather", lambda a: a[1], lambda a: a[0]),
+    "reduce_scatter": ("reduce_scatter", lambda a: a[1], lambda a: a[0]),
+    "all_to_all_single": ("all_to_all", lambda a: a[1], lambda a: a[0]),
+    "alltoall": ("all_to_all", lambda a: a[1], lambda a: a[0]),
+    "broadcast": ("broadcast", lambda a: a[0], lambda a: a[0]),
+    "scatter": ("scatter", lambda a: a[1], lambda a: a[0]),
+    "gather": ("gather", lambda a: a[1], lambda a: a[0]),
+}
+
+
+def _count_python_collectives(pg_class) -> dict:
+    """Make ``f8dist.testing.count_collectives`` see the threaded group's collectives, which
+    ``torch.distributed``'s c10d calls (FSDP2's all-gather and reduce-scatter) reach as Python
+    methods, bypassing the dispatcher; returns the original methods, to restore."""
+    from f8dist.testing.collectives import record_collective
+
+    originals = {}
+    for name, (kind, read, written) in _COLLECTIVES.items():
+        method = originals[name] = getattr(pg_class, name)
+
+        def counted(self, *args, _method=method, _kind=kind, _read=read, _written=written):
+            opts = args[-1] if len(args) > 1 and hasattr(args[-1], "reduceOp") else None
+            record_collective(_kind, _read(args), _written(args), self,
+                              None if opts is None else opts.reduceOp)
+            return _method(self, *args)
+
+        setattr(pg_class, name, counted)
+    return originals
