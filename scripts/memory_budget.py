@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train  # noqa: E402  (scripts/train.py)
-from memory_report import build, configs, convert  # noqa: E402
+from memory_report import MODES, RECIPES, build, configs, convert  # noqa: E402
 
 from f8dist import Float8LinearConfig, float8_sac_context_fn  # noqa: E402
 from f8dist.gemm import block_problems  # noqa: E402
@@ -60,13 +61,17 @@ def per_parameter(recipe: str, states: str) -> dict:
     return {k: v / n for k, v in split.items()}
 
 
-def per_token(dim: int, tokens: int):
-    """(recipe, f8 act, {plain, sac, full}: kept bytes per token) of one block, bf16 first."""
+def per_token(dim: int, tokens: int, recipes: Sequence[str] = tuple(RECIPES[1:]),
+              modes: Sequence[str] = tuple(MODES)):
+    """(recipe, f8 act, {plain, sac, full}: kept bytes per token) of one block, bf16 first; the
+    float8 rows of ``recipes`` in the f8 act ``modes`` (default: all of memory_report's)."""
     args = ModelArgs(dim=dim, n_heads=4, max_seq_len=128)
     torch.manual_seed(1)
     x = torch.randn(2, tokens // 2, dim, dtype=torch.bfloat16)
     base, extra = build("block", args, "cpu", torch.bfloat16)
-    for recipe, on, config in configs(args):
+    for recipe, on, config in configs(args, tuple(recipes)):
+        if config is not None and on not in modes:
+            continue
         module = convert(base, config)
         kept = {
             name: measure_fwd_bwd(module, x, *extra, context_fn=fn).kept_bytes / tokens

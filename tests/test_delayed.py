@@ -217,23 +217,28 @@ CHECKPOINTING = {
 }
 
 
+def _forward(fwd, compiled):
+    return torch.compile(fwd, backend="aot_eager", fullgraph=True) if compiled else fwd
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_without_checkpointing(compiled):
+    """The reference of test_activation_checkpointing_changes_nothing, the same for both modes:
+    trained once per ``compiled`` (a compile of its graphs is most of the test's time)."""
+    torch._dynamo.reset()
+    model = float8_model()
+    return train(model, batches(4), forward=_forward(model, compiled))
+
+
 @pytest.mark.parametrize("mode", ["full", "sac"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_activation_checkpointing_changes_nothing(mode, compiled):
     """Outputs, gradients and histories are those of the run without checkpointing: the
     recompute casts the same tensors with the same scales and records nothing new."""
-    data = batches(4)
-
-    def forward_of(model, ac):
-        fwd = functools.partial(CHECKPOINTING[mode], model) if ac else model
-        if compiled:
-            fwd = torch.compile(fwd, backend="aot_eager", fullgraph=True)
-        return fwd
-
-    ref_model, model = float8_model(), float8_model()
+    ref = _trained_without_checkpointing(compiled)
     torch._dynamo.reset()
-    ref = train(ref_model, data, forward=forward_of(ref_model, False))
-    got = train(model, data, forward=forward_of(model, True))
+    model = float8_model()
+    got = train(model, batches(4), forward=_forward(functools.partial(CHECKPOINTING[mode], model), compiled))
     for (y1, g1, b1), (y2, g2, b2) in zip(zip(*ref), zip(*got)):
         assert torch.equal(y1, y2)
         assert all(torch.equal(a, b) for a, b in zip(g1, g2))

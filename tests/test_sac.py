@@ -1,7 +1,7 @@
 """float8_sac_context_fn: what it saves, that recompute is exact, and the seed-004 regression."""
 
 import copy
-from functools import partial
+from functools import lru_cache, partial
 
 import pytest
 import torch
@@ -117,15 +117,20 @@ def test_config_rejects_pointwise_ops_and_bad_values():
     assert aten.bmm.default in Float8SACConfig(extra_ops_to_save=(aten.bmm.default,)).ops_to_save()
 
 
+@lru_cache(maxsize=None)
+def compiled_sac_saved_bytes(recipe):
+    """What compiled SAC keeps of ``make_ffn(recipe)``, compiled once per recipe for every test
+    that compares against it (bf16: three)."""
+    from f8dist.testing import compiled_saved_bytes
+
+    ffn, x = make_ffn(recipe)
+    return compiled_saved_bytes(ffn, x, context_fn=float8_sac_context_fn)
+
+
 def test_compiled_sac_keeps_no_more_than_bf16():
     """Under torch.compile the policy sees the same ops (``mm`` of Float8Tensors, amax) and
     AOTAutograd's partitioner applies it: float8 saves no more than bf16 for backward."""
-    from f8dist.testing import compiled_saved_bytes
-
-    saved = {}
-    for recipe in ("bf16", "tensorwise", "rowwise"):
-        ffn, x = make_ffn(recipe)
-        saved[recipe] = compiled_saved_bytes(ffn, x, context_fn=float8_sac_context_fn)
+    saved = {recipe: compiled_sac_saved_bytes(recipe) for recipe in ("bf16", "tensorwise", "rowwise")}
     assert saved["bf16"] > 0
     assert saved["tensorwise"] <= saved["bf16"] and saved["rowwise"] <= saved["bf16"], saved
 
@@ -137,8 +142,6 @@ def test_block_scaled_recipes_under_sac(recipe):
     (32x32 weight blocks; not 1x32 blocks: [Note: which amaxes SAC saves]; with
     ``amax_min_reduction=1`` every block amax), never a pointwise op; recompute is exact either
     way, and eager and compiled SAC keep no more than bf16 (scales aside)."""
-    from f8dist.testing import compiled_saved_bytes
-
     ffn, x = make_ffn(recipe)
     all_amaxes = partial(float8_sac_context_fn, Float8SACConfig(amax_min_reduction=1))
     for config, amaxes in ((None, 0 if recipe == "mxfp8" else 3),  # 32x32 blocks: 3 weights
@@ -165,5 +168,5 @@ def test_block_scaled_recipes_under_sac(recipe):
     ours = measure_fwd_bwd(ffn, x, context_fn=float8_sac_context_fn)
     assert ours.activation_bytes <= bound
     assert ours.kept_bytes <= bound or recipe != "mxfp8", ours.kept_by_op  # no amax kept at all
-    compiled = [compiled_saved_bytes(m, x, context_fn=float8_sac_context_fn) for m in (bf16, ffn)]
+    compiled = [compiled_sac_saved_bytes(r) for r in ("bf16", recipe)]  # of bf16 and of ffn
     assert compiled[1] <= compiled[0], compiled

@@ -1,6 +1,7 @@
 """Expert parallelism (f8dist/models/moe_parallel.py) against one device, on every rank of the
-launch: one MoE layer, bf16 or float8 (``--recipes``: the dynamic and block recipes), each rank
-routing its own uneven slice of a batch in which some experts get no token on some ranks.
+launch: one MoE layer, bf16 or float8 (``--recipes``: the dynamic and block recipes; ``--case``:
+more recipes and shapes in the same launch), each rank routing its own uneven slice of a batch in
+which some experts get no token on some ranks.
 Checked here: outputs, input and expert-weight gradients bit for bit equal to one device running
 the whole batch, with float8 dispatch and without; the router's and the shared expert's gradients
 (summed over the ranks, as data parallelism does) within float32 summation order. Reported: the
@@ -44,20 +45,21 @@ def _step(moe, x, grad):
     return out, x.grad
 
 
-def run(args):
-    rank, world, device = init()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+def compare(recipes: str, dim: int, hidden: int, mesh) -> dict:
+    """Every recipe of ``recipes`` (comma-separated) on experts of ``dim`` x ``hidden``: raises
+    unless expert parallelism gives one device's outputs and gradients bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     sizes = [7 - 5 * (r % 2) for r in range(world)]  # uneven: 7, 2, 7, 2 tokens
-    x = torch.randn(1, sum(sizes), args.dim, generator=g).to(torch.bfloat16)
-    grad = torch.randn(1, sum(sizes), args.dim, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, sum(sizes), dim, generator=g).to(torch.bfloat16)
+    grad = torch.randn(1, sum(sizes), dim, generator=g).to(torch.bfloat16)
     start = sum(sizes[:rank])
     mine = slice(start, start + sizes[rank])
     num_experts = 4 * world
-    results = {"world": world}
-    for recipe in args.recipes.split(","):
+    results = {}
+    for recipe in recipes.split(","):
         recipe = None if recipe == "bf16" else recipe
-        ref = _reference(recipe, num_experts, args.dim, args.hidden)
+        ref = _reference(recipe, num_experts, dim, hidden)
         ep_layers = {fd: parallelize_moe(copy.deepcopy(ref), mesh, float8_dispatch=fd)
                      for fd in (True, False)}
         out, gx = _step(ref, x, grad)
@@ -85,7 +87,18 @@ def run(args):
             dist.all_reduce(counts)
             results["empty_groups_on_a_rank"] = bool(local_empty.item())
             results["experts_without_tokens"] = int((counts == 0).sum())
+    return results
 
+
+def run(args):
+    rank, world, device = init()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    results = {"world": world, **compare(args.recipes, args.dim, args.hidden, mesh)}
+    for case in args.case:  # more experts' shapes in the same launch
+        name, _, spec = case.partition("=")
+        recipes, dim, hidden = spec.split(":")
+        results[name] = compare(recipes, int(dim), int(hidden), mesh)
+    g = torch.Generator().manual_seed(2)
     # the dispatch's bytes: the same tokens (dim 256) in bf16 and as per-token float8 (rowwise,
     # and the block recipes' 1 x 32 e8m0 and 1 x 128 float32 scales)
     tokens = torch.randn(64, 256, generator=g).to(torch.bfloat16)  # LLaMA dims are larger still
@@ -107,6 +120,8 @@ def _args(parser):
     parser.add_argument("--recipes", default="bf16,rowwise,tensorwise,rowwise_with_gw_hp,mxfp8")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--case", action="append", default=[],
+                        help="NAME=RECIPES:DIM:HIDDEN, also compared; its figures under NAME")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,21 @@
 tests/distributed/moe_ep.py (dynamic and block recipes) and moe_ep_delayed.py (delayed scaling),
 the figures are re-checked here."""
 
+import pytest
+
 from tests.distributed.harness import run_torchrun
 
 DIM = 256  # of the tokens whose dispatch bytes are counted
 
 
-def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch():
-    r = run_torchrun("moe_ep", 2)
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The default recipes and DeepSeek's 1 x 128 blocks (dim 128) in one launch of 2 ranks."""
+    return run_torchrun("moe_ep", 2, "--case", "blockwise_128=blockwise:128:128")
+
+
+def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch(two_ranks):
+    r = two_ranks
     assert r["world"] == 2 and r["empty_groups_on_a_rank"] and r["experts_without_tokens"] > 0
     b = r["dispatch_bytes"]
     assert b["bf16"] == 64 * DIM * 2
@@ -18,10 +26,9 @@ def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch():
     assert b["mxfp8"] == b["blockwise"] == 64 * (DIM + DIM // 32)
 
 
-def test_expert_parallel_with_128_blocks_matches_one_device_bit_for_bit():
+def test_expert_parallel_with_128_blocks_matches_one_device_bit_for_bit(two_ranks):
     """DeepSeek's 1 x 128 token blocks dispatched in float8 ([Note: float8 dispatch])."""
-    r = run_torchrun("moe_ep", 2, "--recipes", "blockwise", "--dim", "128", "--hidden", "128")
-    assert r["world"] == 2 and r["empty_groups_on_a_rank"], r
+    assert two_ranks["world"] == 2 and two_ranks["blockwise_128"]["empty_groups_on_a_rank"], two_ranks
 
 
 def test_expert_parallel_on_4_ranks_matches_one_device_bit_for_bit():

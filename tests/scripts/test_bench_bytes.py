@@ -32,11 +32,33 @@ def ffn():
     return bench_bytes.run(["ffn"], bench_bytes.RECIPES, small=True, torchao=False)
 
 
-def test_bf16_linear_is_its_three_gemms():
+@pytest.fixture(scope="module")
+def linear_logged():
+    """The --small linear in bf16 and three recipes, compiled once for every linear test, and
+    inductor's own counters over those compiles (what TORCH_LOGS=inductor_metrics logs)."""
+    from torch._inductor import metrics
+
+    torch._logging.set_logs(inductor_metrics=True)
+    try:
+        metrics.reset()
+        results = bench_bytes.run(["linear"], ["tensorwise", "rowwise", "mxfp8"], small=True,
+                                  torchao=False)
+        logged = metrics.num_bytes_accessed, metrics.generated_kernel_count
+    finally:
+        torch._logging.set_logs()
+    return results, logged
+
+
+@pytest.fixture(scope="module")
+def linear(linear_logged):
+    return linear_logged[0]
+
+
+def test_bf16_linear_is_its_three_gemms(linear):
     """A bf16 linear compiles to its three gemms and nothing else: each reads its two operands
     and writes its output, 2 bytes an element."""
     args = bench_bytes.model_args(small=True)
-    (acc,) = bench_bytes.run(["linear"], [], small=True, torchao=False).values()
+    acc = linear[("linear", "bf16", "-")]
     m, k, n = args.max_seq_len, args.dim, args.ffn_hidden_dim
     assert acc.kernels == 0
     assert [k.kind for k in acc.breakdown] == ["gemm"] * 3
@@ -44,17 +66,9 @@ def test_bf16_linear_is_its_three_gemms():
     assert sum(k.bytes for k in acc.breakdown) == acc.bytes
 
 
-def test_figures_are_what_inductor_metrics_logs():
+def test_figures_are_what_inductor_metrics_logs(linear_logged):
     """The totals equal inductor's own counters (what TORCH_LOGS=inductor_metrics logs)."""
-    from torch._inductor import metrics
-
-    torch._logging.set_logs(inductor_metrics=True)
-    try:
-        metrics.reset()
-        results = bench_bytes.run(["linear"], ["tensorwise"], small=True, torchao=False)
-        logged_bytes, logged_kernels = metrics.num_bytes_accessed, metrics.generated_kernel_count
-    finally:
-        torch._logging.set_logs()
+    results, (logged_bytes, logged_kernels) = linear_logged
     assert logged_bytes == sum(acc.bytes for acc in results.values())
     assert logged_kernels == sum(acc.kernels for acc in results.values()) > 0
 
@@ -146,19 +160,26 @@ def test_ffn_float8_gemms_read_float8(ffn):
             assert [b.dtype in ("e4m3", "e5m2") for b in operands] == [True, True], (recipe, g)
 
 
-def test_printed_table(capsys):
+def test_printed_table(capsys, monkeypatch, linear):
+    """main() asks run() for what its flags name and prints the table and the breakdown; the
+    figures are the ``linear`` fixture's (the same compiles: run() is what the fixture calls)."""
+    asked = []
+
+    def run(blocks, recipes, **kwargs):
+        asked.append((blocks, recipes, kwargs["small"], kwargs["torchao"]))
+        return {key: acc for key, acc in linear.items() if key[2] in ("-", *recipes)}
+
+    monkeypatch.setattr(bench_bytes, "run", run)
     bench_bytes.main(["--small", "--blocks", "linear", "--recipes", "tensorwise",
                       "--no-torchao", "--breakdown", "f8dist:tensorwise"])
+    assert asked == [(["linear"], ["tensorwise"], True, False)]
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("| "))
     assert [c.strip() for c in header.strip("|").split("|")] == bench_bytes.COLUMNS
     assert "### linear f8dist tensorwise:" in printed
     assert "_scaled_mm" in printed
-
-
-@pytest.fixture(scope="module")
-def linear():
-    return bench_bytes.run(["linear"], ["rowwise", "mxfp8"], small=True, torchao=False)
+    table = [line for line in printed.splitlines() if line.startswith("| linear")]
+    assert len(table) == 1 and "tensorwise" in table[0], printed
 
 
 def test_block_scaled_linear_gemms_read_float8(linear):
