@@ -62,7 +62,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.cast import cast_to_float8, companion_for, high_precision, logical_amax, shared_casts
+from f8dist.cast import (
+    autocast_input, cast_to_float8, companion_for, high_precision, logical_amax, shared_casts,
+)
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
 from f8dist.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.fsdp.weight import wrap_weight_for_float8_all_gather
@@ -196,6 +198,9 @@ class _Float8Matmul(torch.autograd.Function):
 # dtype. Autocast casts the operands of aten.mm too (the float8 weight; a float8 input, cast
 # before a TP all-gather, in Float8Linear.forward): a Float8Tensor cast to another
 # high-precision dtype keeps its bytes and scale and stands for that dtype (f8dist/tensor.py).
+# A device autocast has no backend for (meta, where torchtitan builds a model) is not cast, as
+# nn.Linear's input is not there (``autocast_input`` in f8dist/cast.py); the gemms on meta give
+# shapes only, through the CPU kernels' fake implementations.
 
 # [Note: gradient placements under compile]
 # torch.compile traces an autograd.Function's backward when it traces the forward, with a
@@ -340,8 +345,7 @@ class Float8Linear(nn.Linear):
                 f"{input.dtype}; convert it first (e.g. input.float()), as nn.Linear needs too."
             )
         source = input  # what sibling linears share: [Note: one cast per input] in f8dist/cast.py
-        if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
-            input = input.to(torch.get_autocast_dtype(input.device.type))
+        input = autocast_input(input)  # [Note: autocast]
         scales = delayed = None
         later = []  # [Note: record after the cast] in f8dist/delayed.py
         if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed.py
