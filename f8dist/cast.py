@@ -33,6 +33,7 @@ from f8dist.tensor import Float8Tensor, KeptShard
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
     "shared_casts", "cast_with_companion", "companion_for", "kept_shard_for", "SharedGather",
+    "autocast_input",
 ]
 
 
@@ -54,6 +55,17 @@ def high_precision(t: torch.Tensor) -> torch.Tensor:
     if isinstance(local, Float8Tensor):
         return like(t, local.to_original_precision())
     return t
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype of its device when autocast is on there, as autocast casts
+    nn.Linear's input ([Note: autocast] in f8dist/linear.py); else ``x`` as it is. A device that
+    autocast does not know (meta: a model built there, a shape-only forward) computes as
+    nn.Linear does on it, in ``x``'s dtype."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 # [Note: one cast per input]

@@ -543,6 +543,10 @@ class CastSpecs:
     # the weight casts to the same float8 bytes for the output and grad_input gemms (tensorwise,
     # or square blocks: [Note: block scales]), so a float8 weight serves both as it is
     weight_same_bytes: bool = False
+    # the forward keeps its float8 weight for the grad_input gemm (weight_same_bytes, with
+    # Float8LinearConfig.float8_weight_for_backward): see [Note: what the matmul keeps for
+    # backward] in f8dist/linear.py
+    save_float8_weight: bool = False
     # how the activations that produce this linear's input keep what their backward reads
     # (SwiGLU's inputs before an FFN's w2, f8dist/swiglu.py); None: in high precision
     activation: Optional[CastSpec] = None
@@ -706,6 +710,14 @@ class Float8LinearConfig:
     # f8dist/models/norm.py). Gradients bit for bit those without it; backward pays the norm's
     # pointwise pass and the grad_weight cast once per reader
     recompute_norm_output: bool = False
+    # keep the forward's float8 weight for the grad_input gemm instead of re-casting the
+    # high-precision weight in backward, where one cast serves both gemms (tensorwise, square
+    # weight blocks): backward reads 1 byte per weight element instead of casting again (2 read,
+    # 1 written), and each weight's float8 copy stays alive until its backward (+1 byte per
+    # element; under FSDP2 with a high-precision all-gather, of the unsharded weight). Compiled,
+    # the partitioner then keeps the forward's bytes too. See [Note: what the matmul keeps for
+    # backward] in linear.py
+    float8_weight_for_backward: bool = False
 
     # delayed scaling (see f8dist/delayed.py)
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
@@ -753,6 +765,18 @@ class Float8LinearConfig:
         if not isinstance(self.recompute_swiglu_product, bool):
             raise TypeError("Float8LinearConfig.recompute_swiglu_product must be a bool, "
                             f"got {self.recompute_swiglu_product!r}")
+        if not isinstance(self.float8_weight_for_backward, bool):
+            raise TypeError("Float8LinearConfig.float8_weight_for_backward must be a bool, "
+                            f"got {self.float8_weight_for_backward!r}")
+        if self.float8_weight_for_backward and not self.cast_specs().weight_same_bytes:
+            raise ValueError(
+                "float8_weight_for_backward keeps the forward's float8 weight for the grad_input "
+                "gemm, so both gemms must cast the weight to the same bytes: a tensorwise weight "
+                "cast (dynamic or delayed) or square weight blocks (the 'tensorwise', 'delayed', "
+                "'mxfp8_square_weights' and 'blockwise' recipes); got output:weight "
+                f"{self.cast_config(Gemm.OUTPUT, Operand.WEIGHT).short_str()}, grad_input:weight "
+                f"{self.cast_config(Gemm.GRAD_INPUT, Operand.WEIGHT).short_str()}. Turn it off "
+                "for this config")
         if not isinstance(self.recompute_norm_output, bool):
             raise TypeError("Float8LinearConfig.recompute_norm_output must be a bool, "
                             f"got {self.recompute_norm_output!r}")
@@ -881,6 +905,7 @@ class Float8LinearConfig:
             weight_amax_from_forward=_amax_follows(
                 specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
             weight_same_bytes=_same_bytes(specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
+            save_float8_weight=self.float8_weight_for_backward,  # checked: one cast for both
             activation=self.activation_spec(f"{fqn}.activation" if fqn else "activation"),
             sp_grad_weight=self.sp_grad_weight,
         )

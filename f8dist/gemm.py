@@ -198,7 +198,7 @@ def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_
         return torch.mm(a_hp, b_hp).to(out_dtype)
     inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
     inv_b = b_scale.to(torch.float32).reciprocal()
-    if a_data.device.type != "cpu":
+    if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
         # torch's block kernels refuse fast accumulation ("scaled_gemm doesn't support fast
         # accum with 128x128 blockwise scaling", H200, torch 2.11); DeepSeek's kernels promote
         # their sums to float32 at every 128-block anyway

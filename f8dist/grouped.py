@@ -68,7 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from f8dist.cast import ToFloat8, cast_to_float8, high_precision
+from f8dist.cast import ToFloat8, autocast_input, cast_to_float8, high_precision
 from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
 from f8dist.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
@@ -462,8 +462,7 @@ class Float8GroupedExperts(GroupedExperts):
         return token_spec(self.specs)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):  # [Note: autocast] in f8dist/linear.py
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = autocast_input(x)  # [Note: autocast] in f8dist/linear.py
         return super().forward(cast_tokens(x, self.specs), offsets)
 
     def _mm(self, name: str, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor):

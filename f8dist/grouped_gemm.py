@@ -114,7 +114,7 @@ def _check_cuda_constraints(a, b, scale_a, scale_b, offs, out_dtype) -> None:
 
 
 def _kernel(a, b, scale_a, scale_b, offs, *, mm_config: ScaledMMConfig) -> torch.Tensor:
-    if a.device.type == "cpu":  # [Note: the CPU grouped kernel]
+    if a.device.type in ("cpu", "meta"):  # [Note: the CPU grouped kernel]; meta: its fake
         return cpu_scaled_grouped_mm(a, b, scale_a, scale_b, offs, torch.bfloat16)
     if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) < (9, 0):
         raise RuntimeError(
@@ -250,7 +250,7 @@ def block_scaled_grouped_mm(
         out = torch._grouped_mm(a_hp, b_hp, offsets)  # [M, N]
         valid = group_ids(offsets, a_data.shape[0]) < offsets.shape[0]  # [M]
         return torch.where(valid[:, None], out, 0).to(out_dtype)
-    if a_data.device.type != "cpu":
+    if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake
         raise NotImplementedError(
             f"block-scaled float8 grouped gemms run on the CPU kernel only; on "
             f"{a_data.device.type} set Float8LinearConfig(emulate=True) or use the 'rowwise' or "

@@ -15,11 +15,19 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
 
 [Note: what the matmul keeps for backward]
 * weight: the high-precision weight (a parameter, alive anyway) and it is re-cast in backward,
-  instead of keeping a second float8 copy. With square weight blocks
+  instead of keeping a second float8 copy. With square weight blocks or a tensorwise weight
   (``CastSpecs.weight_same_bytes``, [Note: block scales] in f8dist/config.py) the backward cast
-  gives the forward's bytes again; keeping them instead would hold a float8 copy of every weight
-  until backward (under FSDP2, of every unsharded weight), more than bf16 keeps. A weight that arrives already in float8 (FSDP2 float8
-  all-gather) is kept as it is: it is the unsharded parameter FSDP2 manages.
+  gives the forward's bytes again; keeping them instead holds a float8 copy of every weight
+  until backward (under FSDP2, of every unsharded weight), more than bf16 keeps, so it is an
+  option: ``float8_weight_for_backward`` (``CastSpecs.save_float8_weight``) keeps the forward's
+  cast, and backward reads its bytes (1 byte per element) instead of casting the weight again
+  (2 read, 1 written). Compiled, the partitioner then keeps those bytes too: the grad_input gemm
+  reads the forward's cast, and a node that an extern gemm materializes in backward is not
+  recomputed (``ban_recompute_materialized_backward``, on by default); without the option, the
+  joint graph's backward cast is its own, recomputed from the weight and the saved block amaxes.
+  A weight that arrives already in float8 (FSDP2 float8 all-gather) is kept as it is: it is the
+  unsharded parameter FSDP2 manages (freed after the forward and gathered again for backward),
+  so it costs no memory of its own.
 * weight amax, when backward's weight cast is tensorwise and both casts compute their amax
   (``CastSpecs.weight_amax_from_forward``: tensorwise, rowwise_with_gw_hp): the max of the
   forward's amax ([] or [N, 1]), one float32. The weight has not changed since, so it is
@@ -65,7 +73,7 @@ import torch
 import torch.nn as nn
 
 from f8dist.cast import (
-    cast_to_float8, companion_for, high_precision, kept_shard_for, logical_amax,
+    autocast_input, cast_to_float8, companion_for, high_precision, kept_shard_for, logical_amax,
     shared_casts,
 )
 from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput, SPGradWeight
@@ -176,6 +184,9 @@ class _Float8Matmul(torch.autograd.Function):
         if specs.save_float8_input:  # cast once: the bytes serve the output gemm and backward
             x = _cast(OUTPUT, INPUT, input, specs, scales, store=True, shared=shared)
         weight_amax = _forward_weight_amax(weight, specs)  # None, [] or [N, 1]
+        if backward and specs.save_float8_weight:  # cast once: the bytes serve both gemms
+            weight = _cast(OUTPUT, WEIGHT, weight, specs, scales, amax=weight_amax)  # [N, K]
+            weight_amax = None  # backward takes the bytes, not an amax
         out = _mm(OUTPUT, x, weight, specs, scales, weight_amax)  # [M, N]
         kept = _max_of(weight_amax) if backward else None  # [] or None
         saved = x  # [Note: what the matmul keeps for backward]
@@ -238,6 +249,9 @@ class _Float8Matmul(torch.autograd.Function):
 # dtype. Autocast casts the operands of aten.mm too (the float8 weight; a float8 input, cast
 # before a TP all-gather, in Float8Linear.forward): a Float8Tensor cast to another
 # high-precision dtype keeps its bytes and scale and stands for that dtype (f8dist/tensor.py).
+# A device autocast has no backend for (meta, where torchtitan builds a model) is not cast, as
+# nn.Linear's input is not there (``autocast_input`` in f8dist/cast.py); the gemms on meta give
+# shapes only, through the CPU kernels' fake implementations.
 
 # [Note: gradient placements under compile]
 # torch.compile traces an autograd.Function's backward when it traces the forward, with a
@@ -382,8 +396,7 @@ class Float8Linear(nn.Linear):
                 f"{input.dtype}; convert it first (e.g. input.float()), as nn.Linear needs too."
             )
         source = input  # what sibling linears share: [Note: one cast per input] in f8dist/cast.py
-        if torch.is_autocast_enabled(input.device.type):  # [Note: autocast]
-            input = input.to(torch.get_autocast_dtype(input.device.type))
+        input = autocast_input(input)  # [Note: autocast]
         scales = delayed = None
         later = []  # [Note: record after the cast] in f8dist/delayed.py
         if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed.py

@@ -339,16 +339,29 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
 # Square blocks (32 x 32, 128 x 128) stay two passes on the CPU: the block amax loops over
 # [R / rows, C / cols] blocks, the row-major cast over [R / rows, rows, C / cols, cols], and
 # inductor fuses a reduction with a pointwise consumer only when all the reduction's outer loops
-# lead the consumer's (``CppScheduling._get_outer_loop_fusion_depth``). A square weight is read
-# twice in forward; its float8 bytes serve backward eagerly, while compiled, the partitioner
-# re-casts it there from the bf16 weight and the saved block amaxes (one more read).
+# lead the consumer's (``CppScheduling._get_outer_loop_fusion_depth``). Casting in the block-major
+# order that would fuse ([R / rows, C / cols, rows, cols]) stores the bytes block-major, and the
+# gemm's row-major copy of them then costs what the second read saves (1 byte read and 1 written
+# per element, against the 2 bytes of reading the bf16 weight again), so a square weight is read
+# twice in forward. Backward casts it
+# again from the bf16 weight (compiled: from the weight and the saved block amaxes), unless
+# ``float8_weight_for_backward`` keeps the forward's bytes ([Note: what the matmul keeps for
+# backward] in f8dist/linear.py).
 #
 # [Note: e8m0 from bits]
 # Inductor's CPU backend has no e8m0 type: ``.to(torch.float8_e8m0fnu)`` runs as an eager
 # kernel after the cast (reading the float32 scales, writing the bytes), and a generated kernel
 # cannot take an e8m0 buffer. :func:`stored_scale` writes the exponent byte as uint8 in the cast's
 # kernel and views it as e8m0 (a free reinterpretation of stored bytes). Reading e8m0 scales back
-# (the gemm's ``.to(torch.float32)``) stays the eager conversion, for the same reason.
+# (the gemm's ``.to(torch.float32)``) stays the eager conversion, for the same reason. Rebuilding
+# 2**(byte - 127) from the byte in the graph instead (``scale.view(torch.uint8)``, then the bit
+# arithmetic of :func:`_pow2`) fuses the read-back and its reciprocal into the cast's kernel
+# (measured: the --small MXFP8 linear of scripts/bench_bytes.py moved 318,976 -> 301,312 bytes)
+# but breaks a graph whose input is an e8m0 tensor (a weight gathered in float8 by FSDP2, a
+# Float8Tensor made outside the compiled region): inductor lowers the uint8 view of an input
+# buffer as a reinterpretation and hands the kernel the e8m0 buffer, which the CPU backend has no
+# C++ type for (``KeyError: torch.float8_e8m0fnu``). It needs the scales kept as uint8 in the
+# Float8Tensor, which dynamo must then see as an inner tensor.
 
 
 def block_cast(

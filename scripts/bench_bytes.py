@@ -64,7 +64,9 @@ from f8dist.models.llama import Attention, FeedForward, ModelArgs, TransformerBl
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "delayed_rescaled"]
 # "delayed" whose out-of-range casts re-scale in their step ([Note: the price of re-scaling])
 VARIANTS = {"delayed_rescaled": ("delayed", {"delayed_scaling_config": DelayedScalingConfig(
-    rescale_out_of_range=True)})}
+    rescale_out_of_range=True)}),
+    # the square weight's forward cast kept for the grad_input gemm (float8_weight_for_backward)
+    "mxfp8_square_weights_kept": ("mxfp8_square_weights", {"float8_weight_for_backward": True})}
 # block-scaled recipes ([Note: block scales] in f8dist/config.py); "blockwise" needs dims that
 # divide by 128 (not --small's)
 BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
@@ -472,7 +474,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str, str], Acc
     parser.add_argument("--blocks", nargs="+", default=["ffn", "attention", "layer"],
                         choices=BLOCKS)
     parser.add_argument("--recipes", nargs="+", default=RECIPES + BLOCK_RECIPES,
-                        choices=RECIPES + BLOCK_RECIPES)
+                        choices=RECIPES + BLOCK_RECIPES + [v for v in VARIANTS if v not in RECIPES])
     parser.add_argument("--small", action="store_true",
                         help="dim 64, 4 heads, 64 tokens: checks the script in seconds")
     parser.add_argument("--tokens", type=int, default=None,

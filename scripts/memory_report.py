@@ -59,9 +59,10 @@ def convert(module, config):
     return module
 
 
-def configs(args: ModelArgs, recipes=tuple(RECIPES[1:])):
+def configs(args: ModelArgs, recipes=tuple(RECIPES[1:]), keep_weight=False):
     """(recipe, f8 act, config) rows: bf16, then each recipe in each of MODES; a block-scaled
-    recipe whose blocks the model's dims do not divide into is left out, said so."""
+    recipe whose blocks the model's dims do not divide into is left out, said so.
+    ``keep_weight``: with ``float8_weight_for_backward`` (recipes whose weight casts allow it)."""
     yield "bf16", "off", None
     for recipe in recipes:
         config = Float8LinearConfig.from_recipe_name(recipe)
@@ -69,11 +70,17 @@ def configs(args: ModelArgs, recipes=tuple(RECIPES[1:])):
         if bad:
             print(f"# {recipe}: left out, {', '.join(bad)}; try --dim 128")
             continue
+        if keep_weight:
+            if not config.cast_specs().weight_same_bytes:
+                print(f"# {recipe}: left out, its two weight casts differ")
+                continue
+            config = config.replace(float8_weight_for_backward=True)
         for mode, change in MODES.items():
             yield recipe, mode, config.replace(**change)
 
 
-def report(kind, args, x, device, dtype, compiled=False, recipes=tuple(RECIPES[1:])):
+def report(kind, args, x, device, dtype, compiled=False, recipes=tuple(RECIPES[1:]),
+           keep_weight=False):
     base, extra = build(kind, args, device, dtype)
     cuda = x.is_cuda
     head = (f"{'model':6} {'recipe':19} {'f8 act':7} {'plain kept':>11} {'ratio':>6} "
@@ -85,7 +92,7 @@ def report(kind, args, x, device, dtype, compiled=False, recipes=tuple(RECIPES[1
         head += f" {'compiled plain':>14} {'ratio':>6} {'compiled SAC':>12}"
     print(head)
     ref = {}
-    for recipe, on, config in configs(args, recipes):
+    for recipe, on, config in configs(args, recipes, keep_weight):
         module = convert(base, config)
         plain = measure_fwd_bwd(module, x, *extra)
         sac = measure_fwd_bwd(module, x, *extra, context_fn=float8_sac_context_fn)
@@ -146,7 +153,7 @@ def axiswise_choices(args, x, device):
             print(f"{name:26} {str(pow2):>11} {kept:8d} {dw:16.2f} {dx:12.2f}")
 
 
-def swiglu_fit(args, x, device, recipes=tuple(RECIPES[1:])):
+def swiglu_fit(args, x, device, recipes=tuple(RECIPES[1:]), keep_weight=False):
     """What keeping SwiGLU's inputs in float8 costs: FFN gradient SQNR vs fp32, f8 act off/on
     (the linears' gradients are the same either way: only the SwiGLU changes)."""
     ref, _ = build("ffn", args, device, torch.float32)
@@ -154,7 +161,7 @@ def swiglu_fit(args, x, device, recipes=tuple(RECIPES[1:])):
     ref(xf).sum().backward()
     print(f"{'FFN gradients vs fp32':26} {'f8 act':7} {'SQNR dW min (dB)':>16} "
           f"{'SQNR dx (dB)':>12}")
-    for recipe, on, config in configs(args, recipes):
+    for recipe, on, config in configs(args, recipes, keep_weight):
         dw, dx = _grad_sqnr(ref, xf, convert(ref, config).to(x.dtype), x)
         print(f"{recipe:26} {on:7} {dw:16.2f} {dx:12.2f}")
 
@@ -171,6 +178,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--recipes", type=lambda s: tuple(s.split(",")), default=tuple(RECIPES[1:]),
                         help="comma-separated float8 recipes to report after bf16 (default: all)")
+    parser.add_argument("--float8-weight-for-backward", action="store_true",
+                        help="keep the forward's float8 weight for backward (recipes that allow it)")
     opts = parser.parse_args()
     dtype = getattr(torch, opts.dtype)
     args = ModelArgs(dim=opts.dim, n_heads=opts.n_heads, max_seq_len=max(opts.seq, 128))
@@ -179,11 +188,12 @@ def main():
     print(f"# dim={args.dim} ffn_hidden={args.ffn_hidden_dim} heads={args.n_heads} "
           f"tokens={opts.batch}x{opts.seq} {opts.dtype} {opts.device}; bytes; ratio = vs bf16")
     for kind in ("ffn", "block"):
-        report(kind, args, x, opts.device, dtype, opts.compiled, opts.recipes)
+        report(kind, args, x, opts.device, dtype, opts.compiled, opts.recipes,
+               opts.float8_weight_for_backward)
     print()
     axiswise_choices(args, x, opts.device)
     print()
-    swiglu_fit(args, x, opts.device, opts.recipes)
+    swiglu_fit(args, x, opts.device, opts.recipes, opts.float8_weight_for_backward)
 
 
 if __name__ == "__main__":

@@ -237,3 +237,41 @@ def test_converting_after_fully_shard_says_to_convert_first():
             convert_to_float8_training(model)
     finally:
         dist.destroy_process_group()
+
+
+def _init(model):
+    """torchtitan's ``init_weights``: its own init, no ``reset_parameters``."""
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.05)
+            nn.init.normal_(m.bias, std=0.05)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed", "mxfp8_square_weights"])
+def test_meta_build_then_to_empty_matches_a_model_built_on_the_device(recipe):
+    # torchtitan's flow: build on meta, convert, (a shape-only forward), to_empty, init, train.
+    # A forward on meta raised ("unknown device type for autocast": autocast has no meta backend)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    with torch.device("meta"):
+        model = convert_to_float8_training(Net(), config=config)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast on, not for meta tensors
+            shape_only = model(torch.randn(8, 64))
+    with torch.device("meta"):
+        expected = Net()(torch.randn(8, 64))  # what nn.Linear gives on meta: float32, no values
+    assert (shape_only.device, shape_only.shape, shape_only.dtype) == (
+        expected.device, expected.shape, expected.dtype)
+    shape_only.sum().backward()  # a meta backward runs too
+    model.zero_grad()  # meta gradients: to_empty would keep them as garbage
+    model.to_empty(device="cpu")
+    direct = convert_to_float8_training(Net(), config=config)
+    results = []
+    for m in (model, direct):
+        _init(m)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        out.float().square().sum().backward()
+        results.append([out, x.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

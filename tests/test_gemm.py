@@ -217,16 +217,19 @@ def test_block_scaled_gemm_needs_block_scales_on_both_sides():
 
 
 def test_block_scaled_gemm_off_the_cpu_raises_naming_the_way_out():
-    # [Note: the block-scaled gemm]: off the CPU only CUDA's sm90 DeepSeek kernels run; any other
-    # device or block (here MXFP8 on meta, which stands for one without a GPU) gets the error,
-    # and emulate runs
-    from f8dist.gemm import scaled_mm
+    # [Note: the block-scaled gemm]: off the CPU only CUDA's kernels run; any other device or
+    # block (here MXFP8 handed to the CUDA path on meta, which stands for one without a GPU) gets
+    # the error, and emulate runs; scaled_mm itself gives meta tensors their shape (the CPU op's
+    # fake kernel: a model built on meta runs a shape-only step)
+    from f8dist.gemm import _cuda_block_scaled_mm, scaled_mm
 
     a, s_a = torch.empty(16, 64, dtype=E4M3, device="meta"), torch.empty(16, 2, device="meta")
     b, s_b = torch.empty(64, 32, dtype=E4M3, device="meta"), torch.empty(2, 32, device="meta")
     with pytest.raises(NotImplementedError, match="no meta kernel for float8 blocks.*MXFP8.*sm100.*emulate=True"):
-        scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16, mm_config=ScaledMMConfig(),
-                  a_block=(1, 32), b_block=(32, 1))
+        _cuda_block_scaled_mm(a, b, s_a, s_b, (1, 32), (32, 1), e8m0=False, out_dtype=torch.bfloat16)
+    out = scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16, mm_config=ScaledMMConfig(),
+                    a_block=(1, 32), b_block=(32, 1))
+    assert out.is_meta and out.shape == (16, 32)
     out = scaled_mm(a, s_a, b, s_b, out_dtype=torch.bfloat16,
                     mm_config=ScaledMMConfig(emulate=True), a_block=(1, 32), b_block=(32, 1))
     assert out.shape == (16, 32) and out.dtype == torch.bfloat16

@@ -264,3 +264,20 @@ def test_mxfp8_grouped_gemm_matches_torchaos_emulated_one():
         kernel_preference=KernelPreference.EMULATED), x, w, grad, offsets)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b), sqnr(b, a)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_experts_built_on_meta_run_a_shape_only_step(recipe):
+    # a model built on meta (torchtitan) may run a forward there: autocast, which has no meta
+    # backend, raised, and the gemms took meta for CUDA
+    with torch.device("meta"):
+        model = convert_to_float8_training(
+            nn.ModuleDict({"e": GroupedExperts(dim=32, hidden_dim=64, num_experts=2)}),
+            config=Float8LinearConfig.from_recipe_name(recipe))
+        x = torch.randn(32, 32, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model["e"](x, torch.tensor([16, 32], dtype=torch.int32))
+    assert isinstance(model["e"], Float8GroupedExperts)
+    assert (out.device.type, out.shape, out.dtype) == ("meta", (32, 32), torch.float32)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and model["e"].w1.grad.is_meta

@@ -667,6 +667,36 @@ def test_square_weight_blocks_give_both_gemms_the_same_weight_bytes(recipe, same
 
 
 @on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8_square_weights"])
+def test_float8_weight_for_backward_keeps_the_forward_cast(recipe):
+    """float8_weight_for_backward ([Note: what the matmul keeps for backward]): the weight is cast
+    once, in forward, and backward's grad_input gemm reads those bytes: the same outputs and
+    gradients, bit for bit, as casting the weight again in backward; compiled equals eager."""
+    from f8dist.cast import cast_observers
+
+    _, plain = _block_pair(recipe, torch.bfloat16)
+    _, kept = _block_pair(recipe, torch.bfloat16, float8_weight_for_backward=True)
+    x, grad = torch.randn(3, 5, 128, dtype=torch.bfloat16), torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    casts = []
+    cast_observers.append(lambda site, hp, fp8: casts.append(site.gemm) if site.operand == "weight" else None)
+    try:
+        results = [_run(m, x, grad) for m in (plain, kept)]
+    finally:
+        cast_observers.pop()
+    assert [str(g) for g in casts] == ["output", "grad_input", "output"]  # plain, then kept
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    if recipe == "mxfp8_square_weights":
+        _assert_compile_matches_eager(_block_pair(recipe, torch.bfloat16,
+                                                  float8_weight_for_backward=True)[1])
+
+
+def test_float8_weight_for_backward_needs_one_cast_for_both_gemms():
+    with pytest.raises(ValueError, match="float8_weight_for_backward.*same bytes.*mxfp8_square_weights"):
+        Float8LinearConfig.from_recipe_name("rowwise").replace(float8_weight_for_backward=True)
+
+
+@on_cpu  # CUDA runs block-scaled gemms on sm90 or sm100+ only (tests/floors.py)
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_block_non_finite_input_gives_non_finite_output(recipe):
     # [Note: non-finite values]: a block with an inf or NaN turns NaN, never a clipped number

@@ -34,15 +34,16 @@ def ffn():
 
 @pytest.fixture(scope="module")
 def linear_logged():
-    """The --small linear in bf16 and three recipes, compiled once for every linear test, and
+    """The --small linear in bf16 and four recipes, compiled once for every linear test, and
     inductor's own counters over those compiles (what TORCH_LOGS=inductor_metrics logs)."""
     from torch._inductor import metrics
 
     torch._logging.set_logs(inductor_metrics=True)
     try:
         metrics.reset()
-        results = bench_bytes.run(["linear"], ["tensorwise", "rowwise", "mxfp8"], small=True,
-                                  torchao=False)
+        results = bench_bytes.run(
+            ["linear"], ["tensorwise", "rowwise", "mxfp8", "mxfp8_square_weights_kept"],
+            small=True, torchao=False)
         logged = metrics.num_bytes_accessed, metrics.generated_kernel_count
     finally:
         torch._logging.set_logs()
@@ -209,3 +210,20 @@ def test_block_casts_read_their_tensors_once(linear):
     Before, the block amax and the cast were two kernels, each reading the tensor (2x)."""
     rowwise, mxfp8 = (linear[("linear", "f8dist", r)] for r in ("rowwise", "mxfp8"))
     assert 0 < _bf16_bytes_read(mxfp8) <= _bf16_bytes_read(rowwise)
+
+
+def test_a_kept_square_weight_is_not_cast_again_in_backward(linear):
+    """float8_weight_for_backward ([Note: what the matmul keeps for backward] in f8dist/linear.py):
+    compiled, the partitioner keeps the forward's float8 square-tile weight, so no backward kernel
+    reads the bf16 weight (before, backward cast it again from the bf16 weight and its saved block
+    amaxes: one more read), and the step moves fewer bytes than mxfp8's, which casts its weight
+    for each gemm."""
+    args = bench_bytes.model_args(small=True)
+    weight = [args.ffn_hidden_dim, args.dim]
+    kept, mxfp8 = (linear[("linear", "f8dist", r)] for r in ("mxfp8_square_weights_kept", "mxfp8"))
+    reads = [(k.graph, b) for k in kept.breakdown for b in k.reads
+             if b.shape == weight and b.dtype == "bf16"]
+    assert reads and all(graph == "forward" for graph, _ in reads), reads
+    gemm = [k for k in kept.breakdown if k.graph == "backward" and k.kind == "gemm"]
+    assert any(b.shape == weight and b.dtype == "e4m3" for k in gemm for b in k.reads)
+    assert kept.bytes < mxfp8.bytes
