@@ -51,6 +51,16 @@ class _Name(str, enum.Enum):
 
     __hash__ = str.__hash__  # hash like the string it equals
 
+    @classmethod
+    def coerce(cls, value, field: str):
+        """``value`` (a member or its string) as a member; else an error naming the field, the
+        value and the values it takes."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{field} must be one of {[m.value for m in cls]} (strings or "
+                             f"{cls.__name__} members), got {value!r}") from None
+
 
 class Operand(_Name):
     """A tensor that a linear layer casts to float8."""
@@ -321,12 +331,16 @@ class CastConfig:
 
 def _check_block(cc: "CastConfig") -> None:
     """The block fields of a CastConfig ([Note: block scales]), with the fix in each message."""
+    object.__setattr__(cc, "scale_rounding",
+                       ScaleRounding.coerce(cc.scale_rounding, "CastConfig.scale_rounding"))
     if not cc.blockwise:
-        if cc.block_size is not None or cc.scale_dtype != torch.float32:
+        if (cc.block_size is not None or cc.scale_dtype != torch.float32
+                or cc.scale_rounding is not ScaleRounding.RCEIL):
             raise ValueError(
-                f"CastConfig.block_size and scale_dtype describe block scales; with "
-                f"scaling_granularity={cc.scaling_granularity} leave them unset (got block_size="
-                f"{cc.block_size}, scale_dtype={cc.scale_dtype}) or use ScalingGranularity.BLOCKWISE"
+                f"CastConfig.block_size, scale_dtype and scale_rounding describe block scales; "
+                f"with scaling_granularity={cc.scaling_granularity} leave them unset (got "
+                f"block_size={cc.block_size}, scale_dtype={cc.scale_dtype}, scale_rounding="
+                f"{cc.scale_rounding}) or use ScalingGranularity.BLOCKWISE"
             )
         return
     bs = cc.block_size
@@ -347,8 +361,6 @@ def _check_block(cc: "CastConfig") -> None:
             f"CastConfig.scale_dtype must be torch.float32 or torch.float8_e8m0fnu, got "
             f"{cc.scale_dtype}"
         )
-    if not isinstance(cc.scale_rounding, ScaleRounding):
-        object.__setattr__(cc, "scale_rounding", ScaleRounding(cc.scale_rounding))
     if cc.scale_rounding is not ScaleRounding.RCEIL and cc.scale_dtype != E8M0:
         raise ValueError(
             f"CastConfig.scale_rounding={cc.scale_rounding} rounds e8m0 scales; float32 scales "
@@ -448,8 +460,8 @@ class CastSpec:
     grouped: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "gemm", Gemm(self.gemm))
-        object.__setattr__(self, "operand", Operand(self.operand))
+        object.__setattr__(self, "gemm", Gemm.coerce(self.gemm, "CastSpec.gemm"))
+        object.__setattr__(self, "operand", Operand.coerce(self.operand, "CastSpec.operand"))
         if self.dtype not in _FLOAT8_DTYPES:
             raise ValueError(f"CastSpec.dtype must be a float8 dtype {_FLOAT8_DTYPES}, got {self.dtype}")
         if not isinstance(self.axis, int):
@@ -828,13 +840,8 @@ class Float8LinearConfig:
     def _check_sp_grad_weight(self) -> None:
         """``sp_grad_weight`` is an SPGradWeight, and one that changes something for this table
         ([Note: the grad_weight operand of a gathered tensor])."""
-        try:
-            object.__setattr__(self, "sp_grad_weight", SPGradWeight(self.sp_grad_weight))
-        except ValueError:
-            raise ValueError(
-                f"Float8LinearConfig.sp_grad_weight must be one of "
-                f"{[m.value for m in SPGradWeight]} (or an SPGradWeight), got "
-                f"{self.sp_grad_weight!r}") from None
+        object.__setattr__(self, "sp_grad_weight", SPGradWeight.coerce(
+            self.sp_grad_weight, "Float8LinearConfig.sp_grad_weight"))
         if self.sp_grad_weight is SPGradWeight.FORWARD_GATHER:
             return
         specs, table = self.cast_specs(), self.short_str()

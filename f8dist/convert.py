@@ -11,8 +11,8 @@ import torch.nn as nn
 from f8dist import agreement
 from f8dist.config import Float8LinearConfig
 from f8dist.delayed import ignore_in_ddp
-from f8dist.gemm import GEMM_ALIGNMENT, block_problems
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts, is_float8_grouped_compatible
+from f8dist.gemm import shape_problems
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts, grouped_problems
 from f8dist.linear import Float8Linear
 from f8dist.placement import is_dtensor
 
@@ -27,10 +27,12 @@ def is_float8_compatible(mod: nn.Linear, config: Optional[Float8LinearConfig] = 
     """Whether ``torch._scaled_mm`` can take this linear's gemms as they are (dims % 16 == 0),
     and, given ``config``, its dims divide into the config's blocks ([Note: block scales] in
     f8dist/config.py). Reads only ``in_features`` and ``out_features``."""
-    k, n = mod.in_features, mod.out_features
-    if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT:
-        return False
-    return config is None or not block_problems(config.cast_specs(), k, n)
+    return not _problems(mod, config)
+
+
+def _problems(mod: nn.Linear, config: Optional[Float8LinearConfig]) -> List[str]:
+    specs = config.cast_specs() if config is not None else ()
+    return shape_problems(specs, mod.in_features, mod.out_features)
 
 
 def convert_to_float8_training(
@@ -103,19 +105,22 @@ def convert_to_float8_training(
             _check_same_config(mod, config, fqn)
             return mod
         if grouped:
-            if not is_float8_grouped_compatible(mod, config) and not config.emulate:
+            problems = grouped_problems(mod, config)
+            if problems and not config.emulate:
                 if skip_incompatible:
-                    skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim})")
+                    skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim}: "
+                                   f"{', '.join(problems)})")
                     return mod
             return Float8GroupedExperts.from_float(mod, config, fqn=fqn)
         if type(mod).forward is not nn.Linear.forward:  # [Note: nn.Linear subclasses]
             skipped_subclasses.append(f"{fqn or '<root>'} ({type(mod).__qualname__})")
             return mod
         _check_not_sharded(mod, fqn)
-        fits = is_float8_compatible(mod, config)
-        if not fits and not config.pad_inner_dim and not config.emulate:
+        problems = _problems(mod, config)
+        if problems and not config.pad_inner_dim and not config.emulate:
             if skip_incompatible:
-                skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features})")
+                skipped.append(f"{fqn or '<root>'} ({mod.in_features} -> {mod.out_features}: "
+                               f"{', '.join(problems)})")
                 return mod
             # Float8Linear's constructor raises the error that says what to change
         return Float8Linear.from_float(mod, config, fqn=fqn)
@@ -145,9 +150,10 @@ def convert_to_float8_training(
         )
     if skipped:
         logger.warning(
-            "f8dist: kept %d linear(s) in high precision because their dims are not multiples of "
-            "%d: %s. Set Float8LinearConfig(pad_inner_dim=True) to pad them instead.",
-            len(skipped), GEMM_ALIGNMENT, ", ".join(skipped),
+            "f8dist: kept %d layer(s) in high precision because their dims do not fit the float8 "
+            "gemms (the kernels' alignment, the recipe's blocks): %s. Set "
+            "Float8LinearConfig(pad_inner_dim=True) to pad them instead.",
+            len(skipped), "; ".join(skipped),
         )
     return out
 

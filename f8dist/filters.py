@@ -52,7 +52,7 @@ from typing import Callable, Sequence, Union
 import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig, Float8LinearRecipeName, Gemm
-from f8dist.gemm import GEMM_ALIGNMENT, block_problems
+from f8dist.gemm import GEMM_ALIGNMENT, shape_problems
 
 __all__ = [
     "CAST_BYTES",
@@ -200,9 +200,7 @@ def auto_filter_for_recipe(
 
     def accept(mod: nn.Module, fqn: str) -> bool:
         k, n = mod.in_features, mod.out_features
-        if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT or not by_fqn(mod, fqn):
-            return False
-        if block_problems(specs, k, n):  # dims that do not divide into the recipe's blocks
+        if shape_problems(specs, k, n) or not by_fqn(mod, fqn):  # alignment, the recipe's blocks
             return False
         return predicted_speedup(recipe, k, n, tokens=tokens, gpu=gpu) > 1.0
 

@@ -128,6 +128,17 @@ def block_problems(specs, in_features: int, out_features: int) -> List[str]:
     return bad
 
 
+def shape_problems(specs, in_features: int, out_features: int) -> List[str]:
+    """Every dim of a linear that its float8 gemms cannot take as it is: the kernels' alignment
+    (multiples of :data:`GEMM_ALIGNMENT`) and, for block-scaled ``specs``, the blocks
+    (:func:`block_problems`); e.g. ``["in_features=48 (block 32)"]``. Empty when it fits."""
+    dims = {"in_features": in_features, "out_features": out_features}
+    bad = [f"{name}={size} (multiple of {GEMM_ALIGNMENT})" for name, size in dims.items()
+           if size % GEMM_ALIGNMENT]
+    return bad + [p for p in block_problems(specs, in_features, out_features)
+                  if p.split(" ")[0] not in {b.split(" ")[0] for b in bad}]
+
+
 def check_block_shape(specs, in_features: int, out_features: int, *, what: str,
                       pad_inner_dim: bool) -> None:
     """Raise a clear error naming the fix for :func:`block_problems`; ``pad_inner_dim``: ragged

@@ -29,7 +29,7 @@ rows (``pad_groups``; exact: zeros raise no amax and add no product), so that no
 tokens of two experts, then cast from high precision, and the kernel takes the padded offsets.
 A grouped gemm is then, per expert, a block-scaled ``Float8Linear`` on the expert's tokens, bit
 for bit ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py). The experts' dims must
-divide into the blocks (``block_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
+divide into the blocks (``shape_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
 "blockwise").
 
 [Note: delayed experts]
@@ -74,7 +74,7 @@ from f8dist.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
 )
 from f8dist.fsdp.weight import gathers_float8, wrap_weight_for_float8_all_gather
-from f8dist.gemm import GEMM_ALIGNMENT, block_problems
+from f8dist.gemm import shape_problems
 from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
 from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
@@ -328,12 +328,9 @@ def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[st
     """Why the experts' float8 grouped gemms cannot take ``mod``'s dims under ``config``:
     ``torch._scaled_grouped_mm``'s alignment (dims % 16) and the block recipes' blocks
     ([Note: block grouped gemms]); empty when they can."""
-    dims = {"dim": mod.dim, "hidden_dim": mod.hidden_dim}
-    bad = [f"{name}={v} (multiple of {GEMM_ALIGNMENT})" for name, v in dims.items()
-           if v % GEMM_ALIGNMENT]
-    specs = grouped_specs(config, "")
+    specs, bad = grouped_specs(config, ""), []
     for name, (k, n) in (("w1", (mod.dim, mod.hidden_dim)), ("w2", (mod.hidden_dim, mod.dim))):
-        for problem in block_problems(specs[name], k, n):
+        for problem in shape_problems(specs[name], k, n):
             problem = problem.replace("in_features", "dim" if name == "w1" else "hidden_dim")
             problem = problem.replace("out_features", "hidden_dim" if name == "w1" else "dim")
             if problem not in bad:

@@ -11,6 +11,8 @@ from f8dist import (
     ScalingType,
 )
 
+from f8dist.config import CastSpec
+
 AXISWISE = ScalingGranularity.AXISWISE
 
 
@@ -176,12 +178,31 @@ E8M0 = torch.float8_e8m0fnu
     (dict(scaling_granularity=BLOCKWISE, block_size=(1, 32), scale_rounding="floor"),
      "rounds e8m0 scales"),
     (dict(block_size=(1, 32)), "leave them unset"),
+    # e8m0 rounding on a tensorwise cast would do nothing: refused, not ignored
+    (dict(scale_rounding="floor"), "scale_rounding describe block scales.*scale_rounding=floor"),
+    # an unknown name: the field, the value and the names it takes
+    (dict(scaling_granularity=BLOCKWISE, block_size=(1, 32), scale_dtype=E8M0,
+          scale_rounding="nearest"),
+     r"CastConfig.scale_rounding must be one of \['rceil', 'floor'\].*got 'nearest'"),
+    (dict(scale_rounding="nearest"), r"CastConfig.scale_rounding must be one of"),
     (dict(scaling_granularity=BLOCKWISE, block_size=(1, 32), scaling_type=ScalingType.DELAYED),
      "TENSORWISE"),
 ])
 def test_block_cast_config_is_validated(kwargs, words):
     with pytest.raises(ValueError, match=words):
         CastConfig(**kwargs)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: CastSpec(gemm="fwd"), r"CastSpec.gemm must be one of \['output', 'grad_input', "
+                                   r"'grad_weight'\].*got 'fwd'"),
+    (lambda: CastSpec(operand="x"), r"CastSpec.operand must be one of .*got 'x'"),
+    (lambda: Float8LinearConfig(sp_grad_weight="both"),
+     r"Float8LinearConfig.sp_grad_weight must be one of \['forward_gather', .*got 'both'"),
+])
+def test_names_are_refused_with_the_field_and_the_values(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
 
 
 def test_block_gemm_needs_both_operands_blockwise_with_one_inner_block():

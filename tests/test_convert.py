@@ -43,8 +43,26 @@ def test_unaligned_linears_are_skipped_with_a_note(caplog):
     with caplog.at_level(logging.WARNING, logger="f8dist.convert"):
         convert_to_float8_training(model)
     assert type(model.odd) is nn.Linear
-    assert "odd (64 -> 24)" in caplog.text and "pad_inner_dim" in caplog.text
+    assert "odd (64 -> 24: out_features=24 (multiple of 16))" in caplog.text
+    assert "pad_inner_dim" in caplog.text
     assert "output" in _float8_fqns(model)
+
+
+def test_the_note_says_which_rule_each_kept_layer_breaks(caplog):
+    """A block recipe keeps a linear whose dims are multiples of 16 but not of its blocks: the
+    note names the block, not the alignment; a grouped layer's note says the same."""
+    from f8dist.grouped import GroupedExperts
+
+    model = nn.ModuleDict({"a": nn.Linear(48, 80), "b": nn.Linear(40, 64),
+                           "experts": GroupedExperts(48, 64, 2)})
+    with caplog.at_level(logging.WARNING, logger="f8dist.convert"):
+        convert_to_float8_training(model, config="mxfp8")
+    assert all(type(model[n]) is not Float8Linear for n in ("a", "b"))
+    text = caplog.text
+    assert "a (48 -> 80: in_features=48 (block 32), out_features=80 (block 32))" in text
+    assert "b (40 -> 64: in_features=40 (multiple of 16))" in text
+    assert "experts (experts 48 <-> 64: dim=48 (block 32))" in text
+    assert "not multiples of 16" not in text
 
 
 def test_forcing_an_unaligned_linear_raises_a_clear_error():

@@ -55,7 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # Modules, not functions: this module is also a torchtitan config registry, and torchtitan lists
 # every public callable of it as a config function when --config names none.
 import f8dist
-from f8dist import convert, delayed, filters, fsdp, grouped, placement
+from f8dist import delayed, filters, fsdp, gemm, grouped, placement
 from f8dist.integrations import torchtitan_assets
 
 __all__ = [
@@ -230,8 +230,11 @@ class Float8LinearConverter(QuantizationConverter):
         for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
             if type(linear) is not Linear.Config or not self.filter_fn(linear, fqn):
                 continue
-            if not (cfg.pad_inner_dim or convert.is_float8_compatible(linear, self.float8_config)):
-                kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features})")
+            problems = gemm.shape_problems(self.float8_config.cast_specs(), linear.in_features,
+                                      linear.out_features)
+            if problems and not cfg.pad_inner_dim:
+                kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features}: "
+                            f"{', '.join(problems)})")
                 continue
             new = Float8Linear.Config(
                 **{f.name: getattr(linear, f.name) for f in dataclasses.fields(linear)},
@@ -244,10 +247,10 @@ class Float8LinearConverter(QuantizationConverter):
                     cfg.recipe_name)
         if kept:
             logger.warning(
-                "f8dist: kept %d linear(s) in high precision because their dims are not "
-                "multiples of 16 (or of the recipe's blocks): %s. Set pad_inner_dim=True to pad "
-                "them instead.",
-                len(kept), ", ".join(kept),
+                "f8dist: kept %d linear(s) in high precision because their dims do not fit the "
+                "float8 gemms (the kernels' alignment, the recipe's blocks): %s. Set "
+                "pad_inner_dim=True to pad them instead.",
+                len(kept), "; ".join(kept),
             )
         return model_config
 
@@ -329,8 +332,10 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                 continue
             if any(f in fqn for f in self.filter_fqns):
                 continue
-            if grouped.grouped_problems(experts, self.float8_config):  # alignment, blocks
-                kept.append(f"{fqn} ({experts.dim} <-> {experts.hidden_dim})")
+            problems = grouped.grouped_problems(experts, self.float8_config)  # alignment, blocks
+            if problems:
+                kept.append(f"{fqn} ({experts.dim} <-> {experts.hidden_dim}: "
+                            f"{', '.join(problems)})")
                 continue
             new = Float8GroupedExperts.Config(
                 **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)},
@@ -342,8 +347,8 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                     self.config.recipe_name)
         if kept:
             logger.warning("f8dist: kept %d grouped experts in high precision because their dims "
-                           "are not multiples of 16 (or of the recipe's blocks): %s", len(kept),
-                           ", ".join(kept))
+                           "do not fit the float8 grouped gemms (the kernels' alignment, the "
+                           "recipe's blocks): %s", len(kept), "; ".join(kept))
         return model_config
 def _fqn_list(filter_fqns) -> List[str]:
     """``filter_fqns`` as a list: one string is one FQN (iterating it would give its characters,
