@@ -141,8 +141,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--float8-stats-every", type=non_negative, default=0,
                    help="every N steps, record every float8 cast (amax, scale, saturated %%, "
                         "underflow %%, SQNR by module/gemm/operand; eager only); 0: off")
-    p.add_argument("--float8-stats-dir", default="float8_stats",
-                   help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0)")
+    p.add_argument("--float8-stats-dir", default=None,
+                   help="where --float8-stats-every writes float8_stats.{jsonl,txt,png} (rank 0; "
+                        "default float8_stats)")
     # optimization
     p.add_argument("--batch-size", type=positive, default=8, help="global batch (sequences)")
     p.add_argument("--grad-accum-steps", type=positive, default=1,
@@ -167,7 +168,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # mixture of experts (f8dist/models/moe.py)
     p.add_argument("--moe-experts", type=non_negative, default=0,
                    help="routed experts per block (0: the dense LLaMA FFN)")
-    p.add_argument("--moe-top-k", type=positive, default=2, help="experts per token")
+    p.add_argument("--moe-top-k", type=positive, default=None,
+                   help="experts per token (with --moe-experts; default 2)")
     p.add_argument("--ep", type=positive, default=1,
                    help="expert-parallel degree (with --moe-experts); FSDP2 shards the experts "
                         "over the other ranks and everything else over all ranks")
@@ -181,6 +183,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--seq-len {args.seq_len} is longer than the training text ({windows} bytes); "
                 "the model's positions and the batches are windows of it")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, known before any rank starts
+    _check_no_silent_flags(p, args, world)
+    args.moe_top_k = 2 if args.moe_top_k is None else args.moe_top_k
+    args.float8_stats_dir = args.float8_stats_dir or "float8_stats"
     _check_moe_args(p, args, world)
     if world % args.tp:
         p.error(f"--tp {args.tp} must divide the number of ranks ({world})")
@@ -225,6 +230,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--float8 {args.float8}: {e}".replace("\n", " "))
     return args
+
+
+def _check_no_silent_flags(p: argparse.ArgumentParser, args: argparse.Namespace,
+                           world: int) -> None:
+    """A flag that would change nothing in this run is refused, not ignored."""
+    float8_only = {"--float8-activations-for-backward": args.float8_activations_for_backward,
+                   "--recompute-swiglu-product": args.recompute_swiglu_product,
+                   "--recompute-norm-output": args.recompute_norm_output,
+                   f"--sp-grad-weight {args.sp_grad_weight}":
+                       args.sp_grad_weight != "forward_gather"}
+    given = [flag for flag, on in float8_only.items() if on]
+    if args.float8 == "none" and given:
+        p.error(f"{', '.join(given)} change(s) how float8 linears keep and cast their operands; "
+                "with --float8 none there are none: choose a --float8 recipe or drop them")
+    needs = [("--sp-grad-weight", args.sp_grad_weight != "forward_gather" and args.tp == 1,
+              "chooses how sequence-parallel float8 inputs reach the grad_weight gemm", "--tp N"),
+             ("--recompute-norm-output", args.recompute_norm_output and args.tp > 1,
+              "recomputes a norm's output from its input and rstd; under --tp the norms are "
+              "sequence parallel and give nothing to recompute from", "--tp 1"),
+             ("--moe-top-k", args.moe_top_k is not None and not args.moe_experts,
+              "picks the experts of each token", "--moe-experts N"),
+             ("--float8-stats-dir", args.float8_stats_dir is not None
+              and not args.float8_stats_every, "is where --float8-stats-every writes",
+              "--float8-stats-every N"),
+             ("--float8-reduce-scatter", args.float8_reduce_scatter and world // args.tp == 1,
+              "reduce-scatters gradients over the data-parallel ranks; with one, FSDP2 runs no "
+              "reduce-scatter", "more ranks than --tp")]
+    for flag, unused, what, fix in needs:
+        if unused:
+            p.error(f"{flag} {what}: it would do nothing in this run; add {fix} or drop it")
 
 
 def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:

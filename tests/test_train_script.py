@@ -45,6 +45,15 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--metrics-file", "/proc/sys/m.json"], "--metrics-file /proc/sys/m.json: cannot write in /proc/sys"),
     (["--metrics-file", "/tmp"], "--metrics-file /tmp is a directory"),
     (["--float8-stats-every", "1", "--float8-stats-dir", "/dev/null/s"], "--float8-stats-dir /dev/null/s"),
+    # flags that would do nothing in the run: refused, not ignored
+    (["--float8", "none", "--recompute-norm-output"],
+     "--recompute-norm-output change(s) how float8 linears keep"),
+    (["--float8", "none", "--float8-activations-for-backward", "--recompute-swiglu-product"],
+     "--float8-activations-for-backward, --recompute-swiglu-product change(s)"),
+    (["--float8", "mxfp8", "--sp-grad-weight", "recast"], "add --tp N or drop it"),
+    (["--moe-top-k", "3"], "--moe-top-k picks the experts of each token: it would do nothing"),
+    (["--float8-stats-dir", "s"], "add --float8-stats-every N or drop it"),
+    (["--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
 ])
 def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -66,6 +75,11 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "2", "--float8", "blockwise", "--dim", "128", "--ffn-dim-multiplier", "1.5"],
      "attention.wq (128 -> 128) over 2 ranks: the output gemm's weight cast has (128, 128) blocks"),
     (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
+    (["--tp", "2", "--float8", "rowwise", "--recompute-norm-output"],
+     "under --tp the norms are sequence parallel"),
+    (["--tp", "4", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+    (["--tp", "2", "--float8", "rowwise", "--sp-grad-weight", "backward_gather"],
+     "sp_grad_weight='backward_gather'"),  # a recipe it does not apply to
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
                                                                             monkeypatch):
@@ -148,14 +162,14 @@ def test_float8_activations_flag_sets_the_config_field():
     assert rc.recompute_swiglu_product and not off.recompute_swiglu_product
     n = train.float8_config(train.parse_args(["--float8", "rowwise", "--recompute-norm-output"]))
     assert n.recompute_norm_output and not off.recompute_norm_output
-    sp = train.float8_config(train.parse_args(["--float8", "mxfp8", "--sp-grad-weight", "recast"]))
-    assert sp.sp_grad_weight == "recast" and off.sp_grad_weight == "forward_gather"
+    assert off.sp_grad_weight == "forward_gather"
 
 
-def test_sp_grad_weight_flag_for_a_recipe_it_does_not_apply_to_is_refused(capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--float8", "rowwise", "--sp-grad-weight", "backward_gather"])
-    assert "sp_grad_weight='backward_gather'" in capsys.readouterr().err
+def test_sp_grad_weight_flag_sets_the_config_field_under_tp(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sp = train.float8_config(train.parse_args(
+        ["--float8", "mxfp8", "--tp", "2", "--dim", "256", "--sp-grad-weight", "recast"]))
+    assert sp.sp_grad_weight == "recast"
 
 
 def test_memory_line_splits_params_grads_optimizer_and_activations():

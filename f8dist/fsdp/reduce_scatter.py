@@ -242,6 +242,13 @@ def enable_float8_reduce_scatter(
             "enable_float8_reduce_scatter: no FSDP2 module in the model; call it after "
             "fully_shard(...)"
         )
+    sizes = {_shard_size(m) for m in modules} - {None}
+    if sizes == {1}:  # FSDP2 skips the reduce-scatter of a one-rank shard group
+        raise ValueError(
+            "enable_float8_reduce_scatter: every FSDP2 module shards its parameters over one "
+            "rank, where FSDP2 runs no reduce-scatter (no gradient crosses the wire), so a float8 "
+            "one would never run; leave it off with one data-parallel rank (train.py: drop "
+            "--float8-reduce-scatter)")
     if dist.is_initialized() and dist.get_world_size() > 1:  # [Note: ranks that disagree]
         agreement.agree(
             {("float8_reduce_scatter", "float8_dtype"): str(config.float8_dtype),
@@ -259,3 +266,9 @@ def enable_float8_reduce_scatter(
                 f"{type(module).__name__}: {e}"
             ) from e
     return len(modules)
+
+
+def _shard_size(module) -> Optional[int]:
+    """How many ranks the FSDP2 ``module`` shards its parameters over; None without parameters."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return None if group is None else group.mesh_info.shard_mesh_size

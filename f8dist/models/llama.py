@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from f8dist.linear import Float8Linear
 from f8dist.models.norm import RMSNorm
+from f8dist.placement import is_dtensor
 from f8dist.swiglu import swiglu_for
 
 __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "Attention", "FeedForward"]
@@ -146,17 +147,35 @@ def _norm_reader(linear: nn.Module, recompute) -> dict:
     return {"recompute": recompute} if linear.config.recompute_norm_output else {}
 
 
-def _normalize(norm: nn.Module, x: torch.Tensor):
-    """``(norm(x), kwargs)``: ``{"recompute": (fn, tensors)}`` for the module that reads the
+def _normalize(norm: nn.Module, x: torch.Tensor, readers=()):
+    """``(norm(x), kwargs)``: ``{"recompute": (fn, tensors)}`` for the modules that read the
     output, from f8dist's RMSNorm, whose backward keeps what recomputes its output ([Note: a norm
-    output recomputed in backward] in f8dist/models/norm.py); ``{}`` from another norm (a
-    subclass's ``nn.RMSNorm``), without grad, and from a norm with hooks, which only a call of
-    the module runs (a TP style's layouts, FSDP2's all-gather). A keyword only when given, so
-    that a TP style's input layouts still count the positional inputs."""
-    if isinstance(norm, RMSNorm) and not _hooked(norm):
-        out, recompute = norm.normalize(x)
-        return out, ({} if recompute is None else {"recompute": recompute})
-    return norm(x), {}
+    output recomputed in backward] in f8dist/models/norm.py); ``{}`` without grad. A keyword only
+    when given, so that a TP style's input layouts still count the positional inputs.
+    ``readers``: the linears that read the output; where one's config has
+    ``recompute_norm_output`` and the norm gives no recompute (another norm class, a norm with
+    hooks, which only a call of the module runs: a TP style's layouts, FSDP2's all-gather; a
+    DTensor input), the option would do nothing: that raises."""
+    plain = isinstance(norm, RMSNorm) and not _hooked(norm)
+    out, recompute = norm.normalize(x) if plain else (norm(x), None)
+    if recompute is not None:
+        return out, {"recompute": recompute}
+    asking = [r.fqn or type(r).__name__ for r in readers
+              if isinstance(r, Float8Linear) and r.config.recompute_norm_output]
+    if asking and torch.is_grad_enabled():
+        why = (f"it is {type(norm).__name__}, not f8dist.models.norm.RMSNorm" if not isinstance(
+                   norm, RMSNorm)
+               else "it runs hooks (a parallel style's, FSDP2's), which a recompute would bypass"
+               if not plain
+               else "its input is a DTensor (sequence parallel; a recompute would give the "
+                    "local rows)" if is_dtensor(x)
+               else "its weight is missing or of another dtype than its input")
+        raise ValueError(
+            f"recompute_norm_output: {', '.join(asking)} read a norm's output, but the norm gives "
+            f"nothing to recompute it from: {why}. The option would do nothing here: build the "
+            "linears' config without recompute_norm_output (train.py: drop "
+            "--recompute-norm-output)")
+    return out, {}
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -196,6 +215,10 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, Hq * D]
         return self.wo(out)  # [B, S, dim]
 
+    def norm_readers(self) -> tuple:
+        """The linears that read the input (a norm's output)."""
+        return self.wq, self.wk, self.wv
+
     def init_weights(self, std: float, generator: torch.Generator) -> None:
         for linear in (self.wq, self.wk, self.wv):
             _trunc_normal(linear.weight, 0.02, generator)
@@ -220,6 +243,10 @@ class FeedForward(nn.Module):
             self.w3(x, **_norm_reader(self.w3, recompute)), self.w2)
         return self.w2(product, **kwargs)
 
+    def norm_readers(self) -> tuple:
+        """The linears that read the input (a norm's output)."""
+        return self.w1, self.w3
+
     def init_weights(self, std: float, generator: torch.Generator) -> None:
         _trunc_normal(self.w1.weight, 0.02, generator)
         for linear in (self.w2, self.w3):
@@ -238,9 +265,9 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        normed, recompute = _normalize(self.attention_norm, x)
+        normed, recompute = _normalize(self.attention_norm, x, self.attention.norm_readers())
         h = x + self.attention(normed, rope, **recompute)
-        normed, recompute = _normalize(self.ffn_norm, h)
+        normed, recompute = _normalize(self.ffn_norm, h, self.feed_forward.norm_readers())
         return h + self.feed_forward(normed, **recompute)
 
     def init_weights(self, generator: torch.Generator) -> None:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from f8dist.grouped import Float8GroupedExperts, GroupedExperts, token_spec
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from f8dist.models.norm import RMSNorm
 
 __all__ = ["MoEArgs", "MoE", "MoETransformer", "TokenChoiceRouter"]
 
@@ -129,7 +130,10 @@ class MoE(nn.Module):
         self.ep_group = None
         self.float8_dispatch = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute=None) -> torch.Tensor:
+        """``recompute``: ``(fn, tensors)`` that give ``x`` again, for the shared expert's w1 and
+        w3 (:meth:`FeedForward.forward`); the router and the routed experts keep what they
+        keep."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [T, dim]
         t, k = xf.shape[0], self.args.top_k
@@ -143,8 +147,13 @@ class MoE(nn.Module):
         weighted = combined.view(t, k, shape[-1]).float() * top[..., None]  # [T, k, dim]
         y = weighted.sum(dim=1).to(x.dtype)  # [T, dim]
         if self.shared_expert is not None:
-            y = y + self.shared_expert(xf)
+            kwargs = {} if recompute is None else {"recompute": recompute}
+            y = y + self.shared_expert(x, **kwargs).reshape(t, shape[-1])  # reads x as it is
         return y.reshape(shape)
+
+    def norm_readers(self) -> tuple:
+        """The linears that read the input (a norm's output): the shared expert's."""
+        return () if self.shared_expert is None else self.shared_expert.norm_readers()
 
     def _assignments(self, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The assignments (indices into ``experts`` [T * k]) sorted by expert, capacity
@@ -187,9 +196,9 @@ class MoEBlock(TransformerBlock):
     def __init__(self, layer_id: int, args: ModelArgs, moe_args: MoEArgs):
         nn.Module.__init__(self)
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.moe = MoE(args.dim, moe_args.hidden_dim or args.ffn_hidden_dim, moe_args)
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 

@@ -487,10 +487,11 @@ def run(args):
         results["rowwise+float8_activations"] = compare(
             args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True)
         # w2 recomputes its Shard(-1) input from the local float8 gate and up ([Note: a
-        # recomputed input] in f8dist/linear.py); the sequence-parallel norms give no recompute
+        # recomputed input] in f8dist/linear.py); the sequence-parallel norms give no recompute,
+        # so recompute_norm_output raises there (tests/models/test_llama.py)
         results["rowwise+float8_activations+recompute"] = compare(
             args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True,
-            recompute_swiglu_product=True, recompute_norm_output=True)
+            recompute_swiglu_product=True)
         results["errors"] = errors(mesh)
         results["padded_shard_sqnr_db"] = padded_shard(mesh)
         results["rowwise_replicated_input"] = rowwise_replicated_input(mesh)

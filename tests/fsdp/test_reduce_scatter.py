@@ -157,6 +157,24 @@ def test_enable_needs_a_fully_shard_model():
         enable_float8_reduce_scatter(nn.Linear(4, 4), config={"block_size": 256})
 
 
+def test_enable_refuses_one_rank_shards_where_it_would_never_run():
+    """FSDP2 runs no reduce-scatter on a one-rank shard group: the float8 one would silently do
+    nothing, so enabling it there raises (a 2-rank group, on the fake backend, takes it)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        one = fully_shard(nn.Sequential(nn.Linear(32, 32)),
+                          mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("r", "s"))["s"])
+        with pytest.raises(ValueError, match="over one rank.*no reduce-scatter.*leave it off"):
+            enable_float8_reduce_scatter(one)
+        assert enable_float8_reduce_scatter(fully_shard(nn.Sequential(nn.Linear(32, 32)))) == 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_clear_error_on_a_torch_without_the_hook(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 

@@ -93,3 +93,34 @@ def test_too_long_sequence_is_a_clear_error():
 def test_bad_args_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         ModelArgs(**bad)
+
+
+def test_recompute_norm_output_that_cannot_take_effect_raises():
+    """recompute_norm_output recomputes a norm's output from what f8dist's RMSNorm keeps; where the
+    norm gives nothing to recompute from (a norm with hooks, as a sequence-parallel style's; another
+    norm class) the option would do nothing: the forward says so. Without grad, or without the
+    option, the same block runs."""
+    import torch.nn as nn
+
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.models.llama import TransformerBlock, precompute_rope
+
+    args = ModelArgs(dim=64, n_heads=4, max_seq_len=8)
+    rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+    x = torch.randn(2, 8, 64)
+    config = Float8LinearConfig.from_recipe_name("rowwise").replace(recompute_norm_output=True)
+    for change, words in [
+        (lambda b: b.attention_norm.register_forward_hook(lambda *a: None), "runs hooks"),
+        (lambda b: setattr(b, "ffn_norm", nn.RMSNorm(64)), "is RMSNorm, not f8dist"),
+    ]:
+        block = TransformerBlock(0, args)
+        convert_to_float8_training(block, config=config)
+        change(block)
+        with pytest.raises(ValueError, match=f"recompute_norm_output: .*{words}.*drop"):
+            block(x, rope)
+        with torch.no_grad():
+            block(x, rope)
+    block = TransformerBlock(0, args)
+    convert_to_float8_training(block, config=config.replace(recompute_norm_output=False))
+    block.attention_norm.register_forward_hook(lambda *a: None)
+    block(x, rope).sum().backward()

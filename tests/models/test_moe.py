@@ -106,3 +106,36 @@ def test_an_empty_batch_and_a_nan_token(recipe):
     assert not torch.isfinite(out[0, 3]).any()
     finite_rows = torch.isfinite(out[0]).all(-1)
     assert finite_rows.sum() == (0 if recipe == "tensorwise" else 7)
+
+
+def test_recompute_norm_output_takes_effect_in_moe_blocks():
+    """The MoE blocks' norms are f8dist's RMSNorm (which keeps input and rstd, not float32
+    copies), so recompute_norm_output applies as in the dense blocks: wq/wk/wv and the shared
+    expert's w1/w3 keep nothing of the norms' outputs, the gradients bit for bit those without
+    it."""
+    from f8dist.models.norm import RMSNorm
+    from f8dist.testing import measure_fwd_bwd
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, max_seq_len=16)
+    models = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = MoETransformer(args, MoEArgs(num_experts=4, top_k=2))
+        model.init_weights(seed=0)
+        config = Float8LinearConfig.from_recipe_name("rowwise").replace(
+            float8_activations_for_backward=True, recompute_norm_output=recompute)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, f: f != "output")
+        models.append(model)
+    block = models[1].layers["0"]
+    assert isinstance(block.attention_norm, RMSNorm) and isinstance(block.ffn_norm, RMSNorm)
+    x = torch.randn(2, 16, args.dim, generator=torch.Generator().manual_seed(1))
+    kept = [measure_fwd_bwd(m.layers["0"], x, m.rope).kept_bytes for m in models]
+    normed = x.numel()  # one float8 byte per element of a norm output
+    assert kept[0] - kept[1] >= 2 * normed, kept  # attention's and the shared expert's copies
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for m in models:
+        m.zero_grad()
+        m(tokens).float().square().mean().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
