@@ -10,6 +10,9 @@ tests/distributed/test_fsdp_block.py.
   20-row layer over 8 ranks: 3 rows on six, 2 on one, none on the last): one device's numbers,
   no amax all-reduce;
 * a float8 all-gather whose shards would split blocks raises, naming the fix;
+* a one-rank FSDP2 group, where FSDP2 runs no collective ([Note: one-rank FSDP2 group]): every
+  recipe that gathers in float8, linears and grouped experts, one device's numbers over two
+  optimizer steps.
 """
 
 import copy
