@@ -122,6 +122,13 @@ class Float8AllGatherWeight(torch.Tensor):
     # -- FSDP2 all-gather extension --------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        inputs, metadata = self._all_gather_inputs(mesh, outer_size, module)
+        # [Note: one-rank FSDP2 group]: the inputs FSDP2 then does not copy ride along
+        local = tuple(t.clone() for t in inputs[1:]) if mesh.size() == 1 else ()
+        return inputs, (metadata, local)
+
+    def _all_gather_inputs(self, mesh, outer_size, module):
+        """This rank's all-gather inputs (uint8) and the metadata post_all_gather reads."""
         shard = self._tensor  # [rows, K], rows <= padded rows (0 for an empty shard)
         spec = _weight_spec(self, module, self._config)
         if spec.grouped:  # a 3-D expert weight: [Note: float8 all-gather of expert weights]
@@ -152,11 +159,14 @@ class Float8AllGatherWeight(torch.Tensor):
         *,
         out: Optional[torch.Tensor] = None,
     ):
+        metadata, local = metadata
+        # [Note: one-rank FSDP2 group]: the outputs FSDP2 did not make are this rank's inputs
+        outputs = (*all_gather_outputs, *local[len(all_gather_outputs) - 1:])
         if metadata[0] == "blocks":
-            return _block_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+            return _block_post_all_gather(outputs, metadata, param_dtype, out)
         if metadata[0] == "experts":
-            return _experts_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
-        (data,) = all_gather_outputs  # [world * padded_rows, K] uint8
+            return _experts_post_all_gather(outputs, metadata, param_dtype, out)
+        (data,) = outputs  # [world * padded_rows, K] uint8
         scale, fp8_dtype = metadata
         data = data.view(fp8_dtype)
         if out is not None:
@@ -187,6 +197,18 @@ class Float8AllGatherWeight(torch.Tensor):
     def _whole_weight_amax(self, mesh, module) -> torch.Tensor:
         """amax of the logical weight: one all-reduce over the axes sharding it."""
         return reduce_over_shards(tensor_amax(self._tensor), *_sharding_of(self, module, mesh), "max")
+
+
+# [Note: one-rank FSDP2 group]
+# On a one-rank FSDP2 group (one process; dp = 1 under TP or EP) torch's FSDP2 runs no collective
+# (FSDPParamGroup.unshard and wait_for_unshard, torch 2.13): it calls fsdp_pre_all_gather, copies
+# its FIRST input into the all-gather output and hands fsdp_post_all_gather that one output, with
+# the metadata. A weight may send more than one input (a block-scaled weight's scales, the
+# per-expert scales of experts FSDP2 shards on dim 0), so on a mesh of one rank (the group FSDP2
+# tests) pre_all_gather puts the inputs after the first in the metadata too, and post_all_gather
+# takes each output FSDP2 did not make from there: on one rank an all-gather returns its input.
+# One rule for every weight kind; with more ranks nothing more rides along. They are clones:
+# FSDP2 frees the storage of the tensors post_all_gather returns and re-allocates it.
 
 
 # [Note: block-scaled all-gather]

@@ -10,6 +10,9 @@ tests/distributed/test_fsdp_block.py.
   20-row layer over 8 ranks: 3 rows on six, 2 on one, none on the last): one device's numbers,
   no amax all-reduce;
 * a float8 all-gather whose shards would split blocks raises, naming the fix;
+* a one-rank FSDP2 group, where FSDP2 runs no collective ([Note: one-rank FSDP2 group]): every
+  recipe that gathers in float8, linears and grouped experts, one device's numbers over two
+  optimizer steps.
 """
 
 import copy
@@ -19,8 +22,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist import (
+    Float8Linear, Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history,
+)
 from f8dist.fsdp import Float8AllGatherWeight
+from f8dist.grouped import GroupedExperts
 from f8dist.testing import count_collectives
 from tests.sim.threads import run_threads
 
@@ -167,3 +173,65 @@ def test_float8_all_gather_of_split_blocks_raises_on_8_ranks(recipe, head, words
         run_threads(WORLD, lambda rank: shard(models[rank])(batch(0)))
     for word in words:
         assert word in str(e.value)
+
+
+# -- a one-rank FSDP2 group ([Note: one-rank FSDP2 group] in f8dist/fsdp/weight.py) --------------
+
+ONE_DIM, ONE_HIDDEN, ONE_EXPERTS = 128, 128, 4  # whole 128x128 blocks for 'blockwise'
+
+
+class LinearsAndExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(ONE_DIM, ONE_DIM, bias=False)
+        self.experts = GroupedExperts(ONE_DIM, ONE_HIDDEN, ONE_EXPERTS)
+        self.experts.init_weights(0.02, torch.Generator().manual_seed(1))
+
+    def forward(self, x):  # [M, DIM]
+        offsets = torch.tensor([16, 16, 48, x.shape[0]], dtype=torch.int32)  # expert 1: no token
+        return self.experts(torch.relu(self.fc(x)), offsets)  # [M, DIM]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8_square_weights", "blockwise"])
+def test_one_rank_group_matches_one_device(recipe):
+    """Every recipe that all-gathers in float8, dense and grouped experts, on a one-rank FSDP2
+    group (FSDP2 runs no collective and hands post_all_gather its first input only): outputs
+    and gradients one device's bit for bit, over two steps with an optimizer step between."""
+    torch.manual_seed(0)
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(enable_fsdp_float8_all_gather=True)
+    ref = convert_to_float8_training(LinearsAndExperts(), config=config)
+    model = copy.deepcopy(ref)
+    batches = [torch.randn(64, ONE_DIM, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    outs, grads = [], []
+    for x in batches:
+        y = ref(x)
+        y.pow(2).mean().backward()
+        outs.append(y.detach())
+        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        sync_float8_amax_and_scale_history(ref)  # delayed: the next step's scales
+        opt_ref.step()
+        opt_ref.zero_grad()
+
+    def rank_main(rank):
+        fully_shard(model.fc)
+        fully_shard(model.experts)
+        fully_shard(model)
+        gathered_in_float8 = [n for n, p in model.named_parameters()
+                              if isinstance(p.to_local(), Float8AllGatherWeight)]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step, x in enumerate(batches):
+            y = model(x)
+            y.pow(2).mean().backward()
+            assert torch.equal(y, outs[step]), step
+            for name, p in model.named_parameters():
+                assert torch.equal(p.grad.full_tensor(), grads[step][name]), (step, name)
+            sync_float8_amax_and_scale_history(model)
+            opt.step()
+            opt.zero_grad()
+        return gathered_in_float8
+
+    (gathered,) = run_threads(1, rank_main)
+    # experts gather in float8 with a dynamic tensorwise cast only (gathers_float8)
+    experts = ["experts.w1", "experts.w2", "experts.w3"] if recipe == "tensorwise" else []
+    assert gathered == ["fc.weight", *experts]

@@ -6,7 +6,8 @@ tests/distributed/test_tp.py (a 2 x 2 mesh on 4 gloo ranks), and every amax all-
 exactly the mesh axes that shard its tensor ([Note: amax] in f8dist/placement.py): tp for
 sequence-parallel activations, dp and tp at once for a weight FSDP2 gathers in float8 (one per
 weight), none for block scales (whose float8 weight gradients are one device's bit for bit);
-on HSDP x TP, dp_shard and tp at once. (Rowwise's K-sharded amaxes over tp alone:
+on HSDP x TP, dp_shard and tp at once. A dp 1 x tp 2 mesh gathers in float8 on FSDP2's one-rank
+group. (Rowwise's K-sharded amaxes over tp alone:
 tests/sim/test_cast.py; rowwise 2-D against one device: tests/distributed/test_tp.py.)"""
 
 import copy
@@ -37,25 +38,25 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_2d(recipe, float8_all_gather=False):
-    """Per rank: (SQNRs against one device, forward and backward collective counts, number of
-    float8 linears, the global ranks of its tp group)."""
+def run_2d(recipe, float8_all_gather=False, dp=DP, tp=TP):
+    """Per rank of a ``dp`` x ``tp`` mesh: (SQNRs against one device, forward and backward
+    collective counts, number of float8 linears, the global ranks of its tp group)."""
     config = Float8LinearConfig.from_recipe_name(recipe).replace(
         enable_fsdp_float8_all_gather=float8_all_gather)
     model = Transformer(ARGS)
     model.init_weights(seed=0)
     convert_to_float8_training(model, config=config)
     reference = copy.deepcopy(model)
-    models = [copy.deepcopy(model) for _ in range(DP * TP)]
+    models = [copy.deepcopy(model) for _ in range(dp * tp)]
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, ARGS.vocab_size, (DP * BATCH, SEQ), generator=gen)
-    grad_logits = torch.randn(DP * BATCH, SEQ, ARGS.vocab_size, generator=gen)
+    tokens = torch.randint(0, ARGS.vocab_size, (dp * BATCH, SEQ), generator=gen)
+    grad_logits = torch.randn(dp * BATCH, SEQ, ARGS.vocab_size, generator=gen)
     refs = [run_model(reference, tokens[d * BATCH:(d + 1) * BATCH],
-                      grad_logits[d * BATCH:(d + 1) * BATCH]) for d in range(DP)]
+                      grad_logits[d * BATCH:(d + 1) * BATCH]) for d in range(dp)]
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}  # summed over dp batches
 
     def rank_main(rank):
-        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         model = models[rank]
         parallelize_llama(model, mesh["tp"], float8=True, loss_parallel=True)
         shard_2d(model, mesh["dp"])
@@ -64,21 +65,21 @@ def run_2d(recipe, float8_all_gather=False):
         grad_tp = distribute_tensor(grad_logits[mine], mesh["tp"], [Shard(-1)])
         logits, grad_h, fwd, bwd = run_model(model, tokens[mine], grad_tp)
         ref_logits, ref_grad_h = refs[d][0], refs[d][1]
-        seq = slice(t * SEQ // TP, (t + 1) * SEQ // TP)  # this rank's sequence shard
+        seq = slice(t * SEQ // tp, (t + 1) * SEQ // tp)  # this rank's sequence shard
         sqnrs = {"logits": sqnr(ref_logits.detach(), full(logits).detach()),
                  "grad_input": sqnr(ref_grad_h[:, seq], grad_h)}
         for name, p in model.named_parameters():  # FSDP2 averages over dp (a power of 2: exact)
-            sqnrs[f"grad:{name}"] = sqnr(ref_grads[name], full(p.grad) * DP)
+            sqnrs[f"grad:{name}"] = sqnr(ref_grads[name], full(p.grad) * dp)
         n = sum(isinstance(m, Float8Linear) for m in model.modules())
         return sqnrs, fwd, bwd, n, tuple(sorted(mesh["tp"].mesh.flatten().tolist()))
 
-    return run_threads(DP * TP, rank_main)
+    return run_threads(dp * tp, rank_main)
 
 
-def _check(results, recipe):
+def _check(results, recipe, dp=DP, tp=TP):
     for sqnrs, *_ in results:
         low = {k: v for k, v in sqnrs.items() if v < FLOOR_2D_DB}
-        assert not low, f"{recipe} (dp {DP} x tp {TP}): below {FLOOR_2D_DB} dB: {low}"
+        assert not low, f"{recipe} (dp {dp} x tp {tp}): below {FLOOR_2D_DB} dB: {low}"
 
 
 def _max_reduces(counts):
@@ -113,6 +114,16 @@ def test_2d_mxfp8_reduces_no_amax_and_gives_one_device_weight_gradients():
         exact = [k for k, v in sqnrs.items() if v == float("inf")]
         assert len([k for k in exact if k.startswith("grad:") and "norm" not in k
                     and "tok_embeddings" not in k]) == n, sqnrs
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8_square_weights"])
+def test_float8_all_gather_on_a_one_rank_dp_group_under_tp(recipe):
+    """dp 1 x tp 2 (``train.py --tp 2`` on 2 ranks): FSDP2 runs no all-gather on its one-rank
+    group ([Note: one-rank FSDP2 group] in f8dist/fsdp/weight.py), a square-block weight's scales
+    included."""
+    results = run_2d(recipe, float8_all_gather=True, dp=1, tp=2)
+    _check(results, f"{recipe}+float8_all_gather", dp=1, tp=2)
+    assert [n for *_, n, _ in results] == [8, 8]  # float8 linears per rank
 
 
 def test_hsdp_x_tp_reduces_each_weight_amax_once_over_dp_shard_and_tp():
