@@ -47,19 +47,25 @@ def test_expert_parallel_on_simulated_ranks_matches_one_device(world, recipe):
     def rank_main(rank):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
         ep = parallelize_moe(layers[rank], mesh)
-        mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-        xi = x[:, mine].clone().requires_grad_()
-        o = ep(xi)
-        o.backward(grad[:, mine])
-        experts = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        assert torch.equal(o, out[:, mine]), rank
-        assert torch.equal(xi.grad, x_ref.grad[:, mine]), rank
-        for w in ("w1", "w2", "w3"):
-            mine_grad = getattr(ep.experts, w).grad.to_local()
-            assert torch.equal(mine_grad, getattr(ref.experts, w).grad[experts]), (rank, w)
-        return o.shape[1]
+        return _step_matches_one_device(ep, ref, rank, sizes, x, grad, out, x_ref).shape[1]
 
     assert run_threads(world, rank_main) == sizes
+
+
+def _step_matches_one_device(ep, ref, rank, sizes, x, grad, out, x_ref):
+    """Rank ``rank``'s forward and backward of its tokens: output, input and expert gradients
+    equal one device's (``ref``'s ``out``, ``x_ref.grad``) bit for bit; returns the output."""
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    xi = x[:, mine].clone().requires_grad_()
+    o = ep(xi)
+    o.backward(grad[:, mine])
+    experts = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    assert torch.equal(o, out[:, mine]), rank
+    assert torch.equal(xi.grad, x_ref.grad[:, mine]), rank
+    for w in ("w1", "w2", "w3"):
+        mine_grad = getattr(ep.experts, w).grad.to_local()
+        assert torch.equal(mine_grad, getattr(ref.experts, w).grad[experts]), (rank, w)
+    return o
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8_square_weights"])
@@ -89,16 +95,7 @@ def test_expert_parallel_with_float8_all_gather_on_a_one_rank_dp_group(recipe):
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "ep"))
         ep = parallelize_moe(layers[rank], mesh["ep"])
         fully_shard(ep.experts, mesh=mesh["dp_shard"], shard_placement_fn=lambda p: Shard(1))
-        mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-        xi = x[:, mine].clone().requires_grad_()
-        o = ep(xi)
-        o.backward(grad[:, mine])
-        experts = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        assert torch.equal(o, out[:, mine]), rank
-        assert torch.equal(xi.grad, x_ref.grad[:, mine]), rank
-        for w in ("w1", "w2", "w3"):
-            mine_grad = getattr(ep.experts, w).grad.to_local()
-            assert torch.equal(mine_grad, getattr(ref.experts, w).grad[experts]), (rank, w)
+        _step_matches_one_device(ep, ref, rank, sizes, x, grad, out, x_ref)
         return type(ep.experts.w1.to_local()).__name__
 
     gathered = run_threads(world, rank_main)
