@@ -450,7 +450,6 @@ def _scale(
     """
     first = owners[0]
     local = local_part(hp)
-    record = record and local.numel() > 0  # an empty tensor is no data ([Note: no data])
     first_step = first.first_step[op]
     if isinstance(local, Float8Tensor):
         return first.buffer("scale", op)
@@ -472,7 +471,7 @@ def _scale(
     else:
         scale = first.buffer("scale", op)
         out_of_range = first._out_of_range(op, seen, scale)
-    if record:
+    if record and local.numel() > 0:  # an empty tensor is no data ([Note: no data])
         first._record(op, amax, out_of_range, own=own)
         for o in owners[1:]:
             o._record(op, amax, out_of_range, own=False)
