@@ -170,6 +170,13 @@ work:
   recipes] in f8dist/checkpoint.py);
 * a float8 checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``, or with
   ``load_state_dict(sd, strict=False)`` (the ``fp8_*`` keys then come back as unexpected keys).
+
+A model built on the meta device (torchtitan's build) gets its values from ``to_empty`` and an
+init (``reset_parameters``, ``init_weights``), which restart the delayed buffers, or from
+``load_state_dict(sd, assign=True)``, which takes ``sd``'s tensors: the delayed buffers ``sd``
+lacks (all of a plain checkpoint's, the non-persistent ``fp8_steps_*`` of any) come fresh on the
+weight's device (:meth:`DelayedScaling.materialize`). The sync refuses buffers still on meta next
+to a weight with values, which would record nothing.
 """
 
 from __future__ import annotations
@@ -199,6 +206,7 @@ DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 # numbers, and how far above the format's max its max may land
 KEPT_BINADES, SATURATION = 10, 2.0
 _KINDS = ("amax", "amax_history", "scale", "steps")  # the buffers fp8_{kind}_{op}
+_INITIAL = {"amax": 0.0, "amax_history": 0.0, "scale": 1.0, "steps": 0.0}  # their fresh values
 _FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
@@ -313,10 +321,36 @@ class DelayedScaling:
         step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py),
         ``reset_parameters`` and ``to_empty`` from the meta device (whose memory is garbage)."""
         for op in self.operands:
-            for kind in ("amax", "amax_history", "steps"):
-                self.buffer(kind, op).zero_()
-            self.buffer("scale", op).fill_(1.0)
+            for kind in _KINDS:
+                self.buffer(kind, op).fill_(_INITIAL[kind])
         self.reset()
+
+    def materialize(self) -> None:
+        """Fresh buffers on the weight's device in place of those still on the meta device once
+        the weight has values: ``load_state_dict(sd, assign=True)`` into a model built on meta
+        assigns only the tensors that ``sd`` holds ([Note: delayed checkpoints])."""
+        device = self.module.weight.device
+        if device.type == "meta":
+            return
+        for op in self.operands:
+            for kind in _KINDS:
+                name = f"fp8_{kind}_{op}"
+                if getattr(self.module, name).is_meta:
+                    setattr(self.module, name, torch.empty_like(getattr(self.module, name), device=device))
+                    self.buffer(kind, op).fill_(_INITIAL[kind])
+
+    def check_materialized(self) -> None:
+        """Raise if the buffers are on the meta device while the weight has values: then no step
+        records (a weight set by hand on a model built on meta)."""
+        if self.on_meta() and not self.module.weight.is_meta:
+            raise RuntimeError(
+                f"{self._fqn()}: its delayed-scaling buffers (fp8_amax_*, fp8_amax_history_*, "
+                f"fp8_scale_*) are on the meta device while its weight is on "
+                f"{self.module.weight.device}: delayed scaling would record nothing. Materialize a "
+                "model built on meta with model.to_empty(device=...) and then its init "
+                "(reset_parameters, init_weights), or with load_state_dict(sd, assign=True), "
+                "rather than setting its weights alone"
+            )
 
     def on_meta(self) -> bool:
         """Whether the buffers are on the meta device (no values)."""
@@ -582,6 +616,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
         return
     for o in owners:
         o.sync_called = True  # [Note: a forgotten sync]
+        o.check_materialized()
     group = group if group is not None else owners[0].group
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
@@ -722,10 +757,12 @@ def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, mis
     """
     names = [f"fp8_{kind}_{op}" for op in owner.operands for kind in ("amax", "amax_history", "scale")]
     keys = [prefix + n for n in names]
+    owner.materialize()  # assign=True into a model built on meta
     owner.reset()
     if any(k in state_dict for k in keys):
         # a history that saw data is resumed as is; an all-zero one still needs the first-step init
-        owner.first_step = {op: not bool(owner.buffer("amax_history", op).any()) for op in owner.operands}
+        histories = {op: owner.buffer("amax_history", op) for op in owner.operands}
+        owner.first_step = {op: h.is_meta or not bool(h.any()) for op, h in histories.items()}
         return
     absent = set(keys)
     missing_keys[:] = [k for k in missing_keys if k not in absent]

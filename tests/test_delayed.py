@@ -650,6 +650,43 @@ def test_meta_init_gives_fresh_delayed_buffers(init):
     assert_buffers_equal(bufs_ref[-1], bufs[-1])
 
 
+@pytest.mark.parametrize("kind,strict", [("plain", True), ("plain", False), ("float8", True)])
+def test_meta_build_then_load_with_assign(kind, strict):
+    # load_state_dict(sd, assign=True) into a model built on meta (torchtitan's build) assigned
+    # the weights and left the delayed buffers on meta: no step recorded, a checkpoint held meta
+    # tensors. The buffers sd lacks (all of a plain one's, the non-persistent ones) come fresh
+    ref = float8_model()
+    if kind == "float8":
+        train(ref, batches(2))
+    sd = copy.deepcopy({k: v for k, v in ref.state_dict().items()
+                        if kind == "float8" or ".fp8_" not in k})  # assign takes these tensors
+    with torch.device("meta"):
+        model = float8_model()
+    model.load_state_dict(sd, strict=strict, assign=True)
+    assert not [name for name, b in model.named_buffers() if b.is_meta]
+    assert_buffers_equal(delayed_buffers(ref), delayed_buffers(model))
+    outs, _, bufs = train(model, batches(2, seed=2))
+    outs_ref, _, bufs_ref = train(ref, batches(2, seed=2))
+    assert torch.equal(outs[-1], outs_ref[-1])
+    assert_buffers_equal(bufs_ref[-1], bufs[-1])
+
+
+def test_a_meta_state_dict_loads_into_a_meta_model_with_assign():
+    with torch.device("meta"):
+        model, other = float8_model(), float8_model()
+    model.load_state_dict(other.state_dict(), assign=True)  # read no meta history
+    assert all(b.is_meta for b in model.buffers()) and not model[0].delayed.synced
+
+
+def test_a_sync_refuses_buffers_left_on_meta():
+    with torch.device("meta"):
+        model = float8_model()
+    model[0].weight = nn.Parameter(torch.randn(64, 32))  # by hand: the buffers stay on meta
+    with pytest.raises(RuntimeError, match=r"^0: its delayed-scaling buffers .* on the meta device "
+                                           r"while its weight is on \w+.*to_empty"):
+        sync_float8_amax_and_scale_history(model)
+
+
 def test_reset_parameters_resets_the_delayed_state():
     model = float8_model()
     train(model, batches(2))
