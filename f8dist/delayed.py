@@ -31,8 +31,8 @@ disabled (``no_grad``, ``inference_mode``) or of a module in ``eval()`` casts wi
 scale and leaves every buffer as it was. Nothing in forward or backward changes Python state (a
 compiled, checkpointed region must not), so any number of forwards may run between two syncs.
 
-The amax recorded is ``tensor_amax`` of the *local* tensor (0 for an empty shard): the record
-runs no collective. Under FSDP2 and TP (weight shards), SP (sequence
+The amax recorded is ``tensor_amax`` of the *local* tensor (an empty one records nothing:
+[Note: no data]): the record runs no collective. Under FSDP2 and TP (weight shards), SP (sequence
 shards) and data parallelism (micro-batches) it is a partial amax; the sync's MAX all-reduce makes
 it the amax of the logical tensor over the global batch, so after each sync every rank holds the
 histories and scales of one device that ran the global batch ([Note: amax] in
@@ -120,13 +120,18 @@ counted.
 [Note: no data]
 A step may bring an operand no data: a sync before any forward, a layer that did not run in the
 step (a skipped branch), a weight whose FSDP2 all-gather was skipped
-(FSDP2 keeps the root's parameters unsharded after a forward without backward). Its pending amax
-is then 0, which as a history entry would mean "the tensor was all zeros" and, once it is the
-history's max, give the scale of amax 0 (2**126 with power-of-2 scales): every value saturates.
-So each record marks the step as recorded (``fp8_steps_{op}``, own or shared), the sync sends an
-unrecorded amax as -1 (a MAX all-reduce keeps any rank's data), and an operand no rank recorded
-keeps its history and scale; an owner stays in its first step until a sync sees data for it.
-A genuine all-zero tensor is data (amax 0).
+(FSDP2 keeps the root's parameters unsharded after a forward without backward), an empty tensor
+(an empty batch, a rank whose experts got no tokens, the empty shard of an unevenly sharded
+weight). Its pending amax is then 0, which as a history entry would mean "the tensor was all
+zeros" and, once it is the history's max, give the scale of amax 0 (2**126 with power-of-2
+scales): every value saturates. So a cast of an empty tensor records nothing, each record marks
+the step as recorded (``fp8_steps_{op}``, own or shared), the sync sends an unrecorded amax as -1
+(a MAX all-reduce keeps any rank's data), and an operand no rank recorded keeps its history and
+scale. An operand stays in its first step until a sync sees data for it: per operand, as an empty
+batch brings none to the input and grad_output while the weight records. A compiled sync cannot
+read on the host which operands saw data and ends every first step: an operand without data then
+casts its next step with the initial scale 1.0 (out of range, [Note: out of range], unless its
+amax is 16 to 896 in e4m3). A genuine all-zero tensor is data (amax 0).
 
 [Note: eval forwards under FSDP2]
 An evaluation forward (``eval()`` or no grad) casts with the history's scales and records
@@ -165,6 +170,13 @@ work:
   recipes] in f8dist/checkpoint.py);
 * a float8 checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``, or with
   ``load_state_dict(sd, strict=False)`` (the ``fp8_*`` keys then come back as unexpected keys).
+
+A model built on the meta device (torchtitan's build) gets its values from ``to_empty`` and an
+init (``reset_parameters``, ``init_weights``), which restart the delayed buffers, or from
+``load_state_dict(sd, assign=True)``, which takes ``sd``'s tensors: the delayed buffers ``sd``
+lacks (all of a plain checkpoint's, the non-persistent ``fp8_steps_*`` of any) come fresh on the
+weight's device (:meth:`DelayedScaling.materialize`). The sync refuses buffers still on meta next
+to a weight with values, which would record nothing.
 """
 
 from __future__ import annotations
@@ -194,6 +206,7 @@ DELAYED_BUFFER_PREFIXES = ("fp8_amax_history_", "fp8_amax_", "fp8_scale_")
 # numbers, and how far above the format's max its max may land
 KEPT_BINADES, SATURATION = 10, 2.0
 _KINDS = ("amax", "amax_history", "scale", "steps")  # the buffers fp8_{kind}_{op}
+_INITIAL = {"amax": 0.0, "amax_history": 0.0, "scale": 1.0, "steps": 0.0}  # their fresh values
 _FLAG, _OWN, _SHARED_AMAX, _SHARED_FLAG, _COUNTERS = 0, 1, 2, 3, slice(4, 6)  # fp8_steps_{op}
 
 Scales = Dict[Tuple[Gemm, Operand], torch.Tensor]
@@ -290,18 +303,54 @@ class DelayedScaling:
     def reset(self) -> None:
         """Forget the history: until the next sync, casts are those of [Note: first step]."""
         # Python state that changes in the sync only, never in forward or backward (a compiled
-        # checkpointed region must not change it)
-        self.synced = False
+        # checkpointed region must not change it). Per operand: a step may bring data to one
+        # operand and not to another (an empty batch: [Note: no data])
+        self.first_step = {op: True for op in self.operands}
+
+    @property
+    def synced(self) -> bool:
+        """Whether every operand has left its first step ([Note: first step])."""
+        return not any(self.first_step.values())
+
+    @synced.setter
+    def synced(self, value: bool) -> None:
+        self.first_step = {op: not value for op in self.operands}
 
     def restart(self) -> None:
         """Put every buffer back to its initial value and :meth:`reset`: the next step is a first
         step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py),
         ``reset_parameters`` and ``to_empty`` from the meta device (whose memory is garbage)."""
         for op in self.operands:
-            for kind in ("amax", "amax_history", "steps"):
-                self.buffer(kind, op).zero_()
-            self.buffer("scale", op).fill_(1.0)
+            for kind in _KINDS:
+                self.buffer(kind, op).fill_(_INITIAL[kind])
         self.reset()
+
+    def materialize(self) -> None:
+        """Fresh buffers on the weight's device in place of those still on the meta device once
+        the weight has values: ``load_state_dict(sd, assign=True)`` into a model built on meta
+        assigns only the tensors that ``sd`` holds ([Note: delayed checkpoints])."""
+        device = self.module.weight.device
+        if device.type == "meta":
+            return
+        for op in self.operands:
+            for kind in _KINDS:
+                name = f"fp8_{kind}_{op}"
+                if getattr(self.module, name).is_meta:
+                    setattr(self.module, name, torch.empty_like(getattr(self.module, name), device=device))
+                    self.buffer(kind, op).fill_(_INITIAL[kind])
+
+    def check_materialized(self) -> None:
+        """Raise if the buffers are on the meta device while the weight has values: then no step
+        records (a weight set by hand on a model built on meta)."""
+        if self.on_meta() and not self.module.weight.is_meta:
+            raise RuntimeError(
+                f"{self._fqn()}: its delayed-scaling buffers (fp8_amax_*, fp8_amax_history_*, "
+                f"fp8_scale_*) are on the meta device while its weight is on "
+                f"{self.module.weight.device}: delayed scaling would record nothing. Materialize a "
+                "model built on meta with model.to_empty(device=...) and then its init "
+                "(reset_parameters, init_weights), or with load_state_dict(sd, assign=True), "
+                "rather than setting its weights alone"
+            )
 
     def on_meta(self) -> bool:
         """Whether the buffers are on the meta device (no values)."""
@@ -435,27 +484,28 @@ def _scale(
     """
     first = owners[0]
     local = local_part(hp)
+    first_step = first.first_step[op]
     if isinstance(local, Float8Tensor):
         return first.buffer("scale", op)
-    if later is not None and first.synced and not first.rescale:  # [Note: record after the cast]
+    if later is not None and not first_step and not first.rescale:  # [Note: record after the cast]
         if record:
             later.append(lambda: _scale(owners, op, hp, record, communicated, own=own,
                                          sharding=sharding))
         return first.buffer("scale", op)
     local = local.detach()
-    if first.rescale or not first.synced:  # the cast may wait for this amax
+    if first.rescale or first_step:  # the cast may wait for this amax
         local = in_memory(local)  # [Note: a cast that waits for its amax] in f8dist/scaling.py
     amax = tensor_amax(local)  # [], this rank's part: what the sync reduces
     seen, decides = amax, not communicated  # [], what this cast's scale follows; may it re-scale
-    if (not first.synced and (record or communicated)) or (communicated and is_dtensor(hp)):
+    if (first_step and (record or communicated)) or (communicated and is_dtensor(hp)):
         seen, decides = _logical_amax(amax, hp, sharding), True  # [Note: first step]
-    if first.enable_amax_init and not first.synced:
+    if first.enable_amax_init and first_step:
         out_of_range = None
         scale = first._to_scale(op, seen)
     else:
         scale = first.buffer("scale", op)
         out_of_range = first._out_of_range(op, seen, scale)
-    if record:
+    if record and local.numel() > 0:  # an empty tensor is no data ([Note: no data])
         first._record(op, amax, out_of_range, own=own)
         for o in owners[1:]:
             o._record(op, amax, out_of_range, own=False)
@@ -566,6 +616,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
         return
     for o in owners:
         o.sync_called = True  # [Note: a forgotten sync]
+        o.check_materialized()
     group = group if group is not None else owners[0].group
     entries = [(o, op) for o in owners for op in o.operands]
     _verify_layers(owners, entries, group)
@@ -581,7 +632,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     out_of_range = (reduced[len(entries):] > 0) & finite  # [E]; a non-finite amax is counted apart
     # the first step's amax (amax init) and that of a step out of range fill the whole history
     restart = out_of_range | torch.tensor(
-        [o.enable_amax_init and not o.synced for o, _ in entries], device=amaxes.device)  # [E]
+        [o.enable_amax_init and o.first_step[op] for o, op in entries], device=amaxes.device)  # [E]
 
     # histories of one length and scales of one dtype are updated as one stacked tensor each
     groups: Dict[tuple, List[int]] = {}
@@ -611,15 +662,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
 
 
 def _mark_synced(owners: List[DelayedScaling], entries, seen: torch.Tensor) -> None:
-    """[Note: no data]: an owner leaves its first step once a sync saw data for it. Read on the
-    host only while some owner has not (eagerly; a compiled sync marks every owner)."""
+    """[Note: no data]: an operand leaves its first step once a sync saw data for it. Read on the
+    host only while some operand has not (eagerly; a compiled sync marks every operand)."""
     if all(o.synced for o in owners) or torch.compiler.is_compiling():
         for o in owners:
             o.synced = True
         return
-    with_data = {id(o) for (o, _), s in zip(entries, seen.tolist()) if s}
-    for o in owners:
-        o.synced = o.synced or id(o) in with_data
+    for (o, op), s in zip(entries, seen.tolist()):
+        o.first_step[op] = o.first_step[op] and not s
 
 
 # [Note: a forgotten sync]
@@ -707,10 +757,12 @@ def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, mis
     """
     names = [f"fp8_{kind}_{op}" for op in owner.operands for kind in ("amax", "amax_history", "scale")]
     keys = [prefix + n for n in names]
+    owner.materialize()  # assign=True into a model built on meta
     owner.reset()
     if any(k in state_dict for k in keys):
         # a history that saw data is resumed as is; an all-zero one still needs the first-step init
-        owner.synced = any(bool(owner.buffer("amax_history", op).any()) for op in owner.operands)
+        histories = {op: owner.buffer("amax_history", op) for op in owner.operands}
+        owner.first_step = {op: h.is_meta or not bool(h.any()) for op, h in histories.items()}
         return
     absent = set(keys)
     missing_keys[:] = [k for k in missing_keys if k not in absent]

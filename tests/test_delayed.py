@@ -595,6 +595,38 @@ def test_a_layer_skipped_for_steps_keeps_its_history_and_scale(compiled):
         assert sqnr(high_precision(model.b, x), model.b(x)) > 20
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_empty_first_batch_is_no_data(compiled):
+    # an empty batch's amax 0 entered the histories as data: the first sync filled them with it
+    # (scale 2**126) and the next step saturated. Its weight (not empty) records; the weight is
+    # unchanged by the step (zero gradients), so training goes on as without the empty batch
+    if compiled:
+        torch._dynamo.reset()
+    model, ref = float8_model(COUNTED), float8_model(COUNTED)
+    data = batches(2)
+    empty = (data[0][0][:0], data[0][1][:0])
+    outs, _, bufs = train(model, [empty] + data, forward=_forward(model, compiled))
+    outs_ref, _, bufs_ref = train(ref, data)
+    for o, o_ref, b, b_ref in zip(outs[1:], outs_ref, bufs[1:], bufs_ref):
+        assert torch.equal(o, o_ref)
+        assert_buffers_equal(b_ref, b)
+    assert delayed_scaling_counters(model) == delayed_scaling_counters(ref)
+
+
+def test_an_empty_batch_later_keeps_the_histories():
+    # as a step without a record: the input and grad_output histories and scales stay as they
+    # were (an amax 0 rolled in before), the weight's roll as in any step
+    model = float8_model(COUNTED)
+    data = batches(3)
+    empty = (data[0][0][:0], data[0][1][:0])
+    _, _, bufs = train(model, data[:2] + [empty] + data[2:])
+    kept = [k for k in bufs[1] if not k.endswith("_weight")]
+    assert_buffers_equal({k: bufs[1][k] for k in kept}, {k: bufs[2][k] for k in kept})
+    assert not torch.equal(bufs[1]["0.fp8_amax_history_weight"], bufs[2]["0.fp8_amax_history_weight"])
+    assert all(c["out_of_range_steps"] == c["nonfinite_steps"] == 0
+               for layer in delayed_scaling_counters(model).values() for c in layer.values())
+
+
 @pytest.mark.parametrize("init", ["to_empty", "to_empty_and_reset_parameters"])
 def test_meta_init_gives_fresh_delayed_buffers(init):
     # issue 23 item 5: to_empty() left the delayed buffers as uninitialized memory
@@ -616,6 +648,43 @@ def test_meta_init_gives_fresh_delayed_buffers(init):
     outs_ref, _, bufs_ref = train(ref, batches(2))
     assert torch.equal(outs[-1], outs_ref[-1])
     assert_buffers_equal(bufs_ref[-1], bufs[-1])
+
+
+@pytest.mark.parametrize("kind,strict", [("plain", True), ("plain", False), ("float8", True)])
+def test_meta_build_then_load_with_assign(kind, strict):
+    # load_state_dict(sd, assign=True) into a model built on meta (torchtitan's build) assigned
+    # the weights and left the delayed buffers on meta: no step recorded, a checkpoint held meta
+    # tensors. The buffers sd lacks (all of a plain one's, the non-persistent ones) come fresh
+    ref = float8_model()
+    if kind == "float8":
+        train(ref, batches(2))
+    sd = copy.deepcopy({k: v for k, v in ref.state_dict().items()
+                        if kind == "float8" or ".fp8_" not in k})  # assign takes these tensors
+    with torch.device("meta"):
+        model = float8_model()
+    model.load_state_dict(sd, strict=strict, assign=True)
+    assert not [name for name, b in model.named_buffers() if b.is_meta]
+    assert_buffers_equal(delayed_buffers(ref), delayed_buffers(model))
+    outs, _, bufs = train(model, batches(2, seed=2))
+    outs_ref, _, bufs_ref = train(ref, batches(2, seed=2))
+    assert torch.equal(outs[-1], outs_ref[-1])
+    assert_buffers_equal(bufs_ref[-1], bufs[-1])
+
+
+def test_a_meta_state_dict_loads_into_a_meta_model_with_assign():
+    with torch.device("meta"):
+        model, other = float8_model(), float8_model()
+    model.load_state_dict(other.state_dict(), assign=True)  # read no meta history
+    assert all(b.is_meta for b in model.buffers()) and not model[0].delayed.synced
+
+
+def test_a_sync_refuses_buffers_left_on_meta():
+    with torch.device("meta"):
+        model = float8_model()
+    model[0].weight = nn.Parameter(torch.randn(64, 32))  # by hand: the buffers stay on meta
+    with pytest.raises(RuntimeError, match=r"^0: its delayed-scaling buffers .* on the meta device "
+                                           r"while its weight is on \w+.*to_empty"):
+        sync_float8_amax_and_scale_history(model)
 
 
 def test_reset_parameters_resets_the_delayed_state():

@@ -160,6 +160,55 @@ def test_delayed_experts_keep_a_history_per_expert_weight_fqn():
     assert w2.fp8_scale_weight == 1.0 and not w2.delayed.synced
 
 
+def test_delayed_experts_without_any_token_record_no_data():
+    """An expert layer whose experts get no token at all (an empty batch; under expert
+    parallelism, a rank whose experts got none) records no token amax ([Note: no data] in
+    f8dist/delayed.py): the next steps are those of a layer that skipped that step (its weights,
+    unchanged, record as always)."""
+    config = Float8LinearConfig.from_recipe_name("delayed")
+    model = convert_to_float8_training(nn.ModuleDict({"e": _experts()}), config=config)
+    ref = copy.deepcopy(model)
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    run_experts(model["e"], x[:0], torch.zeros_like(OFFSETS), WEIGHTS)
+    sync_float8_amax_and_scale_history(model)
+    model.zero_grad()
+    for factor in (1.0, 0.75):
+        outs = [run_experts(mod["e"], x * factor, OFFSETS, WEIGHTS) for mod in (ref, model)]
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        for mod in (ref, model):
+            sync_float8_amax_and_scale_history(mod)
+            mod.zero_grad()
+    ref_sd = ref.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["plain", "float8"])
+def test_delayed_experts_built_on_meta_load_with_assign(kind):
+    """load_state_dict(sd, assign=True) into delayed experts built on meta gives the delayed
+    buffers that ``sd`` lacks fresh on the weights' device (they stayed on meta)."""
+    config = Float8LinearConfig.from_recipe_name("delayed")
+    ref = convert_to_float8_training(nn.ModuleDict({"e": _experts()}), config=config)
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    if kind == "float8":
+        run_experts(ref["e"], x, OFFSETS, WEIGHTS)
+        sync_float8_amax_and_scale_history(ref)
+        ref.zero_grad()
+    sd = copy.deepcopy({k: v for k, v in ref.state_dict().items() if kind == "float8" or "fp8" not in k})
+    with torch.device("meta"):
+        model = convert_to_float8_training(
+            nn.ModuleDict({"e": GroupedExperts(dim=32, hidden_dim=64, num_experts=4)}), config=config)
+    model.load_state_dict(sd, assign=True)
+    assert not [name for name, b in model.named_buffers() if b.is_meta]
+    outs = [run_experts(mod["e"], x * 0.75, OFFSETS, WEIGHTS) for mod in (ref, model)]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for mod in (ref, model):
+        sync_float8_amax_and_scale_history(mod)
+    ref_sd = ref.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in model.state_dict().items())
+
+
 def test_e5m2_is_refused_for_experts_with_what_to_do():
     from f8dist.config import CastConfig, E5M2
     config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=E5M2))

@@ -147,6 +147,22 @@ def test_meta_build_and_init_weights(recipe, reference):
         assert delayed_keys == []
 
 
+def test_meta_build_then_a_plain_checkpoint_loaded_with_assign(reference):
+    """The other way a meta-built model gets values: load_state_dict(sd, assign=True). The
+    delayed buffers the plain checkpoint lacks come fresh on the weights' device (they stayed on
+    meta: no step recorded, a saved checkpoint held meta tensors)."""
+    with torch.device("meta"):
+        model = _sdpa(model_registry("debugmodel", converters=[_converter("delayed")]).model).build()
+    model.load_state_dict({k: v.clone() for k, v in reference[0].items()}, assign=True)
+    sd = model.state_dict()
+    delayed_keys = sorted(set(sd) - set(reference[0]))
+    assert len(delayed_keys) == N_LINEARS * 3 * 3
+    for k in delayed_keys:
+        assert torch.equal(sd[k], torch.ones(sd[k].shape) if ".fp8_scale_" in k
+                           else torch.zeros(sd[k].shape)), k
+    f8dist.sync_float8_amax_and_scale_history(model)  # a sync of fresh buffers changes nothing
+
+
 @pytest.mark.parametrize("recipe", RECIPES + BLOCK_RECIPES)
 def test_forward_and_backward_near_the_plain_model(recipe, reference):
     _, ref_out, ref_grad = reference
