@@ -433,9 +433,13 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), foreach=True, **hyper)
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+# the flags lr_at reads: a checkpoint keeps them ([Note: a resumed schedule])
+SCHEDULE = ("lr", "warmup_steps", "steps")
+
+
+def lr_at(step: int, args) -> float:
     """Linear warmup to --lr, then cosine decay to 10 % at --steps (a function of the step
-    alone, so a resumed run needs no scheduler state)."""
+    and the SCHEDULE flags alone, so a resumed run needs no scheduler state)."""
     if step <= args.warmup_steps:
         return args.lr * step / max(1, args.warmup_steps)
     progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
@@ -490,12 +494,16 @@ def _rng_key() -> str:
     return f"rank{dist.get_rank()}"
 
 
-def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int) -> None:
-    """Save to ``path/step-{step}``, atomically ([Note: atomic checkpoints])."""
+def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int,
+                    args: argparse.Namespace) -> None:
+    """Save to ``path/step-{step}``, atomically ([Note: atomic checkpoints]), with the flags of
+    the learning-rate schedule ([Note: a resumed schedule])."""
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step)},
+        "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step),
+                  "schedule": {k: torch.tensor(float(getattr(args, k)), dtype=torch.float64)
+                               for k in SCHEDULE}},
         "rng": {_rng_key(): torch.get_rng_state()},
     }
     final = os.path.join(path, f"step-{step}")
@@ -570,16 +578,20 @@ def latest_checkpoint(path: str, log=print) -> Optional[str]:
 
 
 def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, seed: int):
-    """Load ``checkpoint``; returns (its step, a note for the log). Model and optimizer state are
+    """Load ``checkpoint``; returns (its step, a note for the log, its schedule flags: a dict of
+    SCHEDULE, None in a checkpoint of an older train.py). Model and optimizer state are
     resharded to this run's mesh; RNG states come back if the run has the checkpoint's number of
     ranks, else every rank is re-seeded from ``seed``, the step and its rank."""
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     saved_ranks = sum(key.startswith("rng.") for key in saved)
     same_ranks = saved_ranks == dist.get_world_size()
+    train_state = {"step": torch.tensor(0), "batches_step": torch.tensor(0)}
+    if f"train.schedule.{SCHEDULE[0]}" in saved:
+        train_state["schedule"] = {k: torch.tensor(0.0, dtype=torch.float64) for k in SCHEDULE}
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "train": {"step": torch.tensor(0), "batches_step": torch.tensor(0)},
+        "train": train_state,
     }
     if same_ranks:
         state["rng"] = {_rng_key(): torch.get_rng_state()}
@@ -597,13 +609,42 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     batches.load_state_dict({"step": int(state["train"]["batches_step"])})
     step = int(state["train"]["step"])
+    schedule = state["train"].get("schedule")
+    schedule = schedule and {k: float(v) for k, v in schedule.items()}
     if same_ranks:
         torch.set_rng_state(state["rng"][_rng_key()])
-        return step, "RNG states restored" + recipes
+        return step, "RNG states restored" + recipes, schedule
     torch.manual_seed(hash((seed, step, dist.get_rank())) % 2**63)
     return step, (f"saved on {saved_ranks} rank(s), resumed on {dist.get_world_size()}: model and "
                   "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank"
-                  + recipes)
+                  + recipes), schedule
+
+
+# [Note: a resumed schedule]
+# The learning rate is lr_at(step) of this run's --lr, --warmup-steps and --steps, as in
+# torchtitan, whose resumed scheduler keeps only the step and takes the rest from the config: so
+# --resume with a larger --steps extends training (the cosine stretched to the new end). A
+# checkpoint keeps the schedule's flags, and a resumed run that changes them says so in one line
+# with the learning rate of its next step under each, since it no longer continues the saved run
+# (a 30-step checkpoint resumed to 60 ends elsewhere than 60 steps in one run). A checkpoint at or
+# past --steps leaves nothing to train: one line says so, before anything is loaded.
+
+
+def schedule_change(saved: Optional[Dict[str, float]], args: argparse.Namespace,
+                    step: int) -> Optional[str]:
+    """The line that says how this run's schedule differs from the checkpoint's (``saved``), or
+    None: [Note: a resumed schedule]."""
+    if saved is None:
+        return None
+    ours = {k: float(getattr(args, k)) for k in SCHEDULE}
+    changed = [k for k in SCHEDULE if ours[k] != saved[k]]
+    if not changed:
+        return None
+    flags = ", ".join(f"--{k.replace('_', '-')} {ours[k]:g} (saved {saved[k]:g})" for k in changed)
+    then = argparse.Namespace(**saved)
+    return (f"learning-rate schedule changed on resume: {flags}; it follows this run's flags, so "
+            f"step {step + 1} takes lr {lr_at(step + 1, args):.3g} (the saved run's: "
+            f"{lr_at(step + 1, then):.3g}) and the losses are not the saved run's continued")
 
 
 # -- logging ------------------------------------------------------------------------------------
@@ -750,9 +791,18 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         checkpoint = found[0]
         if checkpoint is None:
             raise FileNotFoundError(f"--resume: no complete, intact step-N checkpoint in {args.checkpoint_dir}")
-        start, note = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
+        saved_step = int(_STEP_DIR.fullmatch(os.path.basename(checkpoint)).group(1))
+        if saved_step >= args.steps:  # [Note: a resumed schedule]
+            if rank == 0:
+                print(f"nothing to do: {checkpoint} is at step {saved_step} and --steps is "
+                      f"{args.steps}; raise --steps to train on", flush=True)
+            return {"steps": [], "losses": []}
+        start, note, schedule = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
         if rank == 0:
             print(f"resumed from {checkpoint} at step {start} ({note})", flush=True)
+            change = schedule_change(schedule, args, start)
+            if change:
+                print(change, flush=True)
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -836,7 +886,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         if args.checkpoint_dir and (
             step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
         ):
-            save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step)
+            save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step, args)
 
     if stats is not None:
         written = stats.close()  # the last table and the PNG plot over steps
