@@ -56,7 +56,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 
-from bench_common import report, torchao_converter
+from bench_common import check_device, report, torchao_converter
 from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
 from f8dist.config import DelayedScalingConfig
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, TransformerBlock, precompute_rope
@@ -489,6 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Tuple[str, str, str], Acc
     parser.add_argument("--csv", default=None)
     parser.add_argument("--json", default=None, help="write every breakdown to this file")
     opts = parser.parse_args(argv)
+    check_device(opts.device, parser.prog)
 
     results = run(opts.blocks, opts.recipes, small=opts.small, torchao=not opts.no_torchao,
                   device=opts.device, run_compiled=opts.run_compiled, tokens=opts.tokens,

@@ -33,6 +33,8 @@ __all__ = [
     "median_times",
     "machine_line",
     "report",
+    "cuda_missing",
+    "check_device",
 ]
 
 
@@ -71,6 +73,25 @@ CPU_SHAPES = [
     GemmShape("cpu.deep", 512, 4096, 1024),
 ]
 SMOKE_SHAPES = [GemmShape("smoke", 32, 64, 48)]
+
+
+def cuda_missing() -> Optional[str]:
+    """Why this process cannot run on CUDA (a CPU build of torch, or no GPU visible), or None."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"torch {torch.__version__} sees no GPU" + (
+        f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+
+
+def check_device(device: str, prog: str) -> None:
+    """End ``prog`` in one line, before any work, where ``--device`` is CUDA and this process has
+    none (torch would fail mid-run with "Torch not compiled with CUDA enabled")."""
+    why = cuda_missing() if torch.device(device).type == "cuda" else None
+    if why:
+        raise SystemExit(f"{prog}: --device {device} needs CUDA and {why}; run with --device cpu")
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

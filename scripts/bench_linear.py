@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from bench_common import (
-    GemmShape, add_common_args, median_times, report, shapes_from_args, torchao_converter,
+    GemmShape, add_common_args, check_device, median_times, report, shapes_from_args, torchao_converter,
 )
 from f8dist import Float8LinearConfig, convert_to_float8_training
 
@@ -78,6 +78,7 @@ def main(argv=None) -> list:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao even if installed")
     args = parser.parse_args(argv)
+    check_device(args.device, parser.prog)
     shapes = shapes_from_args(args)
     ao_convert = None if args.no_torchao else torchao_converter()
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from bench_common import GemmShape, add_common_args, median_times, report, shapes_from_args
+from bench_common import GemmShape, add_common_args, check_device, median_times, report, shapes_from_args
 
 COLUMNS = [
     "shape", "M", "K", "N",
@@ -81,6 +81,7 @@ def main(argv=None) -> list:
     parser.add_argument("--fast-accum", action="store_true",
                         help="use_fast_accum=True in _scaled_mm (CUDA only makes use of it)")
     args = parser.parse_args(argv)
+    check_device(args.device, parser.prog)
     shapes = shapes_from_args(args)
     torch.manual_seed(0)
 

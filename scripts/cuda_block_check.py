@@ -25,6 +25,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from bench_common import cuda_missing
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.config import E8M0, ScaledMMConfig
 from f8dist.gemm import _has_block_api, cuda_block_problem, scaled_mm
@@ -143,8 +144,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("cuda_block_check: needs CUDA")
+    why = cuda_missing()
+    if why:
+        print(f"cuda_block_check: needs CUDA and {why}")
         return 2
     print(f"device: {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), torch {torch.__version__}")
     torch.manual_seed(0)

@@ -26,11 +26,15 @@
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+# every part needs CUDA: without it, one line and nothing else (the train part would otherwise
+# train a compiled 270M-parameter model on the CPU)
+PYTHONPATH="$PWD/scripts" "$py" -c "import sys; from bench_common import cuda_missing; why = cuda_missing()
+sys.exit(why and f'gpu_check.sh: needs CUDA and {why}; on a CPU run the scripts one by one (README.md)')" || exit 2
 out=${1:-gpu_check}
 parts=${PARTS:-env block bench train bytes tests}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
 # the block recipes this GPU has a kernel for ([Note: the block-scaled gemm] in f8dist/gemm.py):
 # DeepSeek's blocks on sm90, MXFP8 on sm100+, none elsewhere
 major=$("$py" -c "import torch; print(torch.cuda.get_device_capability()[0])" 2>/dev/null || echo 0)

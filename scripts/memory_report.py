@@ -28,6 +28,7 @@ import torch
 
 from torch.utils.checkpoint import noop_context_fn
 
+from bench_common import check_device
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.gemm import block_problems
 from f8dist.testing import compiled_saved_bytes, measure_fwd_bwd
@@ -181,6 +182,7 @@ def main():
     parser.add_argument("--float8-weight-for-backward", action="store_true",
                         help="keep the forward's float8 weight for backward (recipes that allow it)")
     opts = parser.parse_args()
+    check_device(opts.device, parser.prog)
     dtype = getattr(torch, opts.dtype)
     args = ModelArgs(dim=opts.dim, n_heads=opts.n_heads, max_seq_len=max(opts.seq, 128))
     torch.manual_seed(1)

@@ -60,6 +60,7 @@ from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_lla
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, moe_tp_plan, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
+from f8dist.grouped import Float8GroupedExperts, GroupedExperts
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
@@ -74,6 +75,10 @@ OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
 _BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the module docstring's layout and shows every flag's default."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,10 +105,11 @@ def _at_least(low: int):
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
     positive, non_negative = _at_least(1), _at_least(0)
-    p.add_argument("--steps", type=positive, default=60)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=positive, default=60,
+                   help="train to this step (the learning rate decays to 10%% there)")
+    p.add_argument("--seed", type=int, default=0, help="weights, batches and RNG")
     p.add_argument("--float8", choices=RECIPES, default="tensorwise",
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
@@ -127,14 +133,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "in the forward all-gather (exact), the row-block cast only re-cast "
                         "(0.52x bf16 on the wire, not one device's numbers), or the token-block "
                         "shard kept and all-gathered in backward (exact, 1/tp of it kept)")
+    p.add_argument("--pad-inner-dim", action="store_true",
+                   help="zero-pad the dims of linears the float8 gemms cannot take as they are "
+                        "(the kernels' multiples of 16, the block recipes' blocks): exact, "
+                        "Float8LinearConfig.pad_inner_dim (float8 recipes only)")
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
                    help="activation checkpointing per block: selective (op-level) or full")
-    p.add_argument("--log-every", type=positive, default=10)
-    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--log-every", type=positive, default=10, help="rank 0 logs every N steps")
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (DIR/step-N)")
     p.add_argument("--checkpoint-every", type=non_negative, default=0, help="save every K steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--metrics-file", default=None, help="rank 0 writes per-step losses here (JSON)")
@@ -149,9 +159,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--grad-accum-steps", type=positive, default=1,
                    help="split each rank's batch into this many micro-batches (forward and "
                         "backward each) per optimizer step")
-    p.add_argument("--seq-len", type=positive, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=non_negative, default=10)
+    p.add_argument("--seq-len", type=positive, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
+    p.add_argument("--warmup-steps", type=non_negative, default=10,
+                   help="linear warmup to --lr, then cosine decay to 10%% at --steps")
     p.add_argument("--max-norm", type=float, default=1.0,
                    help="clip gradients to this global norm (inf: no clipping)")
     p.add_argument("--optim-states", choices=OPTIM_STATES, default="fp32",
@@ -160,16 +171,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="FSDP2 parameter (compute) dtype; master weights and grads reduce in fp32")
     # model size
-    p.add_argument("--dim", type=positive, default=64)
-    p.add_argument("--n-layers", type=positive, default=2)
-    p.add_argument("--n-heads", type=positive, default=4)
-    p.add_argument("--n-kv-heads", type=positive, default=None)
-    p.add_argument("--ffn-dim-multiplier", type=float, default=None)
+    p.add_argument("--dim", type=positive, default=64, help="model width")
+    p.add_argument("--n-layers", type=positive, default=2, help="transformer blocks")
+    p.add_argument("--n-heads", type=positive, default=4, help="attention heads")
+    p.add_argument("--n-kv-heads", type=positive, default=None,
+                   help="key/value heads (grouped-query attention; None: --n-heads)")
+    p.add_argument("--ffn-dim-multiplier", type=float, default=None,
+                   help="scales the FFN's hidden dim, LLaMA's 2/3 of 4 x --dim rounded up to 32 "
+                        "(None: 1)")
     # mixture of experts (f8dist/models/moe.py)
     p.add_argument("--moe-experts", type=non_negative, default=0,
                    help="routed experts per block (0: the dense LLaMA FFN)")
     p.add_argument("--moe-top-k", type=positive, default=None,
-                   help="experts per token (with --moe-experts; default 2)")
+                   help="experts per token (with --moe-experts; None: 2)")
     p.add_argument("--ep", type=positive, default=1,
                    help="expert-parallel degree (with --moe-experts); FSDP2 shards the experts "
                         "over the other ranks and everything else over all ranks")
@@ -218,18 +232,61 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {wrong}")
     if args.metrics_file and os.path.isdir(args.metrics_file):
         p.error(f"--metrics-file {args.metrics_file} is a directory; name a file in it")
-    if args.float8 != "none":  # the model's linears must take the recipe: convert it on meta
-        try:
-            with torch.device("meta"):
-                model = Transformer(model_args(args))
-                convert_float8(model, float8_config(args), skip_incompatible=False)
-            if args.tp > 1 and not args.moe_experts:  # TP shards must keep blocks whole
-                for fqn, style in llama_tp_plan(model).items():
-                    if hasattr(style, "check_blocks"):
-                        style.check_blocks(model.get_submodule(fqn), args.tp)
-        except ValueError as e:
-            p.error(f"--float8 {args.float8}: {e}".replace("\n", " "))
+    if args.float8 != "none":  # the model's linears must take the recipe
+        wrong = float8_misfit(args)
+        if wrong:
+            p.error(f"--float8 {args.float8}: {wrong}; {float8_fixes(args)}")
+        if args.pad_inner_dim and not float8_misfit(argparse.Namespace(**{**vars(args), "pad_inner_dim": False})):
+            p.error(f"--pad-inner-dim pads the dims the float8 gemms cannot take; every linear of "
+                    f"this model takes --float8 {args.float8} as it is: it would do nothing; drop it")
     return args
+
+
+def float8_misfit(args: argparse.Namespace) -> Optional[str]:
+    """Why the model of ``args`` cannot take its --float8 recipe (converted on the meta device,
+    sharded over --tp), or None. [Note: the flags that fit] says which part of f8dist's error
+    is kept."""
+    try:
+        with torch.device("meta"):
+            model = Transformer(model_args(args))
+            convert_float8(model, float8_config(args), skip_incompatible=False)
+        if args.tp > 1 and not args.moe_experts:  # TP shards must keep blocks whole
+            for fqn, style in llama_tp_plan(model).items():
+                if hasattr(style, "check_blocks"):
+                    style.check_blocks(model.get_submodule(fqn), args.tp)
+    except ValueError as e:
+        return str(e).replace("\n", " ").split(". Make the layer")[0].rstrip(".")
+    return None
+
+
+# [Note: the flags that fit]
+# f8dist's error names the layer, its dims and the rule, then fixes in the library's terms
+# (module_filter_fn, Float8LinearConfig(pad_inner_dim=True)); train.py keeps the first part and
+# names its own flags instead, each one checked here on the meta model: --pad-inner-dim, and the
+# nearest --dim and --ffn-dim-multiplier (from a few usual multipliers) that fit, e.g.
+# "--dim 128 --ffn-dim-multiplier 1.5" for the blockwise recipe's 128-blocks.
+_MULTIPLIERS = (None, 1.5, 1.3, 2.0, 1.0)
+
+
+def float8_fixes(args: argparse.Namespace) -> str:
+    """The train.py flags that make the model of ``args`` take its --float8 recipe."""
+    def fits(**change) -> bool:
+        return float8_misfit(argparse.Namespace(**{**vars(args), **change})) is None
+
+    fixes = []
+    if not args.pad_inner_dim and fits(pad_inner_dim=True):
+        fixes.append("add --pad-inner-dim (the last block zero-padded, exact)")
+    multipliers = dict.fromkeys((args.ffn_dim_multiplier, *_MULTIPLIERS))
+    heads = math.lcm(args.n_heads, args.n_kv_heads or args.n_heads) * args.tp
+    for dim in range(args.dim, 8 * max(args.dim, 128) + 1):
+        if dim % 16 or dim % heads:  # the gemms' alignment; whole heads on each --tp rank
+            continue
+        fit = next((m for m in multipliers if fits(dim=dim, ffn_dim_multiplier=m)), False)
+        if fit is not False:
+            fixes.append(f"use --dim {dim}" + (f" --ffn-dim-multiplier {fit:g}" if fit else ""))
+            break
+    fixes.append("or keep the linears in high precision with --float8 none")
+    return ", ".join(fixes[:-1]) + " " + fixes[-1] if len(fixes) > 1 else fixes[0]
 
 
 def _check_no_silent_flags(p: argparse.ArgumentParser, args: argparse.Namespace,
@@ -238,6 +295,7 @@ def _check_no_silent_flags(p: argparse.ArgumentParser, args: argparse.Namespace,
     float8_only = {"--float8-activations-for-backward": args.float8_activations_for_backward,
                    "--recompute-swiglu-product": args.recompute_swiglu_product,
                    "--recompute-norm-output": args.recompute_norm_output,
+                   "--pad-inner-dim": args.pad_inner_dim,
                    f"--sp-grad-weight {args.sp_grad_weight}":
                        args.sp_grad_weight != "forward_gather"}
     given = [flag for flag, on in float8_only.items() if on]
@@ -361,7 +419,8 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     config = Float8LinearConfig.from_recipe_name(args.float8).replace(
         float8_activations_for_backward=args.float8_activations_for_backward,
         recompute_swiglu_product=args.recompute_swiglu_product,
-        recompute_norm_output=args.recompute_norm_output, sp_grad_weight=args.sp_grad_weight)
+        recompute_norm_output=args.recompute_norm_output, sp_grad_weight=args.sp_grad_weight,
+        pad_inner_dim=args.pad_inner_dim)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
         # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)
@@ -433,9 +492,13 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), foreach=True, **hyper)
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+# the flags lr_at reads: a checkpoint keeps them ([Note: a resumed schedule])
+SCHEDULE = ("lr", "warmup_steps", "steps")
+
+
+def lr_at(step: int, args) -> float:
     """Linear warmup to --lr, then cosine decay to 10 % at --steps (a function of the step
-    alone, so a resumed run needs no scheduler state)."""
+    and the SCHEDULE flags alone, so a resumed run needs no scheduler state)."""
     if step <= args.warmup_steps:
         return args.lr * step / max(1, args.warmup_steps)
     progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
@@ -490,12 +553,16 @@ def _rng_key() -> str:
     return f"rank{dist.get_rank()}"
 
 
-def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int) -> None:
-    """Save to ``path/step-{step}``, atomically ([Note: atomic checkpoints])."""
+def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int,
+                    args: argparse.Namespace) -> None:
+    """Save to ``path/step-{step}``, atomically ([Note: atomic checkpoints]), with the flags of
+    the learning-rate schedule ([Note: a resumed schedule])."""
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step)},
+        "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step),
+                  "schedule": {k: torch.tensor(float(getattr(args, k)), dtype=torch.float64)
+                               for k in SCHEDULE}},
         "rng": {_rng_key(): torch.get_rng_state()},
     }
     final = os.path.join(path, f"step-{step}")
@@ -570,16 +637,20 @@ def latest_checkpoint(path: str, log=print) -> Optional[str]:
 
 
 def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, seed: int):
-    """Load ``checkpoint``; returns (its step, a note for the log). Model and optimizer state are
+    """Load ``checkpoint``; returns (its step, a note for the log, its schedule flags: a dict of
+    SCHEDULE, None in a checkpoint of an older train.py). Model and optimizer state are
     resharded to this run's mesh; RNG states come back if the run has the checkpoint's number of
     ranks, else every rank is re-seeded from ``seed``, the step and its rank."""
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     saved_ranks = sum(key.startswith("rng.") for key in saved)
     same_ranks = saved_ranks == dist.get_world_size()
+    train_state = {"step": torch.tensor(0), "batches_step": torch.tensor(0)}
+    if f"train.schedule.{SCHEDULE[0]}" in saved:
+        train_state["schedule"] = {k: torch.tensor(0.0, dtype=torch.float64) for k in SCHEDULE}
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "train": {"step": torch.tensor(0), "batches_step": torch.tensor(0)},
+        "train": train_state,
     }
     if same_ranks:
         state["rng"] = {_rng_key(): torch.get_rng_state()}
@@ -597,13 +668,42 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     batches.load_state_dict({"step": int(state["train"]["batches_step"])})
     step = int(state["train"]["step"])
+    schedule = state["train"].get("schedule")
+    schedule = schedule and {k: float(v) for k, v in schedule.items()}
     if same_ranks:
         torch.set_rng_state(state["rng"][_rng_key()])
-        return step, "RNG states restored" + recipes
+        return step, "RNG states restored" + recipes, schedule
     torch.manual_seed(hash((seed, step, dist.get_rank())) % 2**63)
     return step, (f"saved on {saved_ranks} rank(s), resumed on {dist.get_world_size()}: model and "
                   "optimizer resharded, RNG re-seeded per rank from --seed, the step and the rank"
-                  + recipes)
+                  + recipes), schedule
+
+
+# [Note: a resumed schedule]
+# The learning rate is lr_at(step) of this run's --lr, --warmup-steps and --steps, as in
+# torchtitan, whose resumed scheduler keeps only the step and takes the rest from the config: so
+# --resume with a larger --steps extends training (the cosine stretched to the new end). A
+# checkpoint keeps the schedule's flags, and a resumed run that changes them says so in one line
+# with the learning rate of its next step under each, since it no longer continues the saved run
+# (a 30-step checkpoint resumed to 60 ends elsewhere than 60 steps in one run). A checkpoint at or
+# past --steps leaves nothing to train: one line says so, before anything is loaded.
+
+
+def schedule_change(saved: Optional[Dict[str, float]], args: argparse.Namespace,
+                    step: int) -> Optional[str]:
+    """The line that says how this run's schedule differs from the checkpoint's (``saved``), or
+    None: [Note: a resumed schedule]."""
+    if saved is None:
+        return None
+    ours = {k: float(getattr(args, k)) for k in SCHEDULE}
+    changed = [k for k in SCHEDULE if ours[k] != saved[k]]
+    if not changed:
+        return None
+    flags = ", ".join(f"--{k.replace('_', '-')} {ours[k]:g} (saved {saved[k]:g})" for k in changed)
+    then = argparse.Namespace(**saved)
+    return (f"learning-rate schedule changed on resume: {flags}; it follows this run's flags, so "
+            f"step {step + 1} takes lr {lr_at(step + 1, args):.3g} (the saved run's: "
+            f"{lr_at(step + 1, then):.3g}) and the losses are not the saved run's continued")
 
 
 # -- logging ------------------------------------------------------------------------------------
@@ -705,9 +805,34 @@ def eta_seconds(now: float, first_step_end: float, done: int, left: int, start: 
     return (now - start) / done * left
 
 
+class Throughput:
+    """The ``tps`` of a log line: tokens per second over the steps since the last line, leaving
+    out the run's first step (it compiles under --compile, for minutes, and allocates and warms
+    up) unless it is the only step of the line, as the ETA and the done line do."""
+
+    def __init__(self, now: float):
+        self.since, self.tokens, self.steps = now, 0, 0
+        self.first = None  # (start, tokens) of the run's first step while it is all the window
+
+    def step(self, tokens: int, now: float) -> None:
+        """A step of ``tokens`` ended at ``now``."""
+        self.steps += 1
+        if self.steps == 1:  # the window starts after it, unless tps() comes now
+            self.first, self.since = (self.since, tokens), now
+        else:
+            self.first = None
+            self.tokens += tokens
+
+    def tps(self, now: float) -> float:
+        """Tokens per second since the last call (or the start); starts a new window."""
+        since, tokens = self.first or (self.since, self.tokens)
+        self.since, self.tokens, self.first = now, 0, None
+        return tokens / (now - since)
+
+
 def float8_linears_text(model: nn.Module, recipe: str) -> str:
-    """Which linears run in float8 and which stay high precision, one line; the blocks' indices
-    are folded (``layers.*.attention.wq`` in every block, ``layers.{1,3}.attention.wo`` in some)."""
+    """Which linears (and an MoE model's grouped experts) run in float8 and which stay high
+    precision, one line; the blocks' indices are folded (``layers.*.attention.wq`` in every block, ``layers.{1,3}.attention.wo`` in some)."""
     blocks = [str(i) for i in range(len(model.layers))]
 
     def folded(names):
@@ -717,11 +842,19 @@ def float8_linears_text(model: nn.Module, recipe: str) -> str:
             where.setdefault(f"layers.{{}}.{m.group(2)}" if m else n, []).append(m.group(1) if m else "")
         return ", ".join(k.format("*" if v == blocks else "{" + ",".join(v) + "}") for k, v in where.items()) or "none"
 
-    names = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    fp8 = [n for n, m in names.items() if isinstance(m, f8dist.Float8Linear)]
-    hp = [n for n in names if n not in fp8]
-    return (f"float8 linears ({recipe}): {len(fp8)} of {len(names)}: {folded(fp8)} | "
+    def split(kind, float8_kind):
+        names = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, kind)}
+        fp8 = [n for n, m in names.items() if isinstance(m, float8_kind)]
+        return names, fp8, [n for n in names if n not in fp8]
+
+    names, fp8, hp = split(nn.Linear, f8dist.Float8Linear)
+    text = (f"float8 linears ({recipe}): {len(fp8)} of {len(names)}: {folded(fp8)} | "
             f"high precision: {len(hp)}: {folded(hp)}")
+    experts, fp8, hp = split(GroupedExperts, Float8GroupedExperts)
+    if experts:  # an MoE model's routed experts (one module per block): grouped gemms, not linears
+        text += (f" || float8 grouped experts: {len(fp8)} of {len(experts)}: {folded(fp8)} | "
+                 f"high precision: {len(hp)}: {folded(hp)}")
+    return text
 
 
 # -- the loop -----------------------------------------------------------------------------------
@@ -750,9 +883,18 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         checkpoint = found[0]
         if checkpoint is None:
             raise FileNotFoundError(f"--resume: no complete, intact step-N checkpoint in {args.checkpoint_dir}")
-        start, note = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
+        saved_step = int(_STEP_DIR.fullmatch(os.path.basename(checkpoint)).group(1))
+        if saved_step >= args.steps:  # [Note: a resumed schedule]
+            if rank == 0:
+                print(f"nothing to do: {checkpoint} is at step {saved_step} and --steps is "
+                      f"{args.steps}; raise --steps to train on", flush=True)
+            return {"steps": [], "losses": []}
+        start, note, schedule = load_checkpoint(checkpoint, model, optimizer, batches, args.seed)
         if rank == 0:
             print(f"resumed from {checkpoint} at step {start} ({note})", flush=True)
+            change = schedule_change(schedule, args, start)
+            if change:
+                print(change, flush=True)
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -778,8 +920,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     if args.compile and rank == 0:
         print(f"torch.compile: compiling the {margs.n_layers} transformer block(s) in step "
               f"{start + 1}; the first log line can take minutes", flush=True)
-    t_log, tokens_since_log, t_start = time.perf_counter(), 0, time.perf_counter()
-    first_step_end = t_start
+    t_start = time.perf_counter()
+    first_step_end, rate = t_start, Throughput(t_start)
 
     for step in range(start + 1, args.steps + 1):
         for group in optimizer.param_groups:
@@ -817,13 +959,13 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         global_loss = float(global_loss) / world
         steps.append(step)
         losses.append(global_loss)
-        tokens_since_log += tokens_per_step
+        now = time.perf_counter()
+        rate.step(tokens_per_step, now)
         if step == start + 1:
-            first_step_end = time.perf_counter()
+            first_step_end = now
 
         if logged:
-            now = time.perf_counter()
-            tps = tokens_since_log / (now - t_log)
+            tps = rate.tps(now)
             line = (f"step: {step}  loss: {global_loss:.4f}  grad_norm: {float(grad_norm):.4f}  "
                     f"{memory_text(device, split)}  tps: {tps:,.0f}")
             if peak is not None:
@@ -831,12 +973,11 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
                 line += f"  mfu(vs bf16 peak): {mfu:.2f}%"
             eta = eta_seconds(now, first_step_end, step - start, args.steps - step, t_start)
             print(f"{line}  [{step}/{args.steps} eta {_eta(eta)}]", flush=True)
-            t_log, tokens_since_log = now, 0
 
         if args.checkpoint_dir and (
             step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
         ):
-            save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step)
+            save_checkpoint(args.checkpoint_dir, model, optimizer, batches, step, args)
 
     if stats is not None:
         written = stats.close()  # the last table and the PNG plot over steps

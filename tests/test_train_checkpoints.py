@@ -76,6 +76,14 @@ def test_resume_with_another_float8_recipe_past_a_damaged_step(first_run):
     assert f"resumed from {tmp_path / 'step-1'} at step 1" in delayed.stdout, delayed.stdout
     assert "delayed-scaling histories restarted for 7 linear(s)" in delayed.stdout, delayed.stdout
     assert "step: 3" in delayed.stdout
+    # the checkpoint of a 2-step run resumed to 3 steps: the schedule follows this run's --steps,
+    # and the log says so ([Note: a resumed schedule]; it changed without a word)
+    assert ("learning-rate schedule changed on resume: --steps 3 (saved 2); it follows this run's "
+            "flags, so step 2 takes lr 0.000975 (the saved run's: 0.0003)") in delayed.stdout, delayed.stdout
+    # a checkpoint past --steps: one line (it printed nothing and exited 0)
+    done = train("--steps", 2, "--float8", "delayed", "--resume", *ckpt)
+    assert done.stdout.splitlines() == [f"nothing to do: {tmp_path / 'step-3'} is at step 3 and "
+                                        "--steps is 2; raise --steps to train on"], done.stdout
 
 
 def _truncate(path):

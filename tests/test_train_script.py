@@ -1,6 +1,7 @@
 """scripts/train.py and scripts/compare_loss.py pieces that need no process group."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -24,7 +25,15 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
     (["--float8", "mxfp8", "--float8-all-gather"], "square weight blocks"),
     (["--float8", "fp8"], "invalid choice"),
-    (["--float8", "blockwise"], "(64 -> 64)"),  # 128x128 weight blocks need --dim 128
+    # 128x128 weight blocks: the fixes are flags (they were module_filter_fn and a config field)
+    (["--float8", "blockwise"], "(64 -> 64): block-scaled float8 needs the layer's dims to divide "
+     "into its blocks, got in_features=64 (block 128), out_features=64 (block 128); add "
+     "--pad-inner-dim (the last block zero-padded, exact), use --dim 128 --ffn-dim-multiplier 1.5 "
+     "or keep the linears in high precision with --float8 none (see --help)"),
+    (["--float8", "mxfp8", "--dim", "48", "--n-heads", "3"], "use --dim 96 or keep"),
+    (["--float8", "tensorwise", "--pad-inner-dim"],
+     "every linear of this model takes --float8 tensorwise as it is: it would do nothing"),
+    (["--float8", "none", "--pad-inner-dim"], "--pad-inner-dim change(s) how float8 linears"),
     (["--float8", "mxfp8", "--dim", "48"], "in_features=48 (block 32)"),
     (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
     (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),  # was % 0
@@ -97,6 +106,27 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
 def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train.parse_args(argv).moe_experts == 4
+
+
+@pytest.mark.parametrize("argv", [
+    ["--float8", "blockwise", "--pad-inner-dim"],
+    ["--float8", "blockwise", "--dim", "128", "--ffn-dim-multiplier", "1.5"],
+    ["--float8", "mxfp8", "--dim", "96", "--n-heads", "3"],
+])
+def test_the_flags_a_float8_refusal_names_fit(argv):
+    assert train.parse_args(argv).float8 == argv[1]
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ") and "One flat loop, nanoGPT-style." in text  # the layout kept
+    options = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    assert len(options) > 30
+    lacking = [o.split()[0] for o in options if "(default: " not in " ".join(o.split())]
+    assert lacking == ["-h,"], lacking  # every flag's default (there were none)
+    assert "--steps STEPS " in text and "(default: 60)" in text
 
 
 def test_only_rank0_prints_a_flag_error(capsys, monkeypatch):
@@ -213,6 +243,20 @@ def test_directories_that_do_not_exist_yet_are_fine_where_they_can_be_made(tmp_p
     assert args.max_norm == float("inf") and not (tmp_path / "a").exists()  # nothing made yet
 
 
+def test_tps_leaves_out_the_first_step():
+    # a first step of 100 s (compiling), then 1 s per step of 10 tokens: 10 tokens/s at step 10
+    # (it was 90 tokens / 109 s, the compile counted in)
+    rate = train.Throughput(now=1.0)
+    for step in range(1, 11):
+        rate.step(10, now=101.0 + step - 1)
+    assert rate.tps(now=110.0) == 10.0
+    rate.step(10, now=111.0)
+    assert rate.tps(now=111.0) == 10.0
+    only = train.Throughput(now=1.0)  # a line at the first step has nothing else to count
+    only.step(10, now=101.0)
+    assert only.tps(now=101.0) == 0.1
+
+
 def test_eta_leaves_out_the_first_step():
     # a first step of 100 s (compiling), then 1 s per step: 9 steps left take 9 s, not 91 * 9 / 10
     assert train.eta_seconds(now=110.0, first_step_end=101.0, done=10, left=9, start=1.0) == 9.0
@@ -230,3 +274,18 @@ def test_float8_linears_line_folds_the_blocks():
     assert text.startswith("float8 linears (rowwise): 20 of 22: layers.*.attention.wq, "), text
     assert "layers.{0,2}.attention.wo, layers.*.feed_forward.w1" in text, text
     assert text.endswith("| high precision: 2: layers.{1}.attention.wo, output"), text
+
+
+def test_float8_linears_line_names_the_grouped_experts():
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.models import ModelArgs
+    from f8dist.models.moe import MoEArgs, MoETransformer
+
+    model = MoETransformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16),
+                           MoEArgs(num_experts=4, top_k=2))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda m, fqn: fqn not in ("output", "layers.1.moe.experts"))
+    text = train.float8_linears_text(model, "tensorwise")
+    # the routed experts were not in the line (it listed only the shared expert's linears)
+    assert text.endswith("| high precision: 1: output || float8 grouped experts: 1 of 2: "
+                         "layers.{0}.moe.experts | high precision: 1: layers.{1}.moe.experts"), text

@@ -50,16 +50,16 @@ def killed_at_the_last_save(last_step: int):
     restarted job had recorded the losses (the resumed run is compared with them)."""
     real = train.save_checkpoint
 
-    def save(path, model, optimizer, batches, step):
+    def save(path, model, optimizer, batches, step, args):
         if step != last_step:
-            return real(path, model, optimizer, batches, step)
+            return real(path, model, optimizer, batches, step, args)
 
         def dying_save(state, checkpoint_id):
             DCP_SAVE(state, storage_writer=_DiesBeforeMetadata(checkpoint_id))
 
         with mock.patch.object(train.dcp, "save", dying_save):
             try:
-                real(path, model, optimizer, batches, step)
+                real(path, model, optimizer, batches, step, args)
             except CheckpointException as e:  # the coordinator's error, raised on every rank
                 if not any(type(exc).__name__ == "SimulatedKill" for exc, _ in e.failures.values()):
                     raise

@@ -2,6 +2,7 @@
 ratios), never the timing. Each run is ``--smoke``: one tiny shape, one repetition."""
 
 import csv
+import importlib
 import importlib.util
 import math
 import os
@@ -103,6 +104,19 @@ def test_bench_linear_axiswise_recipes_no_torchao(tmp_path):
 def test_bad_repeats_is_a_clear_error():
     with pytest.raises(SystemExit, match="--repeats must be >= 1"):
         bench_matmul.main(["--repeats", "0"])
+
+
+@pytest.mark.parametrize("script", ["bench_matmul", "bench_linear", "bench_bytes", "memory_report"])
+def test_cuda_device_without_cuda_ends_in_one_line_before_any_work(script, monkeypatch, capsys):
+    # it ended in torch's "Torch not compiled with CUDA enabled" traceback from the first tensor
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also where a GPU is
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--device", "cuda"])
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as e:
+        module.main()
+    assert str(e.value).startswith(f"{script}.py: --device cuda needs CUDA and torch "), e.value
+    assert str(e.value).endswith("; run with --device cpu") and "\n" not in str(e.value)
+    assert capsys.readouterr().out == ""  # nothing ran
 
 
 def test_bench_comm_smoke(tmp_path):
