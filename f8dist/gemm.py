@@ -252,8 +252,9 @@ def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tenso
 # ceil(K/32)], padded to [round_up(rows, 128), round_up(ceil(K/32), 4)] and stored contiguous in
 # cuBLAS's "32_4_4" order (:func:`swizzle_32_4_4`): tiles of 128 rows x 4 block-columns, the tiles
 # row by row, inside a tile the scale of (row r, column c) at (r % 32) * 16 + (r // 32) * 4 + c.
-# torch checks (on CUDA and in its meta kernel) the dtypes, the number of scales, the swizzle
-# enum and contiguity, never the order inside: that is f8dist's to get right, so
+# torch's CUDA kernel checks the dtypes, the number of scales, the swizzle enum and contiguity
+# (restated in [Note: CUDA's block layout contract], f8dist's check of its arguments), never the
+# order inside: that is f8dist's to get right, so
 # tests/test_gemm.py checks :func:`swizzle_32_4_4` against the index formula element by element
 # and runs the whole argument list through a CPU reading of it, bit for bit the CPU kernel.
 #
@@ -263,8 +264,9 @@ def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tenso
 # blocks, so its grid repeated 32 times along the rows (``_row_block_scales``, exact) is a 1x32
 # grid and the same kernel runs it. The e8m0 scales f8dist keeps are quantizing powers of 2 in
 # [2**-127, 2**127]; their reciprocals (what the kernel multiplies by) are in the same range and
-# convert to e8m0 exactly. Written against torch 2.13's source and checked on the CPU by torch's
-# meta kernel; not run on an sm100 GPU (scripts/cuda_block_check.py is the check to run there).
+# convert to e8m0 exactly. Written against torch's source and checked on the CPU by f8dist's own
+# statement of CUDA's rules; not run on an sm100 GPU (scripts/cuda_block_check.py is the check to
+# run there).
 
 
 def _round_up_to(x: int, multiple: int) -> int:
