@@ -252,8 +252,9 @@ def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tenso
 # ceil(K/32)], padded to [round_up(rows, 128), round_up(ceil(K/32), 4)] and stored contiguous in
 # cuBLAS's "32_4_4" order (:func:`swizzle_32_4_4`): tiles of 128 rows x 4 block-columns, the tiles
 # row by row, inside a tile the scale of (row r, column c) at (r % 32) * 16 + (r // 32) * 4 + c.
-# torch checks (on CUDA and in its meta kernel) the dtypes, the number of scales, the swizzle
-# enum and contiguity, never the order inside: that is f8dist's to get right, so
+# torch's CUDA kernel checks the dtypes, the number of scales, the swizzle enum and contiguity
+# (restated in [Note: CUDA's block layout contract], f8dist's check of its arguments), never the
+# order inside: that is f8dist's to get right, so
 # tests/test_gemm.py checks :func:`swizzle_32_4_4` against the index formula element by element
 # and runs the whole argument list through a CPU reading of it, bit for bit the CPU kernel.
 #
@@ -263,8 +264,9 @@ def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tenso
 # blocks, so its grid repeated 32 times along the rows (``_row_block_scales``, exact) is a 1x32
 # grid and the same kernel runs it. The e8m0 scales f8dist keeps are quantizing powers of 2 in
 # [2**-127, 2**127]; their reciprocals (what the kernel multiplies by) are in the same range and
-# convert to e8m0 exactly. Written against torch 2.13's source and checked on the CPU by torch's
-# meta kernel; not run on an sm100 GPU (scripts/cuda_block_check.py is the check to run there).
+# convert to e8m0 exactly. Written against torch's source and checked on the CPU by f8dist's own
+# statement of CUDA's rules; not run on an sm100 GPU (scripts/cuda_block_check.py is the check to
+# run there).
 
 
 def _round_up_to(x: int, multiple: int) -> int:
@@ -413,12 +415,127 @@ def _cuda_deepseek_args(a, b, inv_a, inv_b, a_block, bt_block, out_dtype):
 def cuda_block_args(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
     """The arguments of ``torch.nn.functional.scaled_mm`` that compute ``a`` [M, K] @ ``b`` [K, N]
     with dequantizing float32 block scales on CUDA: (args, kwargs); the output may have padded
-    columns past N. No device check (:func:`cuda_block_problem`): on the meta device torch's own
-    checks judge them (tests/test_gemm.py)."""
+    columns past N. No device check (:func:`cuda_block_problem`); the layouts are checked by
+    :func:`check_cuda_block_args`, on any device (meta too)."""
     a_block, bt_block = tuple(a_block), (b_block[1], b_block[0])  # b's blocks seen from b.t()
     build = _cuda_mx_args if _cuda_block_kernel(a_block, bt_block) == "mxfp8" else \
         _cuda_deepseek_args
-    return build(a, b, inv_a, inv_b, a_block, bt_block, out_dtype)
+    args, kwargs = build(a, b, inv_a, inv_b, a_block, bt_block, out_dtype)
+    check_cuda_block_args(args, kwargs)
+    return args, kwargs
+
+
+# [Note: CUDA's block layout contract]
+# What torch's CUDA ``scaled_mm`` requires of the block-scaled arguments f8dist builds, restated
+# from torch's source (aten/src/ATen/native/cuda/ScaledBlas.cpp: ``_scaled_mm_cuda_v2_out``, the
+# recipe checks ``check_deepseek_recipe`` / ``check_mxfp8_recipe`` of its dispatch table,
+# ``_scaled_block1x128_block128x128`` and its siblings, ``_scaled_mxfp8_mxfp8``; ``_scaled_gemm``
+# takes row-major x column-major only), the same rules torch 2.13's meta kernel states. Seen
+# from ``a`` [M, K] and ``b`` [K, N], K = a.size(1):
+#
+# * a row-major, b column-major, K and N multiples of 16, one scale and one scaling type each;
+# * DeepSeek: both operands e4m3, float32 scales; an operand of R rows (M for a, N for b)
+#   in 1x128 blocks has scales [R, ceil(K/128)] with strides (1, R); in 128x128 blocks
+#   [round_up(ceil(K/128), 4), ceil(R/128)] with strides (1, round_up(ceil(K/128), 4)); a
+#   single column may have strides (1, 1);
+# * MXFP8: both operands e4m3, e8m0 scales, contiguous, with round_up(R, 128) *
+#   round_up(ceil(K/32), 4) elements, and one SWIZZLE_32_4_4 each (the order inside is
+#   ``swizzle_32_4_4``'s, which torch cannot check: tests/test_gemm.py checks it).
+#
+# torch 2.11-2.13's meta kernel of ``aten._scaled_mm_v2`` made the same checks, so tests could ask
+# it on the CPU; from torch 2.14 it infers the output's shape only. This check is f8dist's own, so
+# the layouts are proven without a GPU on every torch f8dist supports (tests/test_gemm.py also
+# holds it against the meta kernel where that still checks).
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _name(kind) -> str:
+    return getattr(kind, "name", str(kind))
+
+
+def _deepseek_scale_problem(what: str, scale: torch.Tensor, kind: str, rows: int,
+                            k: int) -> Optional[str]:
+    """What is wrong with ``scale`` as the ``kind`` ("BlockWise1x128" or "BlockWise128x128")
+    scales of an operand of ``rows`` rows and contraction dim ``k`` ([Note: CUDA's block layout
+    contract]); None if CUDA takes it."""
+    nk = -(-k // 128)
+    shape = (rows, nk) if kind == "BlockWise1x128" else \
+        (_round_up_to(nk, _SWIZZLE_COLS), -(-rows // 128))
+    if scale.dtype != torch.float32:
+        return f"{what} must be float32 for {kind}, got {scale.dtype}"
+    if tuple(scale.shape) != shape:
+        return f"{what} must have shape {list(shape)} for {kind}, got {list(scale.shape)}"
+    # outer-dim-major; torch lets a single column have stride 1
+    if scale.stride(0) != 1 or scale.stride(1) not in ((shape[0], 1) if shape[1] == 1 else
+                                                       (shape[0],)):
+        return (f"{what} must have strides (1, {shape[0]}) for {kind} (outer-dim-major), got "
+                f"{tuple(scale.stride())}")
+    return None
+
+
+def cuda_block_arg_problems(args, kwargs) -> List[str]:
+    """Every way in which ``F.scaled_mm(*args, **kwargs)`` breaks what CUDA's DeepSeek or MXFP8
+    kernels require of block-scaled arguments ([Note: CUDA's block layout contract]); empty if
+    none. Shapes, strides and dtypes only: runs on any device, meta included."""
+    a, b, scale_a, kinds_a, scale_b, kinds_b = args
+    kinds_a, kinds_b = [_name(x) for x in _as_list(kinds_a)], [_name(x) for x in _as_list(kinds_b)]
+    scales_a, scales_b = _as_list(scale_a), _as_list(scale_b)
+    (m, k), (kb, n) = a.shape, b.shape
+    bad = []
+    if k != kb:
+        bad.append(f"a [{m}, {k}] and b [{kb}, {n}] differ along K")
+    if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT:
+        bad.append(f"K={k} and N={n} must be multiples of {GEMM_ALIGNMENT}")
+    if a.stride(1) != 1:
+        bad.append(f"a must be row-major, got strides {tuple(a.stride())}")
+    if b.stride(0) != 1:
+        bad.append(f"b must be column-major, got strides {tuple(b.stride())}")
+    if len(scales_a) != 1 or len(kinds_a) != 1 or len(scales_b) != 1 or len(kinds_b) != 1:
+        return bad + ["one scale tensor and one scaling type per operand"]
+    pair, scale_a, scale_b = (kinds_a[0], kinds_b[0]), scales_a[0], scales_b[0]
+    if (a.dtype, b.dtype) != (E4M3, E4M3):
+        bad.append(f"both operands must be {E4M3} for {pair[0]} x {pair[1]}, got {a.dtype} x "
+                   f"{b.dtype}")
+    if pair in {tuple(_CUDA_BLOCKS[x] for x in p) for p in _CUDA_BLOCK_PAIRS}:
+        bad += [p for p in (_deepseek_scale_problem("scale_a", scale_a, pair[0], m, k),
+                            _deepseek_scale_problem("scale_b", scale_b, pair[1], n, k)) if p]
+        if kwargs.get("use_fast_accum"):
+            bad.append("use_fast_accum must be False with DeepSeek's block scales")
+    elif pair == ("BlockWise1x32", "BlockWise1x32"):
+        swizzles = [_name(x) for x in _as_list(kwargs.get("swizzle_a") or [])], \
+            [_name(x) for x in _as_list(kwargs.get("swizzle_b") or [])]
+        for what, scale, rows, swizzle in (("scale_a", scale_a, m, swizzles[0]),
+                                           ("scale_b", scale_b, n, swizzles[1])):
+            numel = _round_up_to(rows, _SWIZZLE_ROWS) * _round_up_to(-(-k // MX_BLOCK),
+                                                                      _SWIZZLE_COLS)
+            if scale.dtype != E8M0:
+                bad.append(f"{what} must be {E8M0} for BlockWise1x32, got {scale.dtype}")
+            if scale.numel() != numel:
+                bad.append(f"{what} must have {numel} elements for BlockWise1x32 "
+                           f"(round_up({rows}, 128) * round_up(ceil({k}/32), 4)), got "
+                           f"{scale.numel()}")
+            if not scale.is_contiguous():
+                bad.append(f"{what} must be contiguous for BlockWise1x32")
+            if swizzle != ["SWIZZLE_32_4_4"]:
+                bad.append(f"swizzle_{what[-1]} must be [SWIZZLE_32_4_4] for BlockWise1x32, got "
+                           f"{swizzle}")
+    else:
+        bad.append(f"no CUDA block kernel takes {pair[0]} x {pair[1]}")
+    return bad
+
+
+def check_cuda_block_args(args, kwargs) -> None:
+    """Raise if CUDA's ``F.scaled_mm`` would reject these block-scaled arguments
+    (:func:`cuda_block_arg_problems`); f8dist builds them (:func:`cuda_block_args`), so a
+    failure here is f8dist's bug, caught before the kernel (or, without a GPU, in the tests)."""
+    bad = cuda_block_arg_problems(args, kwargs)
+    if bad:
+        raise ValueError(
+            "torch.nn.functional.scaled_mm on CUDA would reject these block-scaled arguments: "
+            f"{'; '.join(bad)} ([Note: CUDA's block layout contract] in f8dist/gemm.py)")
 
 
 def _cuda_block_scaled_mm(a, b, inv_a, inv_b, a_block, b_block, *, e8m0, out_dtype):

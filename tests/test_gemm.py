@@ -241,12 +241,11 @@ def test_block_scaled_gemm_off_the_cpu_raises_naming_the_way_out():
     ((128, 128), (128, 1)),
 ])
 @pytest.mark.parametrize("m, k, n", [(256, 384, 512), (200, 640, 256), (256, 8192, 1280)])
-def test_cuda_block_scales_pass_torchs_own_checks(a_block, b_block, m, k, n):
-    # the scales f8dist hands CUDA's DeepSeek kernels ([Note: the block-scaled gemm]) in the
-    # shapes and strides torch's scaled_mm checks, by its meta kernel (no GPU needed)
-    import torch.nn.functional as F
-
-    from f8dist.gemm import _CUDA_BLOCKS, _cuda_block_scales
+def test_cuda_block_scales_meet_cudas_layout_contract(a_block, b_block, m, k, n):
+    # the arguments f8dist hands CUDA's DeepSeek kernels ([Note: the block-scaled gemm]) in the
+    # shapes and strides CUDA requires, judged by f8dist's own statement of them ([Note: CUDA's
+    # block layout contract]; torch's meta kernel checks nothing from torch 2.14), no GPU needed
+    from f8dist.gemm import cuda_block_arg_problems, cuda_block_args
 
     if a_block[0] == 128 and m % 128:
         m = 256  # an operand of 128x128 blocks is a weight: its dims are whole blocks
@@ -254,22 +253,17 @@ def test_cuda_block_scales_pass_torchs_own_checks(a_block, b_block, m, k, n):
     b = torch.empty(n, k, dtype=E4M3, device="meta").t()  # [K, N] column-major
     inv_a = torch.empty(-(-m // a_block[0]), k // 128, device="meta")  # [M/bm, K/128]
     inv_b = torch.empty(k // 128, -(-n // b_block[1]), device="meta")  # [K/128, N/bn]
-    bt_block = b_block[::-1]
-    kinds = F.ScalingType
     # the scales come in row-major or as a transposed view ([K/128, N/128] of an [N/128, K/128]
     # tensor): the layout handed to torch must not depend on the view
     for inv_b in (inv_b, inv_b.t().contiguous().t()):
-        out = F.scaled_mm(
-            a, b, _cuda_block_scales(inv_a, a_block), getattr(kinds, _CUDA_BLOCKS[a_block]),
-            _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
-            output_dtype=torch.bfloat16)
-        assert out.shape == (m, n)
-    # and a layout torch rejects is caught by the same check: the scales row-major instead
-    with pytest.raises(RuntimeError):
-        F.scaled_mm(a, b, inv_a.contiguous() if a_block[0] == 1 else inv_a.t().contiguous(),
-                    getattr(kinds, _CUDA_BLOCKS[a_block]),
-                    _cuda_block_scales(inv_b.t(), bt_block), getattr(kinds, _CUDA_BLOCKS[bt_block]),
-                    output_dtype=torch.bfloat16)
+        args, kwargs = cuda_block_args(a, b, inv_a, inv_b, a_block, b_block,
+                                       out_dtype=torch.bfloat16)
+        assert cuda_block_arg_problems(args, kwargs) == []
+        assert args[2].stride(0) == args[4].stride(0) == 1  # outer-dim-major, as CUDA wants
+    # and a layout CUDA rejects is caught by the same check: a's scales row-major instead
+    sa = args[2].contiguous()
+    problems = cuda_block_arg_problems((*args[:2], sa, *args[3:]), kwargs)
+    assert len(problems) == 1 and "scale_a must have strides (1, " in problems[0], problems
 
 
 # -- MXFP8 on CUDA ([Note: MXFP8 on CUDA]): layouts checked on the CPU -----------------------------
@@ -354,13 +348,12 @@ def _mx_gemms(t, k_in, n_out, square, device):
 
 @pytest.mark.parametrize("square", [False, True])
 @pytest.mark.parametrize("t, k_in, n_out", _MX_SHAPES)
-def test_mxfp8_cuda_args_pass_torchs_own_checks(t, k_in, n_out, square):
-    # the exact tensors f8dist hands CUDA's MXFP8 kernel, judged by torch's own checks on the meta
-    # device (no GPU needed): the forward, grad_input and grad_weight gemms, the weight in 1x32
-    # blocks or 32x32 tiles, row-major operands and transposed views
-    import torch.nn.functional as F
-
-    from f8dist.gemm import _torch_block_enums, cuda_block_args
+def test_mxfp8_cuda_args_meet_cudas_layout_contract(t, k_in, n_out, square):
+    # the exact tensors f8dist hands CUDA's MXFP8 kernel, judged on the meta device by f8dist's own
+    # statement of what CUDA requires ([Note: CUDA's block layout contract]): the forward,
+    # grad_input and grad_weight gemms, the weight in 1x32 blocks or 32x32 tiles, row-major
+    # operands and transposed views
+    from f8dist.gemm import _torch_block_enums, cuda_block_arg_problems, cuda_block_args
 
     kinds, swizzles = _torch_block_enums()
     for name, a, b, inv_a, a_block, inv_b, b_block in _mx_gemms(t, k_in, n_out, square, "meta"):
@@ -371,16 +364,138 @@ def test_mxfp8_cuda_args_pass_torchs_own_checks(t, k_in, n_out, square):
         assert recipe_a == recipe_b == kinds.BlockWise1x32, name
         assert kwargs["swizzle_a"] == kwargs["swizzle_b"] == swizzles.SWIZZLE_32_4_4, name
         assert sa.dtype == sb.dtype == E8M0 and sa.is_contiguous() and sb.is_contiguous(), name
-        out = F.scaled_mm(*args, **kwargs)
-        assert out.shape == (m, -(-n // 16) * 16) and out.dtype == torch.bfloat16, name
-        # and torch's check can fail: the same scales unswizzled (not 128 x 4 padded) or not
-        # marked swizzled are refused
+        assert cuda_block_arg_problems(args, kwargs) == [], name
+        assert b2.shape[1] == -(-n // 16) * 16, name  # N padded to 16, sliced off after
+        # and the check can fail: the same scales unswizzled (not 128 x 4 padded) or not marked
+        # swizzled are refused
         nk = a2.shape[1] // 32
         if m % 128 or nk % 4:
-            with pytest.raises(RuntimeError, match="MX scaling"):
-                F.scaled_mm(a2, b2, sa[: m * nk], recipe_a, sb, recipe_b, **kwargs)
-        with pytest.raises(RuntimeError, match="swizzle"):
-            F.scaled_mm(*args, **dict(kwargs, swizzle_a=swizzles.NO_SWIZZLE))
+            problems = cuda_block_arg_problems((a2, b2, sa[: m * nk], *args[3:]), kwargs)
+            assert problems and "scale_a must have" in problems[0], (name, problems)
+        problems = cuda_block_arg_problems(args, dict(kwargs, swizzle_a=swizzles.NO_SWIZZLE))
+        assert problems and "swizzle_a must be [SWIZZLE_32_4_4]" in problems[0], (name, problems)
+
+
+def _valid_block_args(kernel):
+    """Valid F.scaled_mm arguments for CUDA's ``kernel`` ("deepseek": 1x128 x 128x128, or "mxfp8")
+    on meta tensors, as f8dist builds them: (args, kwargs)."""
+    from f8dist.gemm import cuda_block_args
+
+    m, k, n = 256, 512, 384
+    a = torch.empty(m, k, dtype=E4M3, device="meta")
+    b = torch.empty(n, k, dtype=E4M3, device="meta").t()  # [K, N] column-major
+    if kernel == "deepseek":
+        inv_a, inv_b = torch.empty(m, k // 128, device="meta"), \
+            torch.empty(k // 128, n // 128, device="meta")
+        return cuda_block_args(a, b, inv_a, inv_b, (1, 128), (128, 128), out_dtype=torch.bfloat16)
+    inv_a, inv_b = torch.empty(m, k // 32, device="meta"), torch.empty(k // 32, n, device="meta")
+    return cuda_block_args(a, b, inv_a, inv_b, (1, 32), (32, 1), out_dtype=torch.bfloat16)
+
+
+def _mutate(case):
+    """(kernel, args, kwargs) with one thing CUDA's kernel rejects ([Note: CUDA's block layout
+    contract]), and whether torch 2.13's meta kernel checks that thing too."""
+    import torch.nn.functional as F
+
+    kernel, what = case
+    args, kwargs = _valid_block_args(kernel)
+    a, b, sa, ka, sb, kb = args
+    k_504 = lambda: ((a[:, :504], b[:504], sa, ka, sb, kb), kwargs)  # noqa: E731
+    swap = {  # name -> (args, kwargs) with one rule broken
+        "scale_a_row_major": lambda: ((a, b, sa.contiguous(), ka, sb, kb), kwargs),
+        "scale_b_row_major": lambda: ((a, b, sa, ka, sb.contiguous(), kb), kwargs),
+        "scale_a_shape": lambda: ((a, b, sa[:-1], ka, sb, kb), kwargs),
+        "scale_b_not_padded_to_4": lambda: ((a, b, sa, ka, sb[:-1], kb), kwargs),
+        "scale_dtype": lambda: ((a, b, sa.to(torch.bfloat16), ka, sb, kb), kwargs),
+        "a_col_major": lambda: ((a.t().contiguous().t(), b, sa, ka, sb, kb), kwargs),
+        "b_row_major": lambda: ((a, b.contiguous(), sa, ka, sb, kb), kwargs),
+        "e5m2_operand": lambda: ((a, b.to(torch.float8_e5m2), sa, ka, sb, kb), kwargs),
+        "fast_accum": lambda: (args, dict(kwargs, use_fast_accum=True)),
+        "kinds_swapped": lambda: ((a, b, sa, kb, sb, ka), kwargs),
+        "scale_numel": lambda: ((a, b, sa[:-1], ka, sb, kb), kwargs),
+        "scale_not_contiguous": lambda: ((a, b, torch.empty_strided(  # every other element
+            sa.shape, (2,), dtype=sa.dtype, device="meta"), ka, sb, kb), kwargs),
+        "scales_f32": lambda: ((a, b, sa.to(torch.float32), ka, sb, kb), kwargs),
+        "no_swizzle": lambda: (args, dict(kwargs, swizzle_b=F.SwizzleType.NO_SWIZZLE)),
+        "k_not_16": k_504,
+    }[what]()
+    # the rules torch 2.13's meta kernel checks too (it leaves operand layouts and dtypes, fast
+    # accumulation and contiguity to the CUDA kernel)
+    meta_checks = what not in {"a_col_major", "b_row_major", "e5m2_operand", "fast_accum",
+                               "scale_not_contiguous"}
+    return kernel, *swap, meta_checks
+
+
+_REJECTED = [
+    (("deepseek", "scale_a_row_major"), ["scale_a must have strides (1, 256)"]),
+    (("deepseek", "scale_b_row_major"), ["scale_b must have strides (1, 4)"]),
+    (("deepseek", "scale_a_shape"), ["scale_a must have shape [256, 4]"]),
+    (("deepseek", "scale_b_not_padded_to_4"), ["scale_b must have shape [4, 3]"]),
+    (("deepseek", "scale_dtype"), ["scale_a must be float32"]),
+    (("deepseek", "a_col_major"), ["a must be row-major"]),
+    (("deepseek", "b_row_major"), ["b must be column-major"]),
+    (("deepseek", "e5m2_operand"), ["both operands must be torch.float8_e4m3fn"]),
+    (("deepseek", "fast_accum"), ["use_fast_accum must be False"]),
+    (("deepseek", "kinds_swapped"), ["scale_a must have shape [4, 2]",
+                                     "scale_b must have shape [384, 4]"]),
+    (("mxfp8", "scale_numel"), ["scale_a must have 4096 elements"]),
+    (("mxfp8", "scale_not_contiguous"), ["scale_a must be contiguous"]),
+    (("mxfp8", "scales_f32"), ["scale_a must be torch.float8_e8m0fnu"]),
+    (("mxfp8", "no_swizzle"), ["swizzle_b must be [SWIZZLE_32_4_4]"]),
+    (("mxfp8", "k_not_16"), ["K=504 and N=384 must be multiples of 16"]),
+    (("mxfp8", "e5m2_operand"), ["both operands must be torch.float8_e4m3fn"]),
+]
+
+
+@pytest.mark.parametrize("case, words", _REJECTED, ids=[f"{k}-{w}" for (k, w), _ in _REJECTED])
+def test_cuda_block_check_rejects_what_cuda_rejects(case, words):
+    # [Note: CUDA's block layout contract]: each rule of CUDA's DeepSeek and MXFP8 kernels, broken
+    # one at a time, is refused with an error naming the argument, the value and the rule
+    from f8dist.gemm import check_cuda_block_args, cuda_block_arg_problems
+
+    check_cuda_block_args(*_valid_block_args(case[0]))  # the unbroken arguments pass
+    _, args, kwargs, _ = _mutate(case)
+    with pytest.raises(ValueError, match="scaled_mm on CUDA would reject") as info:
+        check_cuda_block_args(args, kwargs)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    assert len(cuda_block_arg_problems(args, kwargs)) == len(words)
+
+
+def _meta_kernel_checks_layouts() -> bool:
+    """Whether this torch's meta kernel of ``aten._scaled_mm_v2`` checks block-scale layouts
+    (torch 2.11-2.13); from torch 2.14 it infers the output's shape only."""
+    import torch.nn.functional as F
+
+    _, args, kwargs, _ = _mutate(("deepseek", "scale_a_row_major"))
+    try:
+        F.scaled_mm(*args, **kwargs)
+    except RuntimeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("case", sorted({c for c, _ in _REJECTED} | {("deepseek", None),
+                                                                     ("mxfp8", None)},
+                                        key=str))
+def test_cuda_block_check_agrees_with_torchs_meta_kernel(case):
+    # f8dist's statement of CUDA's rules and torch's own, where torch's meta kernel still states
+    # them: both accept f8dist's arguments, both reject each broken layout torch checks
+    import torch.nn.functional as F
+
+    from f8dist.gemm import cuda_block_arg_problems
+
+    if not _meta_kernel_checks_layouts():
+        pytest.skip(f"torch {torch.__version__}'s meta kernel of _scaled_mm_v2 checks no layouts")
+    if case[1] is None:
+        args, kwargs = _valid_block_args(case[0])
+        assert F.scaled_mm(*args, **kwargs).shape == (256, 384)
+        return
+    _, args, kwargs, meta_checks = _mutate(case)
+    assert cuda_block_arg_problems(args, kwargs)
+    if meta_checks:
+        with pytest.raises(RuntimeError):
+            F.scaled_mm(*args, **kwargs)
 
 
 @pytest.mark.parametrize("square", [False, True])

@@ -2,6 +2,7 @@
 modules stay pure."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "f8dist"
@@ -86,3 +87,33 @@ def test_what_a_torchao_port_imports_is_at_the_top_level():
     assert 'dynamic = ["version"]' in pyproject  # one place: f8dist.__version__
     assert 'version = { attr = "f8dist.__version__" }' in pyproject
     assert f8dist.__version__.count(".") == 2
+
+
+def _torch_range():
+    """pyproject.toml's torch requirement as ((lower), (upper, exclusive)) version tuples."""
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    found = re.search(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"', pyproject)
+    assert found, "pyproject.toml's torch requirement is not 'torch>=X.Y,<X.Z'"
+    lo0, lo1, hi0, hi1 = map(int, found.groups())
+    return (lo0, lo1), (hi0, hi1)
+
+
+def _pinned_torch(path: str):
+    """The (major, minor) of the ``torch==X.Y.Z`` that a CI file of the repo installs."""
+    found = re.search(r"torch==(\d+)\.(\d+)\.\d+", (PACKAGE.parent / path).read_text())
+    assert found, f"{path} pins no torch"
+    return int(found[1]), int(found[2])
+
+
+def test_ci_proves_both_ends_of_the_torch_range():
+    # the range admits the pinned CPU build CI runs the suite on and the newest release, which CI
+    # runs a subset on (.ci/newest-torch); the upper bound is the release after that newest, so
+    # pip never plans to replace a supported torch, nor admits one CI has not run
+    (lo, hi), pinned, newest = _torch_range(), _pinned_torch(".ci/run"), \
+        _pinned_torch(".ci/torch-newest.txt")
+    assert lo <= pinned < hi and lo <= newest < hi, (lo, hi, pinned, newest)
+    assert hi == (newest[0], newest[1] + 1), (hi, newest)
+    run = (PACKAGE.parent / ".ci" / "run").read_text()
+    assert "bash .ci/newest-torch" in run.split("python -m pytest -q tests")[-1]  # after the suite
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert f"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in readme
