@@ -55,12 +55,15 @@ max, and a value that decodes past float32's max (rounded up near it) decodes as
 
 [Note: outliers in the second moment]
 The second moment of an element that saw one huge gradient ``G`` is ``(1 - beta2) G**2`` and
-decays by ``beta2`` a step. Coded against it, the block's other elements fall below the format's
-range, decode at the smallest code (``max * 2**-15.7``) and stay there until it has decayed below
-their own moment: about ``ln(G**2 / g**2) / (1 - beta2)`` steps (80k for ``G = 1e20``,
-``beta2 = 0.999``) in which their updates are close to 0. The log formats keep the block's
-largest value apart, so one such element per block costs its neighbours nothing; the figures,
-and what two or more do, are in docs/optim.md (``scripts/optim_outlier_report.py``).
+decays by ``beta2`` a step. Coded against it, the block's other elements (second moments ``v``)
+fall below the format's range, decode at the smallest code (``max * 2**-15.7``) and stay there
+until it has decayed below theirs: about ``ln((1 - beta2) G**2 2**-15.7 / v) / (1 - beta2)``
+steps in which their updates are close to 0. The log formats keep the block's largest value
+apart, so one such element per block costs its neighbours' second moments nothing. The first
+moment keeps no outlier: in int8 the neighbours' ``m`` round to 0 until the outlier's has decayed
+(by ``beta1`` a step) to within 126 steps of theirs, about
+``ln(126 (1 - beta1) G / |m|) / (1 - beta1)`` steps. The figures, and what two outliers in one
+block do, are in docs/optim.md (``scripts/optim_outlier_report.py``).
 """
 
 from __future__ import annotations
