@@ -23,11 +23,11 @@ Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
 Encoding a decoded vector again gives it back, bit for bit, so a checkpoint that holds decoded
 states (``f8dist.optim.AdamW.state_dict``) resumes exactly. The float8 formats take
 ``f8dist.scaling.amax_to_scale`` of the block's amax rounded down to a power of 2 (a decoded value
-is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that ``127 * s`` is
-exact and a decoded block's amax gives ``s`` again. The log formats keep the block's largest value apart, exactly, with a code of its
-own (its *outlier*, a second float32 per block), and code the others against ``max'``, the
-largest of the rest: one huge value does not push its neighbours below the range
-([Note: outliers in the second moment]). Code 0 is exactly 0; a positive value below the range
+is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that ``126 * s`` is
+exact and a decoded block's amax gives ``s`` again. The log formats keep the block's largest value
+apart, exactly, with a code of its own (its *outlier*, a second float32 per block), and code the
+others against ``max'``, the largest of the rest: one huge value does not push its neighbours
+below the range ([Note: outliers in the second moment]). Code 0 is exactly 0; a positive value below the range
 takes the smallest code (it is overestimated, never flushed to 0: for a second moment that makes
 the update smaller, where zero would make it ``m / eps``). A block of zeros decodes to zeros in
 every format. Non-finite values: [Note: non-finite states].
