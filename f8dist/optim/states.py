@@ -27,10 +27,10 @@ is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that
 exact and a decoded block's amax gives ``s`` again. The log formats keep the block's largest value
 apart, exactly, with a code of its own (its *outlier*, a second float32 per block), and code the
 others against ``max'``, the largest of the rest: one huge value does not push its neighbours
-below the range ([Note: outliers in the second moment]). Code 0 is exactly 0; a positive value below the range
-takes the smallest code (it is overestimated, never flushed to 0: for a second moment that makes
-the update smaller, where zero would make it ``m / eps``). A block of zeros decodes to zeros in
-every format. Non-finite values: [Note: non-finite states].
+below the range ([Note: outliers in the second moment]). Code 0 is exactly 0; a positive value
+below the range takes the smallest code (it is overestimated, never flushed to 0: for a second
+moment that makes the update smaller, where zero would make it ``m / eps``). A block of zeros
+decodes to zeros in every format. Non-finite values: [Note: non-finite states].
 
 Which format suits which moment is measured by ``scripts/optim_states_report.py``
 (docs/optim.md): the first moment (signed, an average of gradients) loses least in int8, whose
