@@ -9,10 +9,13 @@ f8dist/optim/states.py) instead of in the parameter's dtype. A step, for each pa
     m      = lerp(m, g, 1 - beta1)                  as torch.optim.AdamW, in float32
     v      = beta2 * v + (1 - beta2) * g * g
     state  = encode(m, v)                            the rounding happens here, once
-    p      = p * (1 - lr * wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)   in float32, fresh m, v
+    p      = p * (1 - lr * wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)   fresh m, v
 
 so the update of a step uses the exact float32 moments of that step, and only what is carried to
-the next step is rounded. A bf16 parameter is updated in float32 and rounded once.
+the next step is rounded. The weight is updated in its own dtype, float32 at least: a float64
+parameter in float64 (its moments are float32, as the formats say), a bf16 or fp16 parameter in
+float32, rounded once to its dtype. Inf and NaN moments are kept ([Note: non-finite states]), so
+an overflowing or non-finite gradient does to its element what it does in torch.optim.AdamW.
 
 The codes live on the parameter's *local* tensor (a DTensor's ``to_local()``: an FSDP2 shard, a
 TP shard), flattened, in blocks of ``block_size`` consecutive elements: encoding needs the block's
@@ -301,8 +304,13 @@ def _update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> No
     bias_correction1 = 1 - beta1 ** step
     bias_correction2_sqrt = _sqrt(1 - beta2 ** step)
     step_size = lr / bias_correction1
+    # [Note: update precision] the weight is updated in its own dtype, float32 at least: a float64
+    # parameter keeps its 53 bits (float32 math would round it every step), a bf16 or fp16 one is
+    # updated in float32 and rounded once
+    dtype = torch.promote_types(local.dtype, torch.float32)
+    m, v = m.to(dtype), v.to(dtype)
     denom = (v.sqrt() / bias_correction2_sqrt).add_(group["eps"])  # [blocks, B]
-    weight = blocks(local.to(torch.float32), block)  # [blocks, B]
+    weight = blocks(local.to(dtype), block)  # [blocks, B]
     if group["weight_decay"] != 0:
         weight = weight * (1 - lr * group["weight_decay"])
     weight = weight + (-step_size * m) / denom  # [blocks, B]

@@ -12,22 +12,25 @@ Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
 
     format     bytes  code of x                                 below the block's max
     fp32       4      x                                         all of float32
-    bf16       2      x in bfloat16                             all of float32, 8 significant bits
+    bf16       2      x in bfloat16 (saturated)                 all of float32, 8 significant bits
     e4m3       1      x * s in float8 e4m3 (s a power of 2)     2**17.8, 4 significant bits
     e5m2       1      x * s in float8 e5m2 (s a power of 2)     2**31.8, 3 significant bits
-    int8       1      round(x / s), s = amax / 127              127 linear steps
+    int8       1      round(x / s), s = amax / 126              126 linear steps
     sqrt_e4m3  1      sqrt(x) * s in e4m3; x >= 0               2**35.6, 4 bits of sqrt(x)
-    log8       1      round(8 log2(x / amax)) + 255; x >= 0     2**31.8, steps of 2**(1/8) (9 %)
-    log16      1      round(16 log2(x / amax)) + 255; x >= 0    2**15.9, steps of 2**(1/16) (4.4 %)
+    log8       1      round(8 log2(x / max')) + 252; x >= 0     2**31.4, steps of 2**(1/8) (9 %)
+    log16      1      round(16 log2(x / max')) + 252; x >= 0    2**15.7, steps of 2**(1/16) (4.4 %)
 
 Encoding a decoded vector again gives it back, bit for bit, so a checkpoint that holds decoded
 states (``f8dist.optim.AdamW.state_dict``) resumes exactly. The float8 formats take
 ``f8dist.scaling.amax_to_scale`` of the block's amax rounded down to a power of 2 (a decoded value
-is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that ``127 * s`` is
-exact and a decoded block's amax gives ``s`` again. The log formats keep the block's max as their
-scale and code 0 for exactly 0; a positive value below their range takes the smallest code (it is
-overestimated, never flushed to 0: for a second moment that makes the update smaller, where zero
-would make it ``m / eps``). A block of zeros decodes to zeros in every format.
+is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that ``126 * s`` is
+exact and a decoded block's amax gives ``s`` again. The log formats keep the block's largest value
+apart, exactly, with a code of its own (its *outlier*, a second float32 per block), and code the
+others against ``max'``, the largest of the rest: one huge value does not push its neighbours
+below the range ([Note: outliers in the second moment]). Code 0 is exactly 0; a positive value
+below the range takes the smallest code (it is overestimated, never flushed to 0: for a second
+moment that makes the update smaller, where zero would make it ``m / eps``). A block of zeros
+decodes to zeros in every format. Non-finite values: [Note: non-finite states].
 
 Which format suits which moment is measured by ``scripts/optim_states_report.py``
 (docs/optim.md): the first moment (signed, an average of gradients) loses least in int8, whose
@@ -39,6 +42,28 @@ decaying average (sqrt_e4m3 and e5m2 fall to single-digit SQNR): log16.
 The codes are laid out on the local shard, so encoding and decoding never communicate, and they
 are the same for a tensor and for a DTensor's local part. This module imports nothing from
 torch.distributed.
+
+[Note: non-finite states]
+A moment that is inf or NaN is kept as it is, in every format: each has codes for +inf, -inf and
+NaN (fp32, bf16: their own; e5m2: its own; e4m3: 0x7F, 0xFF and -0, which no finite value takes;
+int8: 127, -127, -128; log: 254, 255 = NaN), and the block's scale is taken over its finite
+values, so the other elements of the block decode as they would without it. So a step follows
+torch.optim.AdamW element by element: a gradient of 1e30 makes ``v = inf`` and an update of 0, an
+inf or NaN gradient a NaN weight. The formats without a sign (sqrt_e4m3, log8, log16) hold no
+negative value: -inf, like any negative, is 0. A finite value stays finite: bf16 saturates at its
+max, and a value that decodes past float32's max (rounded up near it) decodes as that max.
+
+[Note: outliers in the second moment]
+The second moment of an element that saw one huge gradient ``G`` is ``(1 - beta2) G**2`` and
+decays by ``beta2`` a step. Coded against it, the block's other elements (second moments ``v``)
+fall below the format's range, decode at the smallest code (``max * 2**-15.7``) and stay there
+until it has decayed below theirs: about ``ln((1 - beta2) G**2 2**-15.7 / v) / (1 - beta2)``
+steps in which their updates are close to 0. The log formats keep the block's largest value
+apart, so one such element per block costs its neighbours' second moments nothing. The first
+moment keeps no outlier: in int8 the neighbours' ``m`` round to 0 until the outlier's has decayed
+(by ``beta1`` a step) to within 126 steps of theirs, about
+``ln(126 (1 - beta1) G / |m|) / (1 - beta1)`` steps. The figures, and what two outliers in one
+block do, are in docs/optim.md (``scripts/optim_outlier_report.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +111,11 @@ class StateFormat(str, enum.Enum):
         return self not in (StateFormat.SQRT_E4M3, StateFormat.LOG8, StateFormat.LOG16)
 
     @property
+    def scales_per_block(self) -> int:
+        """float32 scales per block: the log formats also keep their outlier."""
+        return 2 if self in _LOG_STEPS_PER_OCTAVE else int(self.blockwise)
+
+    @property
     def code_dtype(self) -> torch.dtype:
         return _CODE_DTYPE[self]
 
@@ -102,17 +132,33 @@ _CODE_DTYPE = {
 }
 
 _LOG_STEPS_PER_OCTAVE = {StateFormat.LOG8: 8, StateFormat.LOG16: 16}
-_TOP_CODE = 255  # the block's max; 1 ... 254 below it; 0 is exactly 0
+# log codes: 0 is exactly 0, 1 ... 252 steps up to the largest value but the outlier (252), 253
+# the block's outlier ([Note: outliers in the second moment]), 254 and 255 non-finite
+_TOP_CODE, _OUTLIER_CODE = 252, 253
+_INT8_MAX = 126  # 127, -127 and -128 are non-finite
+
+_INF, _NAN = float("inf"), float("nan")
+# the codes (as uint8 bit patterns) that stand for inf and NaN: [Note: non-finite states]
+_NON_FINITE_CODES = {
+    StateFormat.E4M3: {0x7F: _INF, 0xFF: -_INF, 0x80: _NAN},  # 0x80: -0, made +0 when encoding
+    StateFormat.E5M2: {0x7C: _INF, 0xFC: -_INF, 0x7F: _NAN},  # e5m2's own
+    StateFormat.INT8: {0x7F: _INF, 0x81: -_INF, 0x80: _NAN},  # 127, -127, -128
+    StateFormat.SQRT_E4M3: {0x7F: _INF, 0x80: _NAN},
+    StateFormat.LOG8: {254: _INF, 255: _NAN},
+    StateFormat.LOG16: {254: _INF, 255: _NAN},
+}
+_BF16_MAX, _F32_MAX = torch.finfo(torch.bfloat16).max, torch.finfo(torch.float32).max
 
 
 @dataclass
 class QuantizedState:
     """One vector in a :class:`StateFormat`, in blocks: ``codes`` [blocks * block_size] (the
-    vector zero-padded to whole blocks) and ``scales`` [blocks] (empty for fp32 and bf16).
+    vector zero-padded to whole blocks) and ``scales`` [blocks * k] (k = 2 for the log formats:
+    the scale and the outlier of each block; 1 for the others; none for fp32 and bf16).
     :func:`encode_into` rewrites both in place."""
 
     codes: torch.Tensor  # [blocks * block_size]
-    scales: torch.Tensor  # [blocks] float32, or [0]
+    scales: torch.Tensor  # [blocks * k] float32, or [0]
     format: StateFormat
     block_size: int
 
@@ -146,38 +192,66 @@ def unblock(xb: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _keep_17_bits(x: torch.Tensor) -> torch.Tensor:
-    """Positive float32 ``x`` rounded to 17 significant bits (times a 7-bit integer: exact).
-    To nearest, so that ``127 * s / 127`` gives ``s`` back however the division rounds."""
+    """Positive float32 ``x`` rounded to 17 significant bits (times 126 = 2 * 63: exact).
+    To nearest, so that ``126 * s / 126`` gives ``s`` back however the division rounds."""
     return ((x.view(torch.int32) + 32) & -64).view(torch.float32)  # 6 low mantissa bits
 
 
-def _encode_blocks(xb: torch.Tensor, fmt: StateFormat) -> Tuple[torch.Tensor, torch.Tensor]:
-    """float32 blocks [blocks, B] -> codes [blocks, B] and scales [blocks, 1]."""
+def _encode_finite(xb: torch.Tensor, fmt: StateFormat) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Finite float32 blocks [blocks, B] -> codes [blocks, B] and scales [blocks, k]."""
     if fmt in _LOG_STEPS_PER_OCTAVE:
-        amax = xb.amax(dim=1, keepdim=True).clamp_(min=0)  # [blocks, 1]
-        steps = torch.log2(xb / amax).mul_(_LOG_STEPS_PER_OCTAVE[fmt]).round_()  # <= 0; -inf at 0
+        xb = xb.clamp(min=0)
+        top = xb.argmax(dim=1, keepdim=True)  # [blocks, 1]: the outlier, kept apart
+        outlier = xb.gather(1, top)  # [blocks, 1]
+        is_outlier = torch.zeros_like(xb, dtype=torch.bool).scatter_(1, top, True)
+        rest = torch.where(is_outlier, 0.0, xb).amax(dim=1, keepdim=True)  # [blocks, 1]
+        steps = torch.log2(xb / rest).mul_(_LOG_STEPS_PER_OCTAVE[fmt]).round_()  # <= 0
         codes = steps.add_(_TOP_CODE).clamp_(1, _TOP_CODE)
-        return torch.where(xb > 0, codes, torch.zeros_like(codes)).to(torch.uint8), amax
+        codes = torch.where(xb > 0, codes, 0.0)
+        codes = torch.where(is_outlier, float(_OUTLIER_CODE), codes)
+        return codes.to(torch.uint8), torch.cat([rest, outlier], dim=1)
     if fmt is StateFormat.INT8:
         amax = xb.abs().amax(dim=1, keepdim=True)  # [blocks, 1]
-        step = _keep_17_bits(torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
-        return torch.round(xb / step).clamp_(-127, 127).to(torch.int8), step
+        step = _keep_17_bits(torch.where(amax > 0, amax / _INT8_MAX, torch.ones_like(amax)))
+        return torch.round(xb / step).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), step
     if fmt is StateFormat.SQRT_E4M3:
         xb = xb.clamp(min=0).sqrt()
     dtype = fmt.code_dtype
     scale = amax_to_scale(xb.abs().amax(dim=1, keepdim=True), dtype, round_to_power_of_2=True)
-    return saturated_cast(xb, scale, dtype), scale  # [blocks, B], [blocks, 1]
+    codes = saturated_cast(xb, scale, dtype).view(torch.uint8)  # [blocks, B]
+    codes = torch.where(codes == 0x80, 0, codes)  # -0 is +0: e4m3 holds NaN there
+    return codes.view(dtype), scale
+
+
+def _encode_blocks(xb: torch.Tensor, fmt: StateFormat) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float32 blocks [blocks, B] -> codes [blocks, B] and scales [blocks, k]; the scales come
+    from the finite values ([Note: non-finite states])."""
+    finite = xb.isfinite()
+    codes, scales = _encode_finite(torch.where(finite, xb, 0.0), fmt)
+    raw = codes.view(torch.uint8)
+    for code, value in _NON_FINITE_CODES[fmt].items():
+        raw = torch.where(xb.isnan() if value != value else xb == value, code, raw)
+    return raw.view(fmt.code_dtype), scales
 
 
 def _decode_blocks(codes: torch.Tensor, scale: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """codes [blocks, B] (as float32), scales [blocks, 1] -> float32 [blocks, B]."""
+    """codes [blocks, B], scales [blocks, k] -> float32 [blocks, B]."""
+    c = codes.to(torch.float32)
     if fmt is StateFormat.INT8:
-        return codes * scale
-    if fmt in _LOG_STEPS_PER_OCTAVE:
-        x = scale * torch.exp2((codes - _TOP_CODE) / _LOG_STEPS_PER_OCTAVE[fmt])
-        return torch.where(codes > 0, x, torch.zeros_like(x))
-    x = dequantize(codes, scale, torch.float32)
-    return x * x if fmt is StateFormat.SQRT_E4M3 else x
+        x = c * scale
+    elif fmt in _LOG_STEPS_PER_OCTAVE:
+        rest, outlier = scale[:, :1], scale[:, 1:]
+        x = rest * torch.exp2((c - _TOP_CODE) / _LOG_STEPS_PER_OCTAVE[fmt])
+        x = torch.where(c > 0, x, 0.0)
+        x = torch.where(c == _OUTLIER_CODE, outlier, x)
+    else:
+        x = dequantize(c, scale, torch.float32)
+        x = x * x if fmt is StateFormat.SQRT_E4M3 else x
+    x = x.clamp(-_F32_MAX, _F32_MAX)  # rounded up past the max: [Note: non-finite states]
+    raw = codes.view(torch.uint8)
+    for code, value in _NON_FINITE_CODES[fmt].items():
+        x = torch.where(raw == code, value, x)
+    return x
 
 
 def encode(x: torch.Tensor, fmt, block_size: int) -> QuantizedState:
@@ -186,7 +260,7 @@ def encode(x: torch.Tensor, fmt, block_size: int) -> QuantizedState:
     xb = blocks(x.detach().to(torch.float32), block_size)  # [blocks, B]
     state = QuantizedState(
         torch.empty(xb.numel(), dtype=fmt.code_dtype, device=x.device),
-        torch.empty(xb.shape[0] if fmt.blockwise else 0, dtype=torch.float32, device=x.device),
+        torch.empty(xb.shape[0] * fmt.scales_per_block, dtype=torch.float32, device=x.device),
         fmt, block_size,
     )
     encode_into(state, xb)
@@ -195,6 +269,8 @@ def encode(x: torch.Tensor, fmt, block_size: int) -> QuantizedState:
 
 def encode_into(state: QuantizedState, xb: torch.Tensor) -> None:
     """Re-encode ``state`` in place from float32 blocks ``xb`` [blocks, B]."""
+    if state.format is StateFormat.BF16:  # saturated: [Note: non-finite states]
+        xb = torch.where(xb.isfinite(), xb.clamp(-_BF16_MAX, _BF16_MAX), xb)
     if not state.format.blockwise:
         state.codes.copy_(xb.reshape(-1))
         return
@@ -205,7 +281,8 @@ def encode_into(state: QuantizedState, xb: torch.Tensor) -> None:
 
 def decode(state: QuantizedState) -> torch.Tensor:
     """The float32 blocks [blocks, B] that ``state`` stands for (a fresh tensor)."""
-    codes = state.codes.view(-1, state.block_size).to(torch.float32, copy=True)  # [blocks, B]
+    codes = state.codes.view(-1, state.block_size)  # [blocks, B]
     if not state.format.blockwise:
-        return codes
-    return _decode_blocks(codes, state.scales[:, None], state.format)
+        return codes.to(torch.float32, copy=True)
+    k = state.format.scales_per_block
+    return _decode_blocks(codes, state.scales.view(-1, k), state.format)

@@ -9,6 +9,7 @@ from f8dist.optim import AdamW, StateFormat
 from f8dist.optim.states import QuantizedState, decode, encode, unblock
 
 FP32 = dict(exp_avg_format="fp32", exp_avg_sq_format="fp32")
+inf, nan = float("inf"), float("nan")
 
 
 def _model(seed=0):
@@ -69,9 +70,10 @@ def test_state_bytes_per_parameter():
     n = sum(p.numel() for p in model.parameters())
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
     blocks = sum(-(-p.numel() // 64) for p in model.parameters())
-    # two moments of one byte per element of whole blocks, one float32 scale per block each,
-    # and a float32 step per parameter; torch.optim.AdamW: 8 bytes per parameter
-    assert state == 2 * 64 * blocks + 2 * 4 * blocks + 3 * 4
+    # two moments of one byte per element of whole blocks, float32 per block: one scale for the
+    # first, a scale and the outlier for the second ([Note: outliers in the second moment]); a
+    # float32 step per parameter. torch.optim.AdamW: 8 bytes per parameter
+    assert state == 2 * 64 * blocks + 3 * 4 * blocks + 3 * 4
     assert state / n <= 2.25
     codes = optimizer.state[model[0].weight]
     assert codes["exp_avg_codes"].dtype == torch.int8
@@ -153,16 +155,71 @@ def test_lr_tensor_and_bf16_params():
     _train(b, AdamW(b.parameters(), lr=torch.tensor(1e-2)), 3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
-    # a bf16 parameter is updated in fp32 and rounded once: the fp32 step's result, rounded
-    w16 = nn.Parameter(torch.randn(300, dtype=torch.bfloat16))
-    w32 = nn.Parameter(w16.detach().float())
-    w16.grad = torch.randn(300, dtype=torch.bfloat16)
-    w32.grad = w16.grad.float()
-    for w in (w16, w32):
-        AdamW([w], lr=1e-2, weight_decay=0.1).step()
-    assert torch.equal(w16, w32.bfloat16()) and w16.dtype == torch.bfloat16
+    # a bf16 or fp16 parameter is updated in fp32 and rounded once: the fp32 step's result,
+    # rounded ([Note: update precision])
+    for dtype in (torch.bfloat16, torch.float16):
+        w16 = nn.Parameter(torch.randn(300).to(dtype))
+        w32 = nn.Parameter(w16.detach().float())
+        w16.grad = torch.randn(300).to(dtype)
+        w32.grad = w16.grad.float()
+        for w in (w16, w32):
+            AdamW([w], lr=1e-2, weight_decay=0.1).step()
+        assert torch.equal(w16, w32.to(dtype)) and w16.dtype == dtype
 
 
+def test_float64_parameters_are_updated_in_float64():
+    # [Note: update precision]: no rounding to float32 on the way
+    w = nn.Parameter(torch.tensor([1.0000000001, -3.0000000001], dtype=torch.float64))
+    w.grad = torch.ones(2, dtype=torch.float64)
+    AdamW([w], lr=0.0).step()
+    assert w.tolist() == [1.0000000001, -3.0000000001]
+    # updates of 1e-6 on weights near 1000 (float32's step there: 6e-5), as torch's AdamW
+    # makes them (fp32 states: only the moments are float32)
+    start = 1000 + torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ours, ref = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    optimizers = AdamW([ours], lr=1e-6, **FP32), torch.optim.AdamW([ref], lr=1e-6)
+    for k in range(3):
+        grad = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        for p, opt in zip((ours, ref), optimizers):
+            p.grad = grad.clone()
+            opt.step()
+    assert sqnr(ref - start, ours - start) > 100
+
+
+_FORMAT_PAIRS = sorted({("int8", f.value) for f in StateFormat}
+                       | {(f.value, "log16") for f in StateFormat if f.signed})
+
+
+@pytest.mark.parametrize("exp_avg_format, exp_avg_sq_format", _FORMAT_PAIRS)
+def test_overflowing_and_non_finite_gradients_do_what_they_do_in_torch_adamw(
+        exp_avg_format, exp_avg_sq_format):
+    # [Note: non-finite states]: 1e30 makes v = inf (an update of 0, for good), inf, -inf and NaN
+    # make NaN weights, and so does a first moment that overflows; the rest of each block is
+    # unharmed (no m / eps jumps)
+    big = torch.finfo(torch.float32).max
+    start = torch.randn(128, generator=torch.Generator().manual_seed(0))
+    ours, ref = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    optimizers = (AdamW([ours], **hyper, exp_avg_format=exp_avg_format,
+                        exp_avg_sq_format=exp_avg_sq_format),
+                  torch.optim.AdamW([ref], **hyper, foreach=False))
+    steps = 24
+    for k in range(1, steps + 1):
+        grad = torch.randn(128, generator=torch.Generator().manual_seed(k))
+        if k == 1:
+            grad[3] = 1e30  # v overflows: inf
+        if k == 2:
+            grad[70], grad[71] = inf, nan
+        if k == 3:
+            grad[72] = -inf
+        grad[100] = big if k <= 20 else -big  # m -> 0.88 max, then -max - m overflows
+        for p, opt in zip((ours, ref), optimizers):
+            p.grad = grad.clone()
+            opt.step()
+    assert torch.equal(ours.isnan(), ref.isnan()) and ref[[70, 71, 72, 100]].isnan().all()
+    assert ours[3] == ref[3] != start[3]  # weight decay only, from step 1 on
+    finite = ~ref.isnan()
+    assert ((ours - ref)[finite].abs() <= 2 * hyper["lr"] * steps).all()
 def test_empty_parameters_and_missing_grads():
     empty, live, frozen = (nn.Parameter(torch.zeros(n)) for n in (0, 10, 10))
     optimizer = AdamW([empty, live, frozen], lr=1e-2)
@@ -228,3 +285,23 @@ def decode_all(state, group):
     return {name: decode(QuantizedState(state[f"{name}_codes"], state[f"{name}_scales"],
                                         group[f"{name}_format"], group["block_size"]))
             for name in ("exp_avg", "exp_avg_sq")}
+
+
+@pytest.mark.parametrize("exp_avg_sq_format", ["log8", "log16"])
+def test_one_huge_gradient_leaves_its_block_neighbours_as_in_torch_adamw(exp_avg_sq_format):
+    # [Note: outliers in the second moment]: a 1e20 gradient makes its v 1e37; the other 63
+    # elements of the block keep their own second moments (the first in bf16, which holds both
+    # scales: int8's first moment silences them until the outlier's m decays, docs/optim.md)
+    start = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    ours, ref = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    optimizers = (AdamW([ours], lr=1e-3, exp_avg_format="bf16",
+                        exp_avg_sq_format=exp_avg_sq_format),
+                  torch.optim.AdamW([ref], lr=1e-3, foreach=False))
+    for k in range(1, 21):
+        grad = torch.randn(64, generator=torch.Generator().manual_seed(k)) * 1e-3
+        if k == 2:
+            grad[0] = 1e20
+        for p, opt in zip((ours, ref), optimizers):
+            p.grad = grad.clone()
+            opt.step()
+    assert sqnr(ref[1:] - start[1:], ours[1:] - start[1:]) > 25
