@@ -88,7 +88,7 @@ def test_tables_end_with_a_blank_line(path):
                      f"{bad}; put a blank line after the table")
 
 
-OUTPUT_FLAG = re.compile(r"--(csv|result|out|out-dir|output|json)[ \t]*\\?\s+([^\s`'\")]+)")
+OUTPUT_FLAG = re.compile(r"--(csv|result|out|out-dir|output|json)[ \t]*\\?\s+([^\s`'\")\]]+)")
 
 
 def writes_into_checkout(text: str) -> List[str]:
