@@ -13,7 +13,8 @@ def test_write_result_prints_unless_given_a_path(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_result(SimpleNamespace(result=None), {"ratio": 0.5})
     assert json.loads(capsys.readouterr().out) == {"ratio": 0.5}
-    write_result(SimpleNamespace(result=None), {"ratio": 0.5}, table=lambda r: f"ratio {r['ratio']}")
+    write_result(SimpleNamespace(result=None), {"ratio": 0.5},
+                 table=lambda r: f"ratio {r['ratio']}")
     assert capsys.readouterr().out == "ratio 0.5\n"
     assert os.listdir(tmp_path) == []  # run by hand: nothing written
 
@@ -33,7 +34,8 @@ def test_torchtitan_fsdp_table():
     for i, variant in enumerate(torchtitan_fsdp.VARIANTS):
         out[variant] = {
             "losses": [8.0 + 0.01 * i, 6.0],
-            "forward": [_step(all_gather=(3, 1000), all_reduce=(30, 120)), _step(all_gather=(3, 1000))],
+            "forward": [_step(all_gather=(3, 1000), all_reduce=(30, 120)),
+                        _step(all_gather=(3, 1000))],
             "optimizer_step": [_step(all_reduce=(2, 736)), _step(all_reduce=(1, 720))],
         }
     lines = torchtitan_fsdp.table(out).splitlines()
