@@ -5,7 +5,7 @@ the FSDP scale precompute) per kind, on rank 0, with f8dist's collective counter
 Run with torchrun (gloo on CPU, nccl on GPU); 4 ranks give a 2 x 2 mesh for 2-D:
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD torchrun --standalone --nproc_per_node=4 \\
-        scripts/bench_comm.py --csv docs/bench/comm_cpu.csv
+        scripts/bench_comm.py --csv /tmp/comm_cpu.csv   # the recorded run: docs/bench/comm_cpu.csv
 
 Scenarios:
   fsdp mlp     a stack of linears only, so the all-gather ratio is the float8 weights' own

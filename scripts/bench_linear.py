@@ -9,7 +9,7 @@ One row per (shape, mode, recipe). Ratios:
 
     python scripts/bench_linear.py                              # CPU shapes, eager and compiled
     python scripts/bench_linear.py --shapes llama70b --modes compile
-    python scripts/bench_linear.py --recipes tensorwise --csv bench/linear.csv
+    python scripts/bench_linear.py --recipes tensorwise --csv /tmp/linear.csv
 """
 
 from __future__ import annotations

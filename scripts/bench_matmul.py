@@ -5,7 +5,7 @@ Prints TFLOP/s of each and its ratio to bf16 (> 1: float8 is faster), and writes
 
     python scripts/bench_matmul.py                          # CPU-sized shapes
     python scripts/bench_matmul.py --shapes llama70b        # LLaMa-2-70B linears, TP=8, M=16384
-    python scripts/bench_matmul.py --csv bench/matmul.csv
+    python scripts/bench_matmul.py --csv /tmp/matmul.csv
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ nonzero gradient elements sent that the cast turned into 0 (the most of any meas
 into the collective per gradient element (float8 bytes plus float32 scales, with FSDP2's padding);
 ``vs_bf16`` / ``vs_fp32`` divide it by the bf16 / fp32 reduce-scatter's.
 
-    PYTHONPATH=$PWD python scripts/bench_reduce_scatter.py --csv docs/bench/reduce_scatter_cpu.csv
+    PYTHONPATH=$PWD python scripts/bench_reduce_scatter.py --csv /tmp/reduce_scatter_cpu.csv
+    # the recorded run: docs/bench/reduce_scatter_cpu.csv
 """
 
 from __future__ import annotations

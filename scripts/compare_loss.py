@@ -4,9 +4,9 @@
 Every run goes through ``train.py``'s loop; flags this script does not know are passed on to it::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/compare_loss.py \\
-        --out-dir loss_fsdp --steps 100
+        --out-dir /tmp/loss_fsdp --steps 100
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/compare_loss.py \\
-        --out-dir loss_tp --steps 100 --tp 2
+        --out-dir /tmp/loss_tp --steps 100 --tp 2
 
 The "final loss" is the mean of the last ``--tail`` steps (one step's loss is one small batch's).
 ``--optim-states fp32,8bit`` trains each recipe with each kind of AdamW state (a run is named

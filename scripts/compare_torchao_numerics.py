@@ -62,10 +62,12 @@ def main():
     except ImportError as e:
         raise SystemExit(f"this comparison needs torchao: pip install --no-deps torchao ({e})")
 
-    print("| dtype | recipe | output | grad_input | grad_weight |")
-    print("|---|---|---|---|---|")
-    for dtype in (torch.bfloat16, torch.float32):
-        for recipe in RECIPES:
+    # one table for torchao.float8's recipes, one for the MXFP8 ones (docs/numerics.md shows each)
+    for family in ([r for r in RECIPES if not r.startswith("mxfp8")],
+                   [r for r in RECIPES if r.startswith("mxfp8")]):
+        print("\n| dtype | recipe | output | grad_input | grad_weight |")
+        print("|---|---|---|---|---|")
+        for dtype, recipe in ((d, r) for d in (torch.bfloat16, torch.float32) for r in family):
             torch.manual_seed(0)
             base = nn.Linear(args.in_features, args.out_features, bias=False).to(dtype)
             ours = Float8Linear.from_float(

@@ -174,12 +174,12 @@ def main():
     if distributed:
         dist.init_process_group("gloo")
     if not distributed or dist.get_rank() == 0:
-        print(sqnr_table(args.tokens, args.experts, args.in_features, args.out_features), "\n")
+        print(sqnr_table(args.tokens, args.experts, args.in_features, args.out_features) + "\n")
         try:
             table = torchao_table(args.tokens, args.experts, args.in_features, args.out_features)
         except ImportError as e:  # torchao is optional: pip install --no-deps torchao==0.18.0
             table = f"(no torchao comparison: {e})"
-        print(table, "\n")
+        print(table + "\n")  # a blank line after a table, no space at the end of its last row
     if distributed:
         table = dispatch_bytes([int(d) for d in args.dispatch_dims.split(",")],
                                args.dispatch_tokens)

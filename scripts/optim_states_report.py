@@ -1,7 +1,8 @@
 """Which formats should AdamW's moments be kept in? Each choice of f8dist.optim.AdamW measured
 against torch.optim.AdamW in fp32, on the LLaMA of scripts/train.py (one process, fp32 weights)::
 
-    PYTHONPATH=. python scripts/optim_states_report.py                   # CPU, a few minutes
+    PYTHONPATH=. python scripts/optim_states_report.py                   # CPU, ~7 min on 2 cores
+    PYTHONPATH=. python scripts/optim_states_report.py --steps 20 --skip-training --block-sizes 64
     PYTHONPATH=. python scripts/optim_states_report.py --steps 300 --beta2 0.999
 
 Three tables (docs/optim.md holds a run of them):

@@ -50,17 +50,24 @@ def init(timeout_s: float = 120) -> Tuple[int, int, torch.device]:
 
 def parse_args(argv: Optional[List[str]] = None, extra: Optional[Callable] = None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--result", default=None, help="JSON file rank 0 writes its figures to")
+    parser.add_argument("--result", default=None,
+                        help="JSON file rank 0 writes its figures to (default: print them)")
     if extra is not None:
         extra(parser)
     return parser.parse_args(argv)
 
 
-def write_result(args, obj: dict) -> None:
-    """Rank 0 writes ``obj`` as JSON to the path the harness passed (``--result``)."""
-    if args.result and (not dist.is_initialized() or dist.get_rank() == 0):
+def write_result(args, obj: dict, table: Optional[Callable[[dict], str]] = None) -> None:
+    """Rank 0 writes ``obj`` as JSON to the path the harness passed (``--result``), or prints it
+    when there is none (a program run by hand leaves no file behind): ``table(obj)`` if given,
+    else the JSON."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if args.result:
         with open(args.result, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
+    else:
+        print(table(obj) if table is not None else json.dumps(obj, indent=1, sort_keys=True))
 
 
 Scenarios = Callable[[int, int, torch.device, dict], Dict[str, Callable[[], None]]]

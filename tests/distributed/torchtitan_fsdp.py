@@ -2,7 +2,11 @@
 function, on every rank: a few AdamW steps per variant (bf16, each recipe, tensorwise with float8
 all-gather and precompute), with the losses and the collectives of each step.
 
-Run by tests/integrations/test_torchtitan.py (torchtitan installed).
+Run by tests/integrations/test_torchtitan.py (torchtitan installed); run by hand, rank 0 prints
+the table of docs/torchtitan.md::
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \
+        --nproc_per_node=2 tests/distributed/torchtitan_fsdp.py
 
 It follows the Trainer's build sequence (which needs CUDA): model_registry with the converter, build
 on meta, parallelize (apply_fsdp_to_decoder, with the Trainer's bf16 MixedPrecisionPolicy),
@@ -92,6 +96,46 @@ def gathered_bytes(model, world: int) -> dict:
     return total
 
 
+def _per_step(counts: list, kind: str) -> str:
+    """One collective kind over the steps: "calls (bytes B)", runs of equal steps merged."""
+    cells = []
+    for c in counts:
+        s = c.get(kind)
+        cells.append("0" if s is None else f"{s['calls']} ({s['output_bytes']:,} B)")
+    runs = []  # [first step, last step, cell]
+    for i, cell in enumerate(cells, 1):
+        if runs and runs[-1][2] == cell:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, cell])
+    if len(runs) == 1:
+        return runs[0][2]
+    return "; ".join(f"step {a}: {c}" if a == b else f"steps {a}-{b}: {c}" for a, b, c in runs)
+
+
+def table(out: dict) -> str:
+    """The markdown table of docs/torchtitan.md: losses per step (the global mean cross-entropy
+    per token before each optimizer step), their distance to bf16's, and the collectives."""
+    ref = out["bf16"]["losses"]
+    steps = " | ".join(f"step {i}" for i in range(1, len(ref) + 1))
+    lines = [f"| variant | {steps} | max abs diff vs bf16 | max rel diff vs bf16 | forward "
+             "all-gather bytes per step (per rank) | forward all-reduces | optimizer-step "
+             "all-reduces |",
+             "|---" * (len(ref) + 6) + "|"]
+    for variant in VARIANTS:
+        r = out[variant]
+        losses = " | ".join(f"{x:.4f}" for x in r["losses"])
+        diff = [abs(x - y) for x, y in zip(r["losses"], ref)]
+        abs_diff, rel_diff = ("-", "-") if variant == "bf16" else (
+            f"{max(diff):.4f}", f"{100 * max(d / y for d, y in zip(diff, ref)):.2f}%")
+        gathered = sorted({f.get("all_gather", {}).get("output_bytes", 0) for f in r["forward"]})
+        lines.append(f"| {variant} | {losses} | {abs_diff} | {rel_diff} | "
+                     f"{' / '.join(f'{b:,}' for b in gathered)} | "
+                     f"{_per_step(r['forward'], 'all_reduce')} | "
+                     f"{_per_step(r['optimizer_step'], 'all_reduce')} |")
+    return "\n".join(lines)
+
+
 def run(args):
     rank, world, device = init()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
@@ -119,7 +163,7 @@ def run(args):
             losses.append(global_loss.item())
         out[variant] = {"losses": losses, "forward": fwd, "optimizer_step": step,
                         "expected_forward_all_gather_bytes": gathered_bytes(model, world)}
-    write_result(args, out)
+    write_result(args, out, table=table)
 
 
 if __name__ == "__main__":

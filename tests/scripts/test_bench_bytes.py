@@ -34,7 +34,7 @@ def ffn():
 
 @pytest.fixture(scope="module")
 def linear_logged():
-    """The --small linear in bf16 and four recipes, compiled once for every linear test, and
+    """The --small linear in bf16 and four of the recipes, compiled once for every linear test, and
     inductor's own counters over those compiles (what TORCH_LOGS=inductor_metrics logs)."""
     from torch._inductor import metrics
 
