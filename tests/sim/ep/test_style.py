@@ -145,3 +145,30 @@ def test_style_errors_name_the_rule():
             parallelize_module(experts, mesh["ep"], Float8ExpertParallel())
 
     run_threads(WORLD, rank_main)
+
+
+def test_parallelize_moe_applies_the_style_and_keeps_its_errors():
+    """``parallelize_moe``: the style on every MoE's experts (its hooks, nothing on the MoE);
+    its own errors; ``moe_tp_plan`` refuses expert-parallel experts (no 3-D mesh)."""
+    from f8dist.models.llama import ModelArgs, Transformer
+    from f8dist.models.moe import MoETransformer
+    from f8dist.models.moe_parallel import moe_tp_plan, parallelize_moe
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "ep"))
+        args = ModelArgs(dim=DIM, n_layers=2, n_heads=2, max_seq_len=8)
+        with pytest.raises(ValueError, match="1-D EP mesh"):
+            parallelize_moe(MoETransformer(args, MoEArgs(num_experts=4)), mesh)
+        with pytest.raises(ValueError, match="has no MoE layer"):
+            parallelize_moe(Transformer(args), mesh["ep"])
+        with pytest.raises(ValueError, match=r"needs num_experts \(3\) to be a multiple"):
+            parallelize_moe(MoETransformer(args, MoEArgs(num_experts=3)), mesh["ep"])
+        model = parallelize_moe(MoETransformer(args, MoEArgs(num_experts=4)), mesh["ep"],
+                                float8_dispatch=False)
+        styles = {k: v for k, v in agreement.settings(model).items() if k[1] == "tp_style"}
+        assert styles == {(f"layers.{i}.moe.experts", "tp_style"):
+                          "Float8ExpertParallel(float8_dispatch=False)" for i in range(2)}
+        with pytest.raises(NotImplementedError, match="expert parallel"):
+            moe_tp_plan("layers.0.", model.layers["0"], float8=True)
+
+    run_threads(WORLD, rank_main)
