@@ -172,3 +172,59 @@ def test_parallelize_moe_applies_the_style_and_keeps_its_errors():
             moe_tp_plan("layers.0.", model.layers["0"], float8=True)
 
     run_threads(WORLD, rank_main)
+
+
+def _torchtitan_experts():
+    """The converted experts of torchtitan's deepseek_v3 debug model (its first MoE layer's
+    config, built alone; ``forward(x, num_tokens_per_expert)``), weights from a seed."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common.moe import GroupedExperts as TorchtitanExperts
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    import f8dist.integrations.torchtitan as tt
+
+    spec = model_registry("debugmodel", converters=[
+        tt.Float8GroupedExpertsConverter.Config(recipe_name="rowwise")])
+    (fqn, config, _, _), *_ = spec.model.traverse(TorchtitanExperts.Config)
+    experts = config.build()
+    assert isinstance(experts, tt.Float8GroupedExperts) and experts.fqn == fqn
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return experts
+
+
+@pytest.mark.parametrize("float8_dispatch", [True, False])
+def test_style_on_torchtitan_experts_matches_one_device(float8_dispatch):
+    """torchtitan's experts (f8dist's converter; their second input is token counts) take the
+    same style: on 2 ranks, each rank's outputs, input and weight gradients one device's."""
+    ref = _torchtitan_experts()
+    e, dim = ref.w1_EFD.shape[0], ref.w1_EFD.shape[2]
+    g = torch.Generator().manual_seed(3)
+    counts = [torch.randint(0, 3, (e,), generator=g) for _ in range(WORLD)]
+    counts[1][1] = counts[0][1] = 0  # an expert without any token
+    tokens = [torch.randn(int(c.sum()), dim, generator=g).to(torch.bfloat16) for c in counts]
+    order = [(r, i) for j in range(e) for r in range(WORLD)
+             for i in range(int(counts[r][:j].sum()), int(counts[r][:j + 1].sum()))]
+    all_tokens = torch.stack([tokens[r][i] for r, i in order]).requires_grad_()
+    out = ref(all_tokens, sum(counts))
+    out.square().sum().backward()
+    layers = [copy.deepcopy(ref) for _ in range(WORLD)]
+    per_rank = e // WORLD
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+        experts = parallelize_module(layers[rank], mesh, Float8ExpertParallel(
+            float8_dispatch=float8_dispatch))
+        xi = tokens[rank].clone().requires_grad_()
+        o = experts(xi, counts[rank])
+        o.square().sum().backward()
+        mine = [k for k, (r, _) in enumerate(order) if r == rank]
+        assert torch.equal(o, out[mine]) and torch.equal(xi.grad, all_tokens.grad[mine])
+        local = slice(rank * per_rank, (rank + 1) * per_rank)
+        for w in ("w1_EFD", "w2_EDF", "w3_EFD"):
+            assert torch.equal(getattr(experts, w).grad.to_local(),
+                               getattr(ref, w).grad[local]), (rank, w)
+
+    run_threads(WORLD, rank_main)
