@@ -228,3 +228,15 @@ def test_style_on_torchtitan_experts_matches_one_device(float8_dispatch):
                                getattr(ref, w).grad[local]), (rank, w)
 
     run_threads(WORLD, rank_main)
+
+
+def test_f8dist_dispatch_is_a_deprecated_alias():
+    import importlib
+    import sys
+
+    import f8dist.ep
+
+    sys.modules.pop("f8dist.dispatch", None)
+    with pytest.warns(DeprecationWarning, match="f8dist.ep"):
+        old = importlib.import_module("f8dist.dispatch")
+    assert old.expert_parallel is f8dist.ep.expert_parallel and old.all_to_all is f8dist.ep.all_to_all
