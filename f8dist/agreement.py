@@ -90,7 +90,8 @@ def check_before_first_forward(model: nn.Module) -> None:
 
 
 def record_style(module: nn.Module, style) -> None:
-    """Note the float8 parallel style applied to ``module`` (part of its :func:`settings`)."""
+    """Note the float8 parallel style (TP or EP) applied to ``module`` (part of its
+    :func:`settings`)."""
     module._f8dist_tp_style = repr(style)
 
 
@@ -246,8 +247,9 @@ def _get(store, key: str, seconds: float) -> Optional[str]:
 
 def settings(model: nn.Module) -> Settings:
     """What the ranks sharding ``model`` must agree on: for each linear (and each MoE layer's
-    experts) whether it is float8 and its config (field by field), the float8 TP style of each
-    module, and whether each MoE layer dispatches float8 tokens."""
+    experts) whether it is float8 and its config (field by field), and the float8 parallel style
+    of each module (a TP style, or the experts' EP style, which says whether their dispatch
+    carries float8 tokens)."""
     out: Settings = {}
     for name, m in model.named_modules():
         name = canonical_name(name) or "<root>"
@@ -257,8 +259,6 @@ def settings(model: nn.Module) -> Settings:
             out[name, "float8"] = str(isinstance(config, Float8LinearConfig))
             if isinstance(config, Float8LinearConfig):
                 out.update(((name, field), value) for field, value in _fields(config))
-        if hasattr(m, "float8_dispatch"):  # an MoE layer: its EP dispatch (f8dist/dispatch.py)
-            out[name, "float8_dispatch"] = str(m.float8_dispatch)
         if hasattr(m, "_f8dist_tp_style"):
             out[name, "tp_style"] = m._f8dist_tp_style
     return out

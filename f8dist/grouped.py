@@ -54,7 +54,7 @@ test_moe_ep.py).
 The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise,
 or blocks inside a token's row: the block recipes),
 :class:`Float8GroupedExperts` casts the tokens once (``ToFloat8``) and both gemms take those bytes;
-expert parallelism casts at the same point, before the dispatch all-to-all (f8dist/dispatch.py),
+expert parallelism casts at the same point, before the dispatch all-to-all (f8dist/ep/dispatch.py),
 so one device and EP multiply the same float8 tokens. The grad_weight gemms re-cast the float8
 tokens along each expert's token axis (a second rounding; with the rowwise recipe's power-of-2
 scales only a shift of exponents, exact but for e4m3 subnormals).

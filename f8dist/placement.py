@@ -32,8 +32,8 @@ amaxes cross data parallel ranks (:func:`all_reduce`).
 Nothing else in f8dist inspects placements to decide a reduction.
 
 [Note: tokens of sharded experts]
-Under expert parallelism (f8dist/dispatch.py) a rank's experts see the tokens routed to them from
-every rank: the layer's token tensor (every assignment of the step, in expert-major order) is
+Under expert parallelism (f8dist/ep/) a rank's experts see the tokens routed to them from every
+rank: the layer's token tensor (every assignment of the step, in expert-major order) is
 sharded over exactly the mesh axes that shard the experts dim (dim 0) of its 3-D weights. So a
 statistic of those tokens (delayed scaling's first-step amax, [Note: delayed experts] in
 f8dist/grouped.py) is reduced over those axes, by :func:`expert_token_placements`, and over no

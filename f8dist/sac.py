@@ -13,7 +13,7 @@ Worth keeping are outputs that are expensive to recompute and small compared wit
   elements, per 128-element or 128x128 block ([Note: which amaxes SAC saves]);
 * ``reduce_scatter_tensor`` outputs (sequence/tensor parallel), as torchtitan does, and
   ``all_to_all_single`` outputs: expert parallelism's token dispatch and combine (and the token
-  counts that plan them, f8dist/dispatch.py), so that backward's recompute re-runs the routing
+  counts that plan them, f8dist/ep/dispatch.py), so that backward's recompute re-runs the routing
   and the experts locally from the received tokens and communicates no more than without
   checkpointing (one all-to-all per direction and layer in backward, none replayed).
 

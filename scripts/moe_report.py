@@ -119,7 +119,7 @@ def _torchao_version() -> str:
 def dispatch_bytes(dims, tokens: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import f8dist.dispatch as dispatch
+    import f8dist.ep.dispatch as dispatch
     from f8dist.models.moe import MoE, MoEArgs
     from f8dist.models.moe_parallel import parallelize_moe
 

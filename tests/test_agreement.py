@@ -118,14 +118,17 @@ def test_agreeing_ranks_get_ok(monkeypatch):
 
 
 def test_settings_cover_experts_and_the_float8_dispatch():
+    from f8dist.ep import Float8ExpertParallel
     from f8dist.models.moe import MoE, MoEArgs
 
     moe = MoE(32, 64, MoEArgs(num_experts=4, top_k=2))
     plain = agreement.settings(moe)
-    assert plain["experts", "float8"] == "False" and plain["<root>", "float8_dispatch"] == "True"
+    assert plain["experts", "float8"] == "False" and ("experts", "tp_style") not in plain
     convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name("rowwise"))
     converted = agreement.settings(moe)
     assert converted["experts", "float8"] == "True"
     assert converted["experts", "round_scales_to_power_of_2"] == "True"
-    moe.float8_dispatch = False
-    assert agreement.settings(moe)["<root>", "float8_dispatch"] == "False"
+    # what Float8ExpertParallel._apply records (applied on simulated ranks: tests/sim/ep/)
+    agreement.record_style(moe.experts, Float8ExpertParallel(float8_dispatch=False))
+    assert (agreement.settings(moe)["experts", "tp_style"]
+            == "Float8ExpertParallel(float8_dispatch=False)")

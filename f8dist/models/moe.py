@@ -24,8 +24,9 @@ is Switch Transformer's, ``E * sum_e f_e * P_e`` (``f_e``: fraction of the assig
 ``e``, ``P_e``: mean score of ``e``), over the tokens of the forward; ``model.aux_loss()`` is its
 weighted sum over layers, to add to the training loss.
 
-Expert parallelism (f8dist/models/moe_parallel.py) sends each expert's token group to the rank
-that holds the expert and back (f8dist/dispatch.py).
+Expert parallelism (f8dist/models/moe_parallel.py) is the experts module's parallel style
+(f8dist/ep/style.py): its hooks send each expert's token group to the rank that holds the expert
+and back; this module's code is one device's either way.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts, token_spec
+from f8dist.grouped import GroupedExperts
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
 from f8dist.models.norm import RMSNorm
 
@@ -125,10 +126,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, args.num_experts)
         self.shared_expert = FeedForward(dim, hidden_dim) if args.shared_expert else None
         self.aux_loss = torch.zeros(())
-        # expert parallelism (f8dist/models/moe_parallel.py): the process group the experts are
-        # sharded over, and whether the dispatch carries float8 tokens (f8dist/dispatch.py)
-        self.ep_group = None
-        self.float8_dispatch = True
 
     def forward(self, x: torch.Tensor, recompute=None) -> torch.Tensor:
         """``recompute``: ``(fn, tensors)`` that give ``x`` again, for the shared expert's w1 and
@@ -170,17 +167,10 @@ class MoE(nn.Module):
         return order, counts
 
     def _experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts' outputs for tokens sorted by expert, here or on the ranks that hold
-        them."""
-        if self.ep_group is None:
-            offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
-            return self.experts(tokens, offsets)
-        from f8dist.dispatch import expert_parallel  # a distributed import, when EP is used
-
-        spec = None  # the per-token cast before the dispatch: [Note: float8 dispatch]
-        if isinstance(self.experts, Float8GroupedExperts) and self.float8_dispatch:
-            spec = token_spec(self.experts.specs)
-        return expert_parallel(self.experts, tokens, counts, self.ep_group, spec)
+        """The experts' outputs for tokens sorted by expert (under expert parallelism, the
+        experts' style dispatches them to the ranks that hold their experts and back)."""
+        offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
+        return self.experts(tokens, offsets)
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
         nn.init.trunc_normal_(self.router.gate, mean=0.0, std=0.02, a=-2.0, b=2.0,

@@ -1,9 +1,10 @@
 """Expert parallelism for the MoE model of ``moe.py``, and EP x FSDP2.
 
-``parallelize_moe(model, ep_mesh)`` shards every MoE layer's experts on the experts dim over the
-1-D ``ep_mesh`` (DTensors, ``Shard(0)``) and routes their tokens with all-to-alls
-([Note: expert parallelism] in f8dist/dispatch.py), in float8 where the experts' up projections
-cast per token ([Note: float8 dispatch]). Every other parameter is replicated over the EP ranks,
+``parallelize_moe(model, ep_mesh)`` applies :class:`~f8dist.ep.Float8ExpertParallel` to every
+MoE layer's experts: their weights sharded on the experts dim over the 1-D ``ep_mesh`` (DTensors,
+``Shard(0)``), their tokens routed with all-to-alls in the style's hooks ([Note: expert
+parallelism] in f8dist/ep/dispatch.py), in float8 where the experts' up projections cast per
+token ([Note: float8 dispatch]). Every other parameter is replicated over the EP ranks,
 which also are data-parallel ranks: each routes its own batch, and the replicated parameters'
 gradients are averaged (FSDP2 does it, see :func:`fully_shard_moe`).
 
@@ -37,9 +38,12 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ParallelStyle, PrepareModuleInputOutput, parallelize_module,
+)
 
+from f8dist.ep import Float8ExpertParallel
 from f8dist.models.moe import MoE
 
 __all__ = ["parallelize_moe", "fully_shard_moe", "moe_tp_plan"]
@@ -67,11 +71,8 @@ def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: b
         if e % w:
             raise ValueError(f"expert parallelism over {w} ranks needs num_experts ({e}) to be "
                              f"a multiple of it")
-        for name, param in list(moe.experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
-            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.ep_group = ep_mesh.get_group()
-        moe.float8_dispatch = float8_dispatch
+        parallelize_module(moe.experts, ep_mesh, Float8ExpertParallel(
+            float8_dispatch=float8_dispatch))
     return model
 
 
@@ -115,7 +116,7 @@ def moe_tp_plan(prefix: str, block: nn.Module, float8: bool) -> Dict[str, Parall
     """
     if not isinstance(getattr(block, "moe", None), MoE):
         raise TypeError(f"moe_tp_plan: block {prefix[:-1]} has no MoE named 'moe'")
-    if block.moe.ep_group is not None:
+    if any(isinstance(p, DTensor) for p in block.moe.experts.parameters()):
         raise NotImplementedError(
             f"{prefix}moe is expert parallel: tensor parallelism with expert parallelism (a 3-D "
             "mesh) is not implemented; use one of them"

@@ -1,4 +1,4 @@
-"""Expert parallelism (f8dist/dispatch.py) on 4 and 8 simulated ranks in one process
+"""Expert parallelism (f8dist/ep/) on 4 and 8 simulated ranks in one process
 ([Note: simulating ranks in one process] in tests/sim/__init__.py) against one device:
 each rank routes its own uneven slice of one batch (one rank none at all), some experts get no
 token; outputs, input gradients and the experts' weight gradients bit for bit one device's; and

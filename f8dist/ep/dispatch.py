@@ -1,0 +1,190 @@
+"""Expert parallelism's collectives: token dispatch to the experts' ranks and combine back,
+all-to-all. The parallel style that runs them around an experts module is
+:class:`~f8dist.ep.Float8ExpertParallel` (f8dist/ep/style.py).
+
+[Note: expert parallelism]
+With ``E`` experts over an EP group of ``W`` ranks, rank ``r`` holds experts
+``[r * E / W, (r + 1) * E / W)`` (the experts' weights are DTensors sharded on dim 0). Each rank
+routes its own tokens and sorts its assignments by expert ([Note: routing] in
+f8dist/models/moe.py), so the tokens for rank ``r``'s experts are one contiguous chunk:
+
+1. the token counts per expert are exchanged (an all-to-all of ``E`` int64 per rank) and the
+   chunk sizes are read on the host (one sync per layer, as every EP implementation has);
+2. dispatch: an all-to-all sends each chunk to its rank; what arrives is ordered by source rank,
+   then by local expert, and is permuted to expert-major order (each local expert's group holds
+   the tokens of rank 0, then rank 1, ...: the order of one device running the concatenated
+   batches);
+3. the local experts run their grouped gemms over those groups (given their local offsets, or
+   their local token counts);
+4. combine: the inverse permutation and the reverse all-to-all bring each output back to the
+   rank and position of its assignment.
+
+Backward runs the same all-to-alls in the other direction, in high precision.
+
+[Note: float8 dispatch]
+When the experts' up projections cast their tokens per token (rowwise: ``token_spec`` of
+:class:`~f8dist.grouped.Float8GroupedExperts`), the tokens are cast on the source rank, before the
+dispatch, and the all-to-all carries their float8 bytes (as uint8: gloo carries no float8 dtype)
+and their float32 scales, ``dim + 4`` bytes per token instead of ``2 * dim`` in bf16 (0.5 + 2/dim
+of bf16). With block scales along a token's row (the block recipes' 1 x 32 e8m0 or 1 x 128
+float32 tokens) a token's scales travel with it as uint8 rows: ``dim + dim / 32`` bytes either way
+(0.516 of bf16). A per-token scale, or a scale of a block inside one token, depends on the token
+alone, so casting before the dispatch gives the bytes casting after it would, bit for bit, and the
+grouped gemm takes them without re-casting.
+The combine runs in high precision (the experts' outputs are summed with the router's weights),
+and so does backward's dispatch of the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from f8dist.cast import cast_to_float8
+from f8dist.config import CastSpec
+from f8dist.placement import local_part
+from f8dist.tensor import Float8Tensor, rewrap
+
+__all__ = ["expert_parallel", "all_to_all", "dispatch", "combine", "Plan"]
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)  # sent as uint8
+
+
+def _scale_rows(x: Float8Tensor) -> torch.Tensor:
+    """The scales of per-token float8 rows, one row of them per token: [M, 1] (a scale per
+    token) or [M, K / block] (1 x block scales, [Note: float8 dispatch])."""
+    return x._scale if x.is_blockwise else x._scale.expand(x.shape[0], 1)
+
+
+def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
+    """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
+    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch]). A functional
+    collective, which per-op SAC can save (f8dist/sac.py)."""
+    wire = x.view(torch.uint8) if x.dtype in _FLOAT8 else x
+    out = funcol.all_to_all_single(wire.contiguous(), recv, send, group)  # [sum(recv), C]
+    return funcol.wait_tensor(out).view(x.dtype)
+
+
+def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
+    """:func:`all_to_all` for high-precision rows or per-token float8 ones (bytes and scales)."""
+    if isinstance(x, Float8Tensor):
+        data = all_to_all(x._data, send, recv, group)  # [M_recv, dim] float8
+        scale = all_to_all(_scale_rows(x).contiguous(), send, recv, group)
+        return rewrap(x, data, scale)
+    return all_to_all(x, send, recv, group)
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]``, also for per-token float8 rows."""
+    if isinstance(x, Float8Tensor):
+        data = x._data.view(torch.uint8)[index].view(x._data.dtype)
+        return rewrap(x, data, _scale_rows(x)[index])
+    return x[index]
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _Dispatch(torch.autograd.Function):
+    """Steps 2 of [Note: expert parallelism]: rows to their experts' ranks, expert-major; cast
+    per token first when ``spec`` is given ([Note: float8 dispatch]). The cast happens inside, so
+    that no float8 tensor that needs a gradient leaves a compiled graph at the dispatch's graph
+    break (its gradient is a high-precision tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, send, recv, group, spec: Optional[CastSpec]):
+        ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+        if spec is not None:
+            x = cast_to_float8(x, spec)  # [M, dim] per-token float8
+        return _rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _rows(grad.contiguous(), _inverse(ctx.perm))  # source-rank order
+        return all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Step 4 of [Note: expert parallelism]: outputs back to their assignments' ranks."""
+
+    @staticmethod
+    def forward(ctx, out, perm, send, recv, group):
+        ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+        out = _rows(out, _inverse(perm))  # source-rank order
+        return all_to_all(out, recv, send, group)  # [M, dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = all_to_all(grad.contiguous(), ctx.send, ctx.recv, ctx.group)
+        return _rows(grad, ctx.perm), None, None, None, None
+
+
+class Plan(NamedTuple):
+    """Step 1's result: rows to send to each rank, rows from each rank, the expert-major
+    permutation of the received rows, the local experts' token counts [E_local] (int64)."""
+
+    send: List[int]
+    recv: List[int]
+    perm: torch.Tensor
+    local_counts: torch.Tensor
+
+    @property
+    def local_offsets(self) -> torch.Tensor:
+        """The local experts' offsets [E_local] (int32), what f8dist's grouped gemms take."""
+        return torch.cumsum(self.local_counts, 0).to(torch.int32)
+
+
+def _plan(counts: torch.Tensor, group) -> Plan:
+    """Step 1 of [Note: expert parallelism], from this rank's token ``counts`` [E] per expert."""
+    w = dist.get_world_size(group)
+    e = counts.shape[0]
+    if e % w:
+        raise ValueError(f"expert parallelism over {w} ranks needs num_experts ({e}) to be a "
+                         f"multiple of it")
+    received = funcol.all_to_all_single(counts.contiguous(), None, None, group)  # [W * E_local]
+    # [W, E_local]: rows from rank r for local expert j
+    received = funcol.wait_tensor(received).view(w, e // w)
+    send = counts.view(w, e // w).sum(dim=1).tolist()
+    recv = received.sum(dim=1).tolist()
+    # the local expert of each received row, in arrival order (source rank, then expert)
+    experts = torch.arange(e // w, device=counts.device).repeat(w)  # [W * E_local]
+    local = torch.repeat_interleave(experts, received.reshape(-1))  # [M_recv]
+    perm = torch.argsort(local, stable=True)  # expert-major, source rank within
+    return Plan(send, recv, perm, received.sum(dim=0))
+
+
+def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group,
+             spec: Optional[CastSpec] = None) -> Tuple[torch.Tensor, Plan]:
+    """Steps 1 and 2: ``tokens`` [M, dim] sorted by expert, ``counts`` [E] per expert ->
+    (this rank's experts' tokens [M_recv, dim], expert-major; the plan :func:`combine` takes).
+    ``spec``: the per-token cast the experts' up projections take, done before the dispatch
+    ([Note: float8 dispatch]); None dispatches ``tokens`` as they are."""
+    plan = _plan(counts, group)
+    return _Dispatch.apply(tokens, plan.perm, plan.send, plan.recv, group, spec), plan
+
+
+def combine(out: torch.Tensor, plan: Plan, group) -> torch.Tensor:
+    """Step 4: the local experts' outputs [M_recv, dim] back to the rank and position of their
+    assignments: [M, dim]."""
+    return _Combine.apply(local_part(out), plan.perm, plan.send, plan.recv, group)
+
+
+def expert_parallel(experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor,
+                    group, spec: Optional[CastSpec] = None) -> torch.Tensor:
+    """The outputs of ``experts`` (sharded on dim 0 over ``group``, taking ``(tokens,
+    offsets)``) for ``tokens`` [M, dim], sorted by expert with ``counts`` [E] per expert:
+    dispatch, local grouped gemms, combine ([Note: expert parallelism]), as a function.
+    :class:`~f8dist.ep.Float8ExpertParallel` runs the same steps as an experts module's hooks.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> out = expert_parallel(moe.experts, tokens, counts, ep_mesh.get_group())
+    """
+    local, plan = dispatch(tokens, counts, group, spec)  # [M_recv, dim]
+    return combine(experts(local, plan.local_offsets), plan, group)  # [M, dim]
