@@ -145,7 +145,7 @@ class MoE(nn.Module):
         y = weighted.sum(dim=1).to(x.dtype)  # [T, dim]
         if self.shared_expert is not None:
             kwargs = {} if recompute is None else {"recompute": recompute}
-            y = y + self.shared_expert(x, **kwargs).reshape(t, shape[-1])  # reads x as it is
+            y = y + self.shared_expert(xf, **kwargs)  # the recompute gives x: any leading shape
         return y.reshape(shape)
 
     def norm_readers(self) -> tuple:
