@@ -997,9 +997,9 @@ class Float8LinearConfig:
     def from_recipe_name(
         recipe_name: Union[str, Float8LinearRecipeName]
     ) -> "Float8LinearConfig":
-        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed",
-        "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights" or "blockwise" (or a
-        :class:`Float8LinearRecipeName`)."""
+        """A config by recipe name: a :class:`Float8LinearRecipeName` or its value
+        ("tensorwise", "rowwise", ...), the one list of recipes that the auto filter, the
+        torchtitan converters and scripts/train.py derive theirs from."""
         try:
             recipe_name = Float8LinearRecipeName(recipe_name)
         except ValueError:
