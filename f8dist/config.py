@@ -947,7 +947,10 @@ class Float8LinearConfig:
 
     def grouped_cast_specs(self, fqn: str = "") -> CastSpecs:
         """The six casts of the grouped (expert) gemm ``fqn``: this config's table with
-        ``grouped=True`` ([Note: grouped casts]).
+        ``grouped=True`` ([Note: grouped casts]). The flags a linear derives from its options
+        (``saved_input``, ``save_float8_weight``, ...) keep their defaults: experts keep their
+        own way, and refuse the options that would change it ([Note: options of grouped
+        experts] in f8dist/grouped.py).
 
         Example::
 
