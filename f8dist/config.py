@@ -947,7 +947,10 @@ class Float8LinearConfig:
 
     def grouped_cast_specs(self, fqn: str = "") -> CastSpecs:
         """The six casts of the grouped (expert) gemm ``fqn``: this config's table with
-        ``grouped=True`` ([Note: grouped casts]).
+        ``grouped=True`` ([Note: grouped casts]). The flags a linear derives from its options
+        (``saved_input``, ``save_float8_weight``, ...) keep their defaults: experts keep their
+        own way, and refuse the options that would change it ([Note: options of grouped
+        experts] in f8dist/grouped.py).
 
         Example::
 
@@ -997,9 +1000,9 @@ class Float8LinearConfig:
     def from_recipe_name(
         recipe_name: Union[str, Float8LinearRecipeName]
     ) -> "Float8LinearConfig":
-        """A config by recipe name: "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed",
-        "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights" or "blockwise" (or a
-        :class:`Float8LinearRecipeName`)."""
+        """A config by recipe name: a :class:`Float8LinearRecipeName` or its value
+        ("tensorwise", "rowwise", ...), the one list of recipes that the auto filter, the
+        torchtitan converters and scripts/train.py derive theirs from."""
         try:
             recipe_name = Float8LinearRecipeName(recipe_name)
         except ValueError:

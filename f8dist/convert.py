@@ -64,6 +64,16 @@ def convert_to_float8_training(
     with a log note ([Note: nn.Linear subclasses]). Convert before ``fully_shard`` and
     ``parallelize_module``: a linear whose weight is already a DTensor raises.
 
+    Experts take the options a linear takes but those of what a linear keeps for backward, which
+    raise ([Note: options of grouped experts] in f8dist/grouped.py). A model whose linears and
+    experts want different configs is converted in two calls, each picking its modules::
+
+        >>> is_experts = lambda mod, fqn: isinstance(mod, GroupedExperts)
+        >>> convert_to_float8_training(model, config=config,   # doctest: +SKIP
+        ...     module_filter_fn=lambda mod, fqn: not is_experts(mod, fqn))
+        >>> convert_to_float8_training(model, config=experts_config,  # doctest: +SKIP
+        ...     module_filter_fn=is_experts)
+
     All or nothing: every layer is decided and built before the model changes, so an error
     (a raising ``module_filter_fn``, an incompatible layer) leaves it as it was. A linear's child
     modules move to its Float8Linear, converted as well. Converting a converted model again is a
@@ -107,6 +117,12 @@ def convert_to_float8_training(
         if grouped:
             problems = grouped_problems(mod, config)
             if problems and not config.emulate:
+                if config.pad_inner_dim:  # [Note: options of grouped experts] in grouped.py
+                    raise ValueError(
+                        f"{fqn or '<root>'}: pad_inner_dim=True pads a Float8Linear's dims, not "
+                        f"grouped experts' (dim {mod.dim}, hidden_dim {mod.hidden_dim}: "
+                        f"{', '.join(problems)}); keep these experts in high precision "
+                        "(module_filter_fn) or give them dims that fit")
                 if skip_incompatible:
                     skipped.append(f"{fqn} (experts {mod.dim} <-> {mod.hidden_dim}: "
                                    f"{', '.join(problems)})")
@@ -139,6 +155,7 @@ def convert_to_float8_training(
                 new.register_module(child_name, child)
         if parent is not None:
             setattr(parent, name, new)
+    _note_high_precision_gathers(swaps)
     ignore_in_ddp(out)  # [Note: ranks that disagree]
     agreement.check_before_first_forward(out)
     if skipped_subclasses:
@@ -156,6 +173,20 @@ def convert_to_float8_training(
             len(skipped), "; ".join(skipped),
         )
     return out
+
+
+def _note_high_precision_gathers(swaps) -> None:
+    """One warning per conversion naming the expert weights FSDP2 all-gathers in high precision
+    although the config sets enable_fsdp_float8_all_gather ([Note: float8 all-gather of expert
+    weights] in f8dist/fsdp/weight.py)."""
+    weights = [w for _, _, old, new in swaps if isinstance(new, Float8GroupedExperts)
+               and new is not old for w in new.high_precision_gathered]
+    if weights:
+        logger.warning(
+            "f8dist: enable_fsdp_float8_all_gather: FSDP2 all-gathers %d expert weight(s) in high "
+            "precision: %s. Float8 all-gather of expert weights is implemented for dynamic "
+            "tensorwise casts only, not for these delayed or block-scaled ones; the linears' "
+            "weights are gathered in float8.", len(weights), ", ".join(dict.fromkeys(weights)))
 
 
 def _resolve_config(config) -> Float8LinearConfig:
@@ -179,10 +210,12 @@ def _check_same_config(mod, config: Float8LinearConfig, fqn: str) -> None:
         if getattr(mod.config, f.name) != getattr(config, f.name)
     ]
     if differ:
+        kind = type(mod).__name__
         raise ValueError(
-            f"{fqn or '<root>'}: already a Float8Linear, with a config that differs from the one "
-            f"given in {', '.join(differ)}. A Float8Linear's config is fixed: convert the "
-            f"unconverted model (e.g. a fresh copy) with the config you want."
+            f"{fqn or '<root>'}: already a {kind}, with a config that differs from the one "
+            f"given in {', '.join(differ)}. A {kind}'s config is fixed: convert the "
+            f"unconverted model (e.g. a fresh copy) with the config you want, or leave the "
+            f"converted modules out of this call (module_filter_fn)."
         )
 
 

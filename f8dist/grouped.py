@@ -58,6 +58,29 @@ expert parallelism casts at the same point, before the dispatch all-to-all (f8di
 so one device and EP multiply the same float8 tokens. The grad_weight gemms re-cast the float8
 tokens along each expert's token axis (a second rounding; with the rowwise recipe's power-of-2
 scales only a shift of exponents, exact but for e4m3 subnormals).
+
+[Note: options of grouped experts]
+Every Float8LinearConfig field either takes effect in the experts or is refused at their
+conversion (``check_grouped_options``, called by Float8GroupedExperts' constructor):
+
+* the cast table, the gemm options (use_fast_accum), ``emulate``, ``round_scales_to_power_of_2``,
+  ``delayed_scaling_config``, ``enable_amax_init``: as for a linear, per expert ([Note: grouped
+  casts] in f8dist/config.py);
+* ``enable_fsdp_float8_all_gather``: float8 for dynamic tensorwise expert weights; delayed and
+  block-scaled ones are gathered in high precision, with a warning at conversion
+  (``high_precision_gathered``, [Note: float8 all-gather of expert weights] in
+  f8dist/fsdp/weight.py);
+* ``pad_inner_dim``: the grouped gemms do not pad the experts' own dims; experts whose dims do not
+  fit are kept in high precision (logged) or raise, as without it;
+* ``sp_grad_weight``: about the float8 all-gathers of tensor-parallel styles; the experts' input
+  crosses in high precision ([Note: MoE under tensor parallelism] in
+  f8dist/models/moe_parallel.py), so there is nothing for it to choose;
+* the options of what a linear keeps for backward (``LINEAR_ONLY_OPTIONS``): the experts keep
+  their own way, the tokens (float8 where cast once for w1 and w3, [Note: one cast of the
+  tokens]), w2's high-precision input, SwiGLU's high-precision gate and up, and re-cast the weight
+  in backward. A config that sets one raises, naming the fix: convert the experts with a config
+  without it, in a second call (``module_filter_fn`` picks the experts in one call and the linears
+  in the other).
 """
 
 from __future__ import annotations
@@ -80,7 +103,7 @@ from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
            "grouped_mm", "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens",
-           "grouped_problems"]
+           "grouped_problems", "check_grouped_options", "LINEAR_ONLY_OPTIONS"]
 
 OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
 Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
@@ -338,6 +361,37 @@ def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[st
     return bad
 
 
+# The Float8LinearConfig options that grouped experts do not implement, and what they keep
+# instead ([Note: options of grouped experts])
+LINEAR_ONLY_OPTIONS = {
+    "axiswise_requantize_input_for_grad_weight":
+        "w2's grad_weight gemm casts its high-precision input (w1 and w3 re-scale the float8 "
+        "tokens already: [Note: one cast of the tokens])",
+    "float8_activations_for_backward":
+        "the experts keep SwiGLU's gate and up and w2's input in high precision",
+    "recompute_swiglu_product": "the experts keep w2's input (SwiGLU's product)",
+    "recompute_norm_output": "the experts keep the routed tokens they read",
+    "float8_weight_for_backward": "the experts re-cast the high-precision weight in backward",
+}
+
+
+def check_grouped_options(config: Float8LinearConfig, fqn: str = "") -> None:
+    """Raise if ``config`` sets an option that grouped experts do not implement ([Note: options
+    of grouped experts]), naming it, what the experts do instead and the fix."""
+    asked = [name for name in LINEAR_ONLY_OPTIONS if getattr(config, name)]
+    if asked:
+        raise ValueError(
+            f"Float8GroupedExperts {fqn or '<root>'}: "
+            + "; ".join(f"{name}={getattr(config, name)!r} is implemented for Float8Linear only "
+                        f"({LINEAR_ONLY_OPTIONS[name]})" for name in asked)
+            + ". Convert the experts with a config without it, in a call of their own: "
+            "convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: "
+            "not isinstance(mod, GroupedExperts)), then convert_to_float8_training(model, "
+            f"config=config.replace({', '.join(f'{n}=False' for n in asked)}), "
+            "module_filter_fn=lambda mod, fqn: isinstance(mod, GroupedExperts))"
+        )
+
+
 def is_float8_grouped_compatible(mod: GroupedExperts,
                                  config: Optional[Float8LinearConfig] = None) -> bool:
     """Whether the float8 grouped gemms can take the experts' gemms (:func:`grouped_problems`)."""
@@ -408,6 +462,7 @@ class Float8GroupedExperts(GroupedExperts):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.config = config if config is not None else Float8LinearConfig()
+        check_grouped_options(self.config, fqn)
         bad = [] if self.config.emulate else grouped_problems(self, self.config)
         if bad:
             raise ValueError(
@@ -449,9 +504,18 @@ class Float8GroupedExperts(GroupedExperts):
 
     def _wrap_for_float8_all_gather(self) -> None:
         """[Note: float8 all-gather of expert weights] in f8dist/fsdp/weight.py."""
-        if self.config.enable_fsdp_float8_all_gather and all(
-                gathers_float8(self.specs[name][OUTPUT, WEIGHT]) for name in WEIGHTS):
+        if self.config.enable_fsdp_float8_all_gather and not self.high_precision_gathered:
             wrap_weight_for_float8_all_gather(self, WEIGHTS)
+
+    @property
+    def high_precision_gathered(self) -> List[str]:
+        """The weights (FQNs) that FSDP2 all-gathers in high precision although the config sets
+        ``enable_fsdp_float8_all_gather``: delayed and block-scaled expert weights ([Note: float8
+        all-gather of expert weights] in f8dist/fsdp/weight.py); empty otherwise."""
+        if not self.config.enable_fsdp_float8_all_gather or all(
+                gathers_float8(self.specs[name][OUTPUT, WEIGHT]) for name in WEIGHTS):
+            return []
+        return [f"{self.fqn}.{name}" if self.fqn else name for name in WEIGHTS]
 
     @property
     def token_spec(self) -> Optional[CastSpec]:

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.config import Float8LinearRecipeName
 from f8dist.agreement import canonical_name
 from f8dist.checkpoint import Float8LoadPlanner
 from f8dist.placement import reduce_over_shards
@@ -60,17 +61,30 @@ from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_lla
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, moe_tp_plan, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts
+from f8dist.grouped import LINEAR_ONLY_OPTIONS, Float8GroupedExperts, GroupedExperts
 from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
-RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
-           "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise")
+
+
+def _allows_float8_all_gather(recipe: str) -> bool:
+    """Whether the recipe's config takes enable_fsdp_float8_all_gather (one float8 weight that
+    serves both of its gemms: the rule of Float8LinearConfig.__post_init__)."""
+    try:
+        Float8LinearConfig.from_recipe_name(recipe).replace(enable_fsdp_float8_all_gather=True)
+    except ValueError:
+        return False
+    return True
+
+
+# every recipe f8dist has (Float8LinearRecipeName), and what each config allows
+RECIPES = ("none", *(r.value for r in Float8LinearRecipeName))
 # block-scaled recipes: the model's dims (and their TP shards) must divide into the blocks
-BLOCK_RECIPES = RECIPES[5:]
+BLOCK_RECIPES = tuple(r for r in RECIPES[1:] if any(
+    s.blockwise for s in Float8LinearConfig.from_recipe_name(r).cast_specs()))
 # the recipes whose one float8 weight serves both of its gemms: FSDP2 can all-gather it in float8
-FLOAT8_ALL_GATHER = ("tensorwise", "delayed", "mxfp8_square_weights", "blockwise")
+FLOAT8_ALL_GATHER = tuple(r for r in RECIPES[1:] if _allows_float8_all_gather(r))
 OPTIM_STATES = ("fp32", "8bit")
 
 # dense bf16 tensor-core peak (FLOP/s) per GPU, for the mfu column
@@ -113,11 +127,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--float8", choices=RECIPES, default="tensorwise",
                    help="float8 recipe for every linear but the output layer ('none': bf16)")
     p.add_argument("--float8-all-gather", action="store_true",
-                   help="FSDP2 all-gathers weights in float8 (tensorwise, delayed, "
-                        "mxfp8_square_weights and blockwise recipes)")
+                   help=f"FSDP2 all-gathers weights in float8 ({', '.join(FLOAT8_ALL_GATHER)} "
+                        "recipes; delayed and block-scaled expert weights in high precision)")
     p.add_argument("--float8-activations-for-backward", action="store_true",
                    help="keep float8 copies of the activations backward reads (grad_weight inputs, "
-                        "SwiGLU inputs) instead of high-precision ones (float8 recipes only)")
+                        "SwiGLU inputs) instead of high-precision ones (float8 recipes only; "
+                        "linears: MoE experts keep their own)")
     p.add_argument("--recompute-swiglu-product", action="store_true",
                    help="with --float8-activations-for-backward: w2 keeps nothing of its input and "
                         "recomputes it in backward from the SwiGLU's float8 gate and up (other "
@@ -429,9 +444,18 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
 
 
 def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> None:
-    # the output layer (logits over the vocabulary) stays in high precision
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output",
-                               **kwargs)
+    # the output layer (logits over the vocabulary) stays in high precision; the experts take the
+    # options they implement, in a call of their own ([Note: options of grouped experts] in
+    # f8dist/grouped.py): the linears' memory flags and padding are the linears'
+    def is_experts(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, GroupedExperts)
+
+    convert_to_float8_training(
+        model, config=config, **kwargs,
+        module_filter_fn=lambda mod, fqn: fqn != "output" and not is_experts(mod, fqn))
+    experts_config = config.replace(pad_inner_dim=False,
+                                    **{name: False for name in LINEAR_ONLY_OPTIONS})
+    convert_to_float8_training(model, config=experts_config, module_filter_fn=is_experts, **kwargs)
 
 
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:

@@ -330,3 +330,90 @@ def test_experts_built_on_meta_run_a_shape_only_step(recipe):
     assert (out.device.type, out.shape, out.dtype) == ("meta", (32, 32), torch.float32)
     out.sum().backward()
     assert x.grad.shape == x.shape and model["e"].w1.grad.is_meta
+
+
+# [Note: options of grouped experts]: each option a linear only implements, in a config that
+# allows it
+LINEAR_ONLY = {
+    "axiswise_requantize_input_for_grad_weight": ("rowwise", {}),
+    "float8_activations_for_backward": ("tensorwise", {}),
+    "recompute_swiglu_product": ("tensorwise", {"float8_activations_for_backward": True}),
+    "recompute_norm_output": ("tensorwise", {}),
+    "float8_weight_for_backward": ("tensorwise", {}),
+}
+
+
+def _is_experts(mod, fqn):
+    return isinstance(mod, GroupedExperts)
+
+
+def test_every_linear_only_option_is_tested():
+    from f8dist.grouped import LINEAR_ONLY_OPTIONS
+    assert set(LINEAR_ONLY) == set(LINEAR_ONLY_OPTIONS)
+
+
+@pytest.mark.parametrize("option", LINEAR_ONLY)
+def test_an_option_experts_do_not_implement_is_refused_naming_the_fix(option):
+    recipe, also = LINEAR_ONLY[option]
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(**{option: True, **also})
+    model = nn.ModuleDict({"experts": _experts()})
+    with pytest.raises(ValueError, match=rf"experts: .*{option}=True is implemented for "
+                                         rf"Float8Linear only.*{option}=False.*module_filter_fn"):
+        convert_to_float8_training(model, config=config)
+    assert type(model["experts"]) is GroupedExperts  # all or nothing
+
+
+def test_linears_and_experts_convert_with_two_configs_in_two_calls():
+    """The fix the refusal names: the linears with their options, the experts without."""
+    from f8dist import agreement
+    config = Float8LinearConfig(float8_activations_for_backward=True,
+                                float8_weight_for_backward=True)
+    experts_config = config.replace(float8_activations_for_backward=False,
+                                    float8_weight_for_backward=False)
+    model = nn.ModuleDict({"experts": _experts(), "out": nn.Linear(32, 32, bias=False)})
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda mod, fqn: not _is_experts(mod, fqn))
+    convert_to_float8_training(model, config=experts_config, module_filter_fn=_is_experts)
+    assert model["out"].config is config and model["experts"].config is experts_config
+    settings = agreement.settings(model)  # what the ranks compare, per module
+    assert settings["out", "float8_weight_for_backward"] == "True"
+    assert settings["experts", "float8_weight_for_backward"] == "False"
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model["out"](model["experts"](x, OFFSETS)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    convert_to_float8_training(model, config=experts_config, module_filter_fn=_is_experts)
+    with pytest.raises(ValueError, match="experts: already a Float8GroupedExperts.*"
+                                         "float8_activations_for_backward"):
+        convert_to_float8_training(model, config=config)
+
+
+def test_pad_inner_dim_does_not_pad_experts_and_says_so():
+    model = nn.ModuleDict({"e": GroupedExperts(dim=24, hidden_dim=64, num_experts=2)})
+    with pytest.raises(ValueError, match=r"e: pad_inner_dim=True pads a Float8Linear's dims, not "
+                                         r"grouped experts' \(dim 24.*module_filter_fn"):
+        convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True))
+
+
+@pytest.mark.parametrize("recipe, float8_gather", [
+    ("tensorwise", True), ("delayed", False), ("mxfp8_square_weights", False),
+    ("blockwise", False)])
+def test_experts_gathered_in_high_precision_under_float8_all_gather_are_named(
+        recipe, float8_gather, caplog):
+    """[Note: float8 all-gather of expert weights]: the linears gather float8 whatever the
+    experts do; the experts whose weights cannot are named once, at conversion."""
+    from f8dist.fsdp.weight import Float8AllGatherWeight
+    dim = 128 if recipe == "blockwise" else 32
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(
+        enable_fsdp_float8_all_gather=True)
+    model = nn.ModuleDict({"moe": nn.ModuleDict({
+        "experts": GroupedExperts(dim=dim, hidden_dim=dim, num_experts=2, device="meta"),
+        "shared": nn.Linear(dim, dim, device="meta")})})
+    with caplog.at_level("WARNING", logger="f8dist.convert"):
+        convert_to_float8_training(model, config=config)
+    experts = model["moe"]["experts"]
+    assert isinstance(model["moe"]["shared"].weight, Float8AllGatherWeight)
+    assert isinstance(experts.w1, Float8AllGatherWeight) is float8_gather
+    named = "moe.experts.w1, moe.experts.w2, moe.experts.w3"
+    assert experts.high_precision_gathered == ([] if float8_gather else named.split(", "))
+    assert (f"all-gathers 3 expert weight(s) in high precision: {named}" in caplog.text) \
+        is not float8_gather

@@ -289,3 +289,33 @@ def test_float8_linears_line_names_the_grouped_experts():
     # the routed experts were not in the line (it listed only the shared expert's linears)
     assert text.endswith("| high precision: 1: output || float8 grouped experts: 1 of 2: "
                          "layers.{0}.moe.experts | high precision: 1: layers.{1}.moe.experts"), text
+
+
+def test_a_new_recipe_is_picked_up_with_what_its_config_allows(monkeypatch):
+    """The recipe lists come from Float8LinearRecipeName and each recipe's config: a recipe
+    added there is a --float8 choice, a block recipe if its casts are, a --float8-all-gather
+    one if its config takes enable_fsdp_float8_all_gather."""
+    import enum
+    import importlib
+    import f8dist.config
+    from f8dist.config import Float8LinearConfig, Float8LinearRecipeName
+
+    names = {r.name: r.value for r in Float8LinearRecipeName}
+    extended = enum.Enum("Float8LinearRecipeName", {**names, "NEW": "new"})
+    from_name = Float8LinearConfig.from_recipe_name
+    monkeypatch.setattr(f8dist.config, "Float8LinearRecipeName", extended)
+    monkeypatch.setattr(Float8LinearConfig, "from_recipe_name", staticmethod(
+        lambda r: from_name("mxfp8_square_weights" if str(getattr(r, "value", r)) == "new" else r)))
+    try:
+        new = importlib.reload(train)
+        assert new.RECIPES == ("none", *names.values(), "new")
+        assert "new" in new.BLOCK_RECIPES and "new" in new.FLOAT8_ALL_GATHER
+        assert new.parse_args(["--float8", "new"]).float8 == "new"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(train)
+    assert train.RECIPES == ("none", *names.values())
+    assert train.BLOCK_RECIPES == ("mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights",
+                                   "blockwise")
+    assert train.FLOAT8_ALL_GATHER == ("tensorwise", "delayed", "mxfp8_square_weights",
+                                       "blockwise")

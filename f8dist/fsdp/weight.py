@@ -249,10 +249,11 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
 # tensorwise weight cast: for experts, one scale per expert ([Note: grouped casts] in
 # f8dist/config.py), one float8 copy serving the output and grad_input gemms; dynamic only
 # (``gathers_float8``: the experts' delayed and block-scaled weights, which the config allows
-# with the all-gather for linears, are gathered in high precision). (Rowwise recipes
-# scale the weight per row in the output gemm and per column in the grad_input gemm, so one float8
-# copy cannot serve both: their weights, dense or expert, are all-gathered in high precision, as
-# the config enforces.) Each rank casts its shard as part of the logical weight: the per-expert
+# with the all-gather for linears, are gathered in high precision, and convert_to_float8_training
+# warns naming them: refusing the config would take the float8 gather from its linears too).
+# (Rowwise recipes scale the weight per row in the output gemm and per column in the grad_input
+# gemm, so one float8 copy cannot serve both: the config refuses the float8 all-gather for them.)
+# Each rank casts its shard as part of the logical weight: the per-expert
 # amax is the DTensor reduction over dims 1 and 2, made Replicate over the mesh axes that shard
 # those dims ([Note: amax] in f8dist/placement.py), so
 #

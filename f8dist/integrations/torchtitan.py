@@ -77,8 +77,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
-                     "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
+# the recipe names torchtitan's config parser accepts: every Float8LinearRecipeName
+RecipeName = Literal[tuple(r.value for r in f8dist.Float8LinearRecipeName)]
 
 # the filter_fqns entry torchtitan users know from torchao ("auto_filter_small_kn"), served by
 # f8dist.auto_filter_for_recipe
@@ -173,8 +173,9 @@ class Float8LinearConverter(QuantizationConverter):
       is one FQN);
       "auto_filter_small_kn" adds f8dist's auto filter (``docs/auto_filter.md``) for
       ``auto_filter_tokens`` tokens per gemm (local batch size x sequence length).
-    * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (tensorwise and
-      delayed recipes); ``precompute_float8_dynamic_scale_for_fsdp``: their scales in one
+    * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (the recipes
+      whose one float8 weight serves both of its gemms: tensorwise, delayed and the square-block
+      ones); ``precompute_float8_dynamic_scale_for_fsdp``: their scales in one
       all-reduce after each optimizer step (dynamic tensorwise only).
     * ``pad_inner_dim``: pad dims that are not multiples of 16 (or of the recipe's blocks)
       instead of keeping those linears in high precision.
@@ -209,7 +210,7 @@ class Float8LinearConverter(QuantizationConverter):
                     "precompute_float8_dynamic_scale_for_fsdp computes the scales of float8 "
                     "all-gathers; set enable_fsdp_float8_all_gather=True too, or turn it off"
                 )
-            if config.recipe_name == "delayed":  # the one recipe whose weight scale is not dynamic
+            if self.float8_config.cast_config_weight.scaling_type is not f8dist.ScalingType.DYNAMIC:
                 raise ValueError(
                     f"precompute_float8_dynamic_scale_for_fsdp is for dynamic weight scales; the "
                     f"{config.recipe_name!r} recipe takes its weight scale from the amax history "
@@ -378,7 +379,7 @@ def post_optimizer_build_fn(optimizers, model_parts: List[nn.Module], parallel_d
     there. (torch's optimizer hooks must return None: these do.)
     """
     delayed_parts = [
-        m for m in model_parts if any(lin.recipe_name == "delayed" for lin in _float8_linears(m))
+        m for m in model_parts if any(lin.config.uses(f8dist.ScalingType.DELAYED) for lin in _float8_linears(m))
     ]
     precompute_parts = [
         m for m in model_parts

@@ -471,3 +471,11 @@ def test_grouped_experts_converter_refuses_delayed_and_keeps_filtered_experts():
             "debugmodel").model)
     assert isinstance(spec.layers[2].moe.routed_experts.inner_experts,
                       tt.Float8GroupedExperts.Config)
+
+
+def test_recipe_names_are_every_float8_recipe():
+    """torchtitan's configs take the recipe names of Float8LinearRecipeName, the one list."""
+    import typing
+    from f8dist import Float8LinearRecipeName
+    from f8dist.integrations.torchtitan import RecipeName
+    assert typing.get_args(RecipeName) == tuple(r.value for r in Float8LinearRecipeName)
