@@ -47,7 +47,7 @@ all-gathers it there (f8dist/linear.py).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -55,7 +55,7 @@ from f8dist.config import ScaledMMConfig
 from f8dist.gemm import scaled_mm
 from f8dist.scaling import dequantize, expand_blocks
 
-__all__ = ["Float8Tensor", "KeptShard", "rewrap", "wrapper_like"]
+__all__ = ["Float8Tensor", "KeptShard", "WireMeta", "as_wire", "rewrap", "wrapper_like"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -68,6 +68,50 @@ def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
         dtype=dtype, layout=inner.layout, device=inner.device, requires_grad=inner.requires_grad,
     )
+
+
+# [Note: the wire]
+# Every collective that moves a Float8Tensor (DTensor's all-gather, split and cat, FSDP2's
+# all-gather hooks, expert parallelism's all-to-all) moves what ``Float8Tensor.to_wire(dim)``
+# gives, pieces of the tensor along ``dim``, and rebuilds it with ``Float8Tensor.from_wire``:
+#
+# * the inner tensors travel as uint8 views of their bytes (gloo carries no float8 dtype, e8m0
+#   scales included; NCCL carries the same bytes): first the float8 data, then the scales when
+#   they differ between the pieces: per-row (axiswise) scales, grids of block scales, and
+#   grouped tensorwise scales (one per expert [E, 1, 1] or token [M, 1]) along dim 0, the dim
+#   they vary along. A tensorwise scale of the whole dim (0-dim, or reduced over ``dim``) is the
+#   same on every rank ([Note: amax] in f8dist/placement.py) and stays home, in the WireMeta;
+# * ``WireMeta`` is the rest: the dtypes to view the bytes back as, the scale that stays home,
+#   and the tensor's metadata (dtype it stands for, axis, block, gemm options).
+#
+# The wire tensors keep the shapes of the inner tensors (a float32 scale gains 4 bytes along its
+# last dim), so a collective along ``dim`` acts on them as on the tensor: gathered, exchanged,
+# indexed or concatenated along ``dim`` they view back as the pieces' bytes and scales put
+# together. ``as_wire`` is the same rule for a lone tensor that may be float8.
+# (The float8 reduce-scatter of gradients, f8dist/fsdp/reduce_scatter.py, sends raw blocks it
+# casts itself: no Float8Tensor crosses it.)
+
+_FLOAT8_DTYPES = frozenset(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n))
+
+
+def as_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it crosses a collective: a float8 tensor as a uint8 view of its bytes, any other
+    as it is ([Note: the wire]); ``.view(dtype)`` puts it back."""
+    return t.view(torch.uint8) if t.dtype in _FLOAT8_DTYPES else t
+
+
+class WireMeta(NamedTuple):
+    """What :meth:`Float8Tensor.from_wire` needs besides the wire tensors ([Note: the wire])."""
+
+    dtype: torch.dtype  # the float8 data's
+    scale_dtype: torch.dtype
+    scale: Optional[torch.Tensor]  # the scale when it stays home; None: it travels
+    orig_dtype: torch.dtype
+    axiswise_dim: Optional[int]
+    mm_config: ScaledMMConfig
+    block: Optional[Tuple[int, int]]
 
 
 class KeptShard:
@@ -173,6 +217,42 @@ class Float8Tensor(torch.Tensor):
     @property
     def is_blockwise(self) -> bool:
         return self._block is not None
+
+    # -- the wire ([Note: the wire]) ----------------------------------------------------------
+
+    def scale_travels(self, dim: int = 0) -> bool:
+        """Whether pieces of this tensor along ``dim`` have scales of their own, which cross the
+        wire with the bytes ([Note: the wire])."""
+        if self.is_blockwise or self.is_axiswise:
+            return True
+        return self._scale.dim() > 0 and dim % self._data.dim() == 0  # grouped: per expert or token
+
+    def to_wire(self, dim: int = 0) -> Tuple[Tuple[torch.Tensor, ...], WireMeta]:
+        """(the uint8 tensors a collective moving pieces of this tensor along ``dim`` moves,
+        the WireMeta that :meth:`from_wire` rebuilds it with) ([Note: the wire])."""
+        travels = self.scale_travels(dim)
+        inner = (self._data, self._scale) if travels else (self._data,)
+        wire = tuple(t.contiguous().view(torch.uint8) for t in inner)
+        return wire, WireMeta(self._data.dtype, self._scale.dtype, None if travels else self._scale,
+                              self._orig_dtype, self._axiswise_dim, self._mm_config, self._block)
+
+    @staticmethod
+    def from_wire(meta: WireMeta, wire: Sequence[torch.Tensor], *,
+                  orig_dtype: Optional[torch.dtype] = None,
+                  out: Optional["Float8Tensor"] = None) -> Optional["Float8Tensor"]:
+        """The Float8Tensor of the wire tensors ``wire`` (as :meth:`to_wire` gave them, moved by
+        a collective) and ``meta``; standing for ``orig_dtype`` if given. With ``out`` (FSDP2's
+        all-gather into the buffers of the tensor it made before) the bytes and scales are
+        copied into ``out``'s, their leading rows (its padding dropped), and None is returned."""
+        data = wire[0].view(meta.dtype)
+        scale = meta.scale if meta.scale is not None else wire[1].view(meta.scale_dtype)
+        if out is None:
+            return Float8Tensor(data, scale, orig_dtype or meta.orig_dtype, meta.axiswise_dim,
+                                meta.mm_config, meta.block)
+        for mine, new in ((out._data, data), (out._scale, scale)):
+            if mine.untyped_storage().data_ptr() != new.untyped_storage().data_ptr():
+                mine.copy_(new[: mine.shape[0]] if mine.dim() else new)
+        return None
 
     def scale_per_element(self) -> torch.Tensor:
         """The float32 scale to divide ``_data`` by: ``_scale``, its blocks expanded."""
@@ -430,16 +510,10 @@ def _all_gather(func, args, kwargs):
             "cannot all-gather an axiswise Float8Tensor along its scaled-over dim 0: each shard "
             "holds a partial row of the scales; cast along another dim or gather in high precision"
         )
-    data = t._data.contiguous().view(torch.uint8)  # [n, ...] one byte per element
-    gathered = _gather(data, group_size, group_name).view(t._data.dtype)  # [n * group_size, ...]
-    scale = t._scale
     if t.is_blockwise:  # [n / rows, ...] grids, one per rank, stacked along dim 0
         _scale_pieces(t, [t._data.shape[0]] * group_size, 0, "all-gather")
-        raw = _gather(scale.contiguous().view(torch.uint8), group_size, group_name)
-        return rewrap(t, gathered, raw.view(scale.dtype))
-    if t.is_axiswise:
-        scale = _gather(scale.contiguous(), group_size, group_name)  # [n * group_size, ..., 1, ...]
-    return rewrap(t, gathered, scale)
+    wire, meta = t.to_wire(0)  # [Note: the wire]
+    return Float8Tensor.from_wire(meta, [_gather(w, group_size, group_name) for w in wire])
 
 
 # DTensor wraps a collective's result for async waiting (torch >= 2.13 routes this through an op,
@@ -498,21 +572,19 @@ def _cat(func, args, kwargs):
     first = tensors[0]
     if not all(isinstance(t, Float8Tensor) for t in tensors):
         raise TypeError("cat of Float8Tensors needs every piece in float8")
-    data = func([t._data.view(torch.uint8) for t in tensors], dim).view(first._data.dtype)
+    dim = dim % first._data.dim()
     if first.is_blockwise:
-        dim = dim % data.dim()
         if any(t._block != first._block or t._scale.dtype != first._scale.dtype for t in tensors):
             raise ValueError("cat of block-scaled Float8Tensors needs one block shape and scale dtype")
         _scale_pieces(first, [t._data.shape[dim] for t in tensors], dim, "cat")
-        return rewrap(first, data, func([t._scale for t in tensors], dim))
-    if not first.is_axiswise:
+    elif first.is_axiswise and dim == first._axiswise_dim % first._data.dim():
+        raise NotImplementedError("cannot cat axiswise Float8Tensors along their scaled-over dim")
+    elif not first.scale_travels(dim):
         if any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors):
             raise ValueError("cat of tensorwise Float8Tensors needs one shared scale")
-        return rewrap(first, data)
-    if dim % data.dim() == first._axiswise_dim % data.dim():
-        raise NotImplementedError("cannot cat axiswise Float8Tensors along their scaled-over dim")
-    scale = func([t._scale for t in tensors], dim)
-    return rewrap(first, data, scale)
+    # the pieces' wire tensors put together ([Note: the wire])
+    wires = [t.to_wire(dim)[0] for t in tensors]
+    return Float8Tensor.from_wire(first.to_wire(dim)[1], [func(list(w), dim) for w in zip(*wires)])
 
 
 # the ops that carry a companion cast through ([Note: two casts of one tensor]): those that move

@@ -46,43 +46,32 @@ import torch.distributed._functional_collectives as funcol
 from f8dist.cast import cast_to_float8
 from f8dist.config import CastSpec
 from f8dist.placement import local_part
-from f8dist.tensor import Float8Tensor, rewrap
+from f8dist.tensor import Float8Tensor, as_wire
 
 __all__ = ["expert_parallel", "all_to_all", "dispatch", "combine", "Plan"]
-
-
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)  # sent as uint8
-
-
-def _scale_rows(x: Float8Tensor) -> torch.Tensor:
-    """The scales of per-token float8 rows, one row of them per token: [M, 1] (a scale per
-    token) or [M, K / block] (1 x block scales, [Note: float8 dispatch])."""
-    return x._scale if x.is_blockwise else x._scale.expand(x.shape[0], 1)
 
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
     """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
     ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch]). A functional
     collective, which per-op SAC can save (f8dist/sac.py)."""
-    wire = x.view(torch.uint8) if x.dtype in _FLOAT8 else x
-    out = funcol.all_to_all_single(wire.contiguous(), recv, send, group)  # [sum(recv), C]
+    out = funcol.all_to_all_single(as_wire(x).contiguous(), recv, send, group)  # [sum(recv), C]
     return funcol.wait_tensor(out).view(x.dtype)
 
 
 def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
     """:func:`all_to_all` for high-precision rows or per-token float8 ones (bytes and scales)."""
-    if isinstance(x, Float8Tensor):
-        data = all_to_all(x._data, send, recv, group)  # [M_recv, dim] float8
-        scale = all_to_all(_scale_rows(x).contiguous(), send, recv, group)
-        return rewrap(x, data, scale)
+    if isinstance(x, Float8Tensor):  # bytes, then scales ([Note: the wire] in f8dist/tensor.py)
+        wire, meta = x.to_wire(0)
+        return Float8Tensor.from_wire(meta, [all_to_all(w, send, recv, group) for w in wire])
     return all_to_all(x, send, recv, group)
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]``, also for per-token float8 rows."""
+    """``x[index]``, also for per-token float8 rows (their wire tensors' rows)."""
     if isinstance(x, Float8Tensor):
-        data = x._data.view(torch.uint8)[index].view(x._data.dtype)
-        return rewrap(x, data, _scale_rows(x)[index])
+        wire, meta = x.to_wire(0)
+        return Float8Tensor.from_wire(meta, [w[index] for w in wire])
     return x[index]
 
 

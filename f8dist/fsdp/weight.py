@@ -146,10 +146,10 @@ class Float8AllGatherWeight(torch.Tensor):
         # its statistics over the shards ([Note: statistics of the logical tensor])
         fp8 = local_part(cast_to_float8(like(_sharded_param(self, module), shard), spec, scale))
         padded_rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to chunk 0's size
-        data = fp8._data.view(torch.uint8)  # [rows, K]
+        (data,), meta = _to_wire(fp8, 0)  # [rows, K] uint8
         data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0])) if data.dim() == 2 else \
             F.pad(data, (0, padded_rows - data.shape[0]))  # [padded_rows, K]
-        return (data,), (scale, spec.dtype)
+        return (data,), meta
 
     def fsdp_post_all_gather(
         self,
@@ -162,22 +162,13 @@ class Float8AllGatherWeight(torch.Tensor):
         metadata, local = metadata
         # [Note: one-rank FSDP2 group]: the outputs FSDP2 did not make are this rank's inputs
         outputs = (*all_gather_outputs, *local[len(all_gather_outputs) - 1:])
-        if metadata[0] == "blocks":
-            return _block_post_all_gather(outputs, metadata, param_dtype, out)
-        if metadata[0] == "experts":
-            return _experts_post_all_gather(outputs, metadata, param_dtype, out)
-        (data,) = outputs  # [world * padded_rows, K] uint8
-        scale, fp8_dtype = metadata
-        data = data.view(fp8_dtype)
-        if out is not None:
+        if out is not None:  # FSDP2's second all-gather on: into the tensor it made before
             target = local_part(out)
             if not isinstance(target, Float8Tensor):
                 raise TypeError(f"FSDP2 passed out={type(target).__name__}, expected a Float8Tensor")
-            if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
-                target._data.copy_(data[: target._data.shape[0]])
-            target._scale.copy_(scale)
-            return
-        return Float8Tensor(data, scale, param_dtype), (data,)
+            return Float8Tensor.from_wire(metadata, outputs, out=target)
+        # [world * padded_rows, K] bytes (and the gathered scales, when they travel)
+        return Float8Tensor.from_wire(metadata, outputs, orig_dtype=param_dtype), tuple(outputs)
 
     def _scale_for_all_gather(self, mesh, module, spec) -> torch.Tensor:
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
@@ -236,11 +227,10 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
     # cast as part of the logical weight (telemetry reduces its statistics over the shards)
     shard = weight._tensor  # [rows, K]
     fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
-    data = fp8._data.view(torch.uint8)
-    scale = fp8._scale.contiguous().view(torch.uint8)  # [rows / br, scale bytes per block row]
+    (data, scale), meta = _to_wire(fp8, 0)  # [rows, K], [rows / br, scale bytes per block row]
     data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0]))  # [padded_rows, K]
     scale = F.pad(scale, (0, 0, 0, padded_rows // rows_per_block - scale.shape[0]))
-    return (data, scale), ("blocks", spec.dtype, fp8._scale.dtype, fp8._block)
+    return (data, scale), meta
 
 
 # [Note: float8 all-gather of expert weights]
@@ -291,39 +281,18 @@ def _experts_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, m
             "set enable_fsdp_float8_all_gather=False"
         )
     fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
-    data = fp8._data.view(torch.uint8)  # [E_local, N, K]
-    scale = fp8._scale.contiguous()  # [E_local, 1, 1] float32
-    if fsdp_dim == 1:  # the scales are the same on every FSDP2 rank
-        return (data,), ("experts", spec.dtype, scale.clone())
-    return (data, scale.view(torch.uint8)), ("experts", spec.dtype, None)  # [E_local, 1, 4]
+    # [E_local, N, K] bytes; on dim 1 the [E_local, 1, 1] scales are the same on every FSDP2
+    # rank, on dim 0 they travel as [E_local, 1, 4] uint8 ([Note: the wire] in f8dist/tensor.py)
+    return _to_wire(fp8, fsdp_dim)
 
 
-def _experts_post_all_gather(outputs, metadata, param_dtype, out):
-    _, fp8_dtype, scale = metadata
-    data = outputs[0].view(fp8_dtype)  # [E, N, K]
-    if scale is None:  # gathered: [E, 1, 4] uint8
-        scale = outputs[1].view(torch.float32)  # [E, 1, 1]
-    if out is not None:
-        target = local_part(out)
-        if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
-            target._data.copy_(data)
-        if target._scale.untyped_storage().data_ptr() != scale.untyped_storage().data_ptr():
-            target._scale.copy_(scale)
-        return
-    return Float8Tensor(data, scale, param_dtype), tuple(outputs)
-
-
-def _block_post_all_gather(outputs, metadata, param_dtype, out):
-    data, scale = outputs  # [world * padded_rows, K], [world * padded_rows / br, bytes] uint8
-    _, fp8_dtype, scale_dtype, block = metadata
-    data, scale = data.view(fp8_dtype), scale.view(scale_dtype)
-    if out is not None:
-        target = local_part(out)
-        if target._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
-            target._data.copy_(data[: target._data.shape[0]])
-        target._scale.copy_(scale[: target._scale.shape[0]])
-        return
-    return Float8Tensor(data, scale, param_dtype, None, block=block), (data, scale)
+def _to_wire(fp8: Float8Tensor, dim: int):
+    """The all-gather inputs of ``fp8``'s pieces along ``dim`` and its WireMeta, the metadata
+    post_all_gather rebuilds it with ([Note: the wire] in f8dist/tensor.py). A scale that stays
+    home is copied: FSDP2's ``out=`` writes the next all-gather's scale into the tensor
+    post_all_gather made around it."""
+    wire, meta = fp8.to_wire(dim)
+    return wire, meta if meta.scale is None else meta._replace(scale=meta.scale.clone())
 
 
 def _weight_spec(local: torch.Tensor, module, config: Float8LinearConfig):
