@@ -539,9 +539,9 @@ def _split(func, args, kwargs):
         dim = dim % t._data.dim()
         sizes = _scale_pieces(t, [d.shape[dim] for d in datas], dim, "split")
         return [rewrap(t, d, s) for d, s in zip(datas, torch.split(t._scale, sizes, dim))]
-    if not t.is_axiswise:
+    if not t.scale_travels(dim):  # one scale for every piece ([Note: the wire])
         return [rewrap(t, d) for d in datas]
-    if dim % t._data.dim() == t._axiswise_dim % t._data.dim():
+    if t.is_axiswise and dim % t._data.dim() == t._axiswise_dim % t._data.dim():
         raise NotImplementedError("cannot split an axiswise Float8Tensor along its scaled-over dim")
     scales = func(t._scale, size_or_chunks, dim)
     return [rewrap(t, d, s) for d, s in zip(datas, scales)]

@@ -99,3 +99,43 @@ def test_block_scaled_tensor_ops():
                lambda: torch.split(tt, 16), lambda: t.as_strided((4, 32), (64, 1))):
         with pytest.raises(NotImplementedError, match="block"):
             op()
+
+
+def _per_expert(x: torch.Tensor) -> Float8Tensor:
+    """x [E, N, K] cast tensorwise per expert (a grouped weight cast: scales [E, 1, 1])."""
+    scale = torch.finfo(E4M3).max / x.abs().amax(dim=(1, 2), keepdim=True)
+    return Float8Tensor((x * scale).to(E4M3), scale, x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "e8m0 blocks", "float32 blocks",
+                                  "per expert"])
+def test_pieces_on_the_wire_put_back_together_are_the_whole_cast(kind):
+    """[Note: the wire]: the uint8 wire tensors of the pieces of a cast, put together along the
+    dim (as an all-gather or cat does), view back as the whole cast: the same bytes and scales;
+    a scale travels exactly when the pieces' scales differ."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 64) if kind == "per expert" else torch.randn(64, 64)
+    if kind == "per expert":
+        whole = _per_expert(x)
+    else:
+        spec = {"tensorwise": CastSpec(dtype=E4M3),
+                "rowwise": CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1),
+                "e8m0 blocks": CastSpec(dtype=E4M3, granularity=ScalingGranularity.BLOCKWISE, axis=-1,
+                                        block_size=(1, 32), scale_dtype=torch.float8_e8m0fnu),
+                "float32 blocks": CastSpec(dtype=E4M3, granularity=ScalingGranularity.BLOCKWISE,
+                                           block_size=(32, 32))}[kind]
+        whole = cast_to_float8(x, spec)
+    pieces = torch.chunk(whole, 2, 0)
+    wires = [p.to_wire(0) for p in pieces]
+    travels = kind != "tensorwise"
+    assert all(len(w) == 1 + travels and all(t.dtype == torch.uint8 for t in w) for w, _ in wires)
+    assert (wires[0][1].scale is None) == travels
+    gathered = [torch.cat(ts) for ts in zip(*[w for w, _ in wires])]
+    for out in (Float8Tensor.from_wire(wires[0][1], gathered), torch.cat(pieces)):
+        assert torch.equal(out._data.view(torch.uint8), whole._data.view(torch.uint8))
+        assert torch.equal(out._scale.view(torch.uint8) if out._scale.dim() else out._scale,
+                           whole._scale.view(torch.uint8) if whole._scale.dim() else whole._scale)
+        assert out._block == whole._block and out._axiswise_dim == whole._axiswise_dim
+    if kind == "per expert":  # along the reduced dims the per-expert scales are shared
+        (data,), meta = whole.to_wire(1)
+        assert data.shape == (4, 64, 64) and meta.scale is whole._scale
