@@ -23,7 +23,7 @@ place Float8Tensor ops are defined):
 * ``mm``: the float8 gemm (``f8dist.gemm.scaled_mm``); because it is an aten op, a DTensor
   wrapping Float8Tensors runs its sharding propagation and calls it on the shards;
 * the functional collectives, ``split`` and ``cat`` that DTensor's redistribution runs:
-  float8 crosses the wire as uint8 ([Note: float8 on the wire]).
+  float8 crosses the wire as uint8 ([Note: float8 on the wire], [Note: the wire]).
 
 [Note: two casts of one tensor]
 A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
@@ -479,8 +479,9 @@ def _as_strided(func, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 # [Note: float8 on the wire]
 # ``DTensor.redistribute`` moves a local tensor with ``torch.ops._c10d_functional`` collectives
-# and reassembles gathered shards with ``split``/``cat``. For a Float8Tensor the float8 bytes
-# travel as a ``uint8`` view (gloo has no float8 type; NCCL carries the same bytes), and:
+# and reassembles gathered shards with ``split``/``cat``. A Float8Tensor crosses it as its wire
+# tensors ([Note: the wire]): the float8 bytes and any scales that travel as ``uint8`` views
+# (gloo has no float8 type; NCCL carries the same bytes), and:
 #
 # * tensorwise: the scale is one number computed from the reduced amax ([Note: amax] in
 #   f8dist/placement.py), the same on every rank, so it stays metadata and is not sent;

@@ -9,9 +9,10 @@ checkpoints store) and implements FSDP2's all-gather extension hooks:
   (its amax reduced over the mesh axes sharding it, ``[Note: amax]`` in f8dist/placement.py: dp
   under FSDP2, dp and tp under 2-D; a precomputed or delayed scale when there is one), pads it to
   FSDP2's padded shard size (uneven shards, empty ones included) and hands FSDP2 its bytes as
-  ``uint8``, so gloo and NCCL carry it. The scale rides along as metadata: it is the same on every
-  rank.
-* ``fsdp_post_all_gather`` views the gathered bytes as float8 and returns a
+  ``uint8``, so gloo and NCCL carry it: its wire tensors ([Note: the wire] in f8dist/tensor.py).
+  The scale rides along as metadata (the WireMeta): it is the same on every rank.
+* ``fsdp_post_all_gather`` views the gathered bytes as float8 (``Float8Tensor.from_wire``, one
+  post_all_gather for every weight kind) and returns a
   :class:`~f8dist.tensor.Float8Tensor` (of ``param_dtype``, so a bf16 MixedPrecisionPolicy gives
   bf16 gemm outputs) that ``_Float8Matmul`` takes as its weight without casting again. From the
   second all-gather on FSDP2 passes ``out=``: the gathered bytes are already in ``out``'s buffer
