@@ -55,7 +55,6 @@ import torch
 import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig
-from f8dist.grouped import GroupedExperts
 from f8dist.placement import _whole_mesh_group, is_dtensor
 
 __all__ = [
@@ -245,6 +244,12 @@ def _get(store, key: str, seconds: float) -> Optional[str]:
     return store.get(key).decode()
 
 
+# The module types besides nn.Linear that convert_to_float8_training converts, each registered by
+# the module that defines it (f8dist/grouped.py: GroupedExperts), so that this module, which the
+# layers above import, imports none of them
+CONVERTIBLE: List[type] = [nn.Linear]
+
+
 def settings(model: nn.Module) -> Settings:
     """What the ranks sharding ``model`` must agree on: for each linear (and each MoE layer's
     experts) whether it is float8 and its config (field by field), and the float8 parallel style
@@ -255,7 +260,7 @@ def settings(model: nn.Module) -> Settings:
         name = canonical_name(name) or "<root>"
         # a Float8Linear's config (the class is not imported here: f8dist.fsdp imports this module)
         config = getattr(m, "config", None)
-        if isinstance(m, (nn.Linear, GroupedExperts)):  # a linear, or an MoE layer's experts
+        if isinstance(m, tuple(CONVERTIBLE)):  # a linear, or an MoE layer's experts
             out[name, "float8"] = str(isinstance(config, Float8LinearConfig))
             if isinstance(config, Float8LinearConfig):
                 out.update(((name, field), value) for field, value in _fields(config))

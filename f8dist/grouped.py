@@ -91,6 +91,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from f8dist import agreement
 from f8dist.cast import ToFloat8, autocast_input, cast_to_float8, high_precision
 from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
 from f8dist.delayed import (
@@ -325,6 +326,9 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
+
+
+agreement.CONVERTIBLE.append(GroupedExperts)  # the ranks agree on whether experts are float8
 
 
 def grouped_specs(config: Float8LinearConfig, fqn: str) -> Dict[str, CastSpecs]:

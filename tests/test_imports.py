@@ -77,6 +77,16 @@ def test_core_modules_import_no_distributed_code():
     assert "torch.distributed" not in source
 
 
+def test_the_rank_agreement_check_imports_only_the_config_and_the_placement_rule():
+    # f8dist.agreement is imported by the modules, styles and hooks it checks: it imports none of
+    # them (the converted module types register themselves in agreement.CONVERTIBLE)
+    assert import_graph()["f8dist.agreement"] <= {"f8dist.config", "f8dist.placement"}
+    import f8dist.agreement
+    from f8dist.grouped import GroupedExperts
+
+    assert GroupedExperts in f8dist.agreement.CONVERTIBLE
+
+
 def test_what_a_torchao_port_imports_is_at_the_top_level():
     # issue 23 item 18: porting from torchao.float8 should need only the imports changed
     import f8dist
