@@ -241,8 +241,8 @@ class ScaleRounding(_Name):
 #                             gathered token-block cast (1 byte per gathered element)
 #   RECAST                    the row-block cast only (1 byte + scales: 0.52x bf16), in forward
 #                             and, for the gradient, in backward; the grad_weight gemm re-casts
-#                             the gathered float8 (a second rounding: 27-33 dB weight gradients
-#                             against one device's, docs/numerics.md)
+#                             the gathered float8 (a second rounding: weight gradients no longer
+#                             one device's, docs/numerics.md)
 #   BACKWARD_GATHER           forward gathers the row-block cast only and the style keeps the
 #                             local shard's token-block cast; the linear all-gathers it in
 #                             backward (Transformer Engine's way): the bytes of FORWARD_GATHER,

@@ -94,11 +94,12 @@ cast]). No graph expresses "a second pass only when out of range" without a host
 is every step's bytes against one step's precision after a range jump, and it was measured
 (docs/numerics.md, [Re-scaling or not]):
 
-* every step: in a compiled LLaMA FFN block re-scaling moves 1.534x bf16's bytes, as many as
-  tensorwise (1.533x), without it 1.207x (``scripts/bench_bytes.py``, rows ``delayed_rescaled``
-  and ``delayed``): re-scaling takes away what delayed scaling is for;
+* every step: in a compiled LLaMA block re-scaling moves as many bytes as tensorwise, and
+  without it delayed moves the fewest of all recipes (``scripts/bench_bytes.py``, rows
+  ``delayed_rescaled`` and ``delayed``; docs/performance.md, Bytes a compiled step moves):
+  re-scaling takes away what delayed scaling is for;
 * a range jump (``scripts/delayed_cases.py``): a drop of 2**-8 costs nothing either way; a rise of
-  4x or a drop of 2**-20 makes the step of the jump saturate or flush (7 dB, 0 dB) without
+  4x or a drop of 2**-20 makes the step of the jump saturate or flush without
   re-scaling, and each layer that the jump reaches only through a flushed layer loses one more
   step; after that the restarted history gives the clean figures again.
 
@@ -155,8 +156,8 @@ passes over one tensor only in one order: a pointwise pass (the cast) followed b
 (the amax) share a loop, the reverse does not (``CppScheduling._why_fuse_nodes``), and a graph
 keeps the order in which the code ran. So Float8Linear's forward and backward collect such
 records in ``later`` and run them after their gemms: each weight, input and gradient is then read
-once for its cast and its amax (scripts/bench_bytes.py, row ``delayed``: the FFN moves 1.21x
-bf16's bytes instead of 1.36x). Eagerly the order changes nothing (the record is the same
+once for its cast and its amax (scripts/bench_bytes.py, row ``delayed``; before and after in
+docs/bench/history.md, Bytes). Eagerly the order changes nothing (the record is the same
 ``max`` into ``fp8_amax``), and a cast whose amax is not recorded (evaluation) skips it.
 
 [Note: delayed checkpoints]

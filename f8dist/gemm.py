@@ -25,8 +25,9 @@ these rules on every device, so a program that runs on the CPU runs on a GPU too
 
 [Note: the CPU kernel]
 On the CPU, ``torch._scaled_mm`` is oneDNN's float8 matmul, which on CPUs without float8
-hardware (e.g. those with AMX-bf16) is its reference implementation: measured 600x slower than
-the bf16 matmul of the same shape, enough to turn a one-minute test run into an hour. No CPU
+hardware (e.g. those with AMX-bf16) is its reference implementation, orders of magnitude slower
+than the bf16 matmul of the same shape (docs/bench/history.md, Figures moved from f8dist's notes):
+enough to turn a one-minute test run into an hour. No CPU
 gemm gains from float8 anyway, so on the CPU the gemm is ``f8dist::cpu_scaled_mm``: a custom op
 that checks CUDA's constraints above (so CI on the CPU proves them) and computes the exact
 float8 products in a float32 matmul, scaled afterwards. Being one opaque op, it leaves compiled

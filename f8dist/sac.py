@@ -30,8 +30,9 @@ The recompute casts every tensor again, reading it whole, so a saved amax spares
 reduction (which a compiled graph fuses into the cast's pass) and costs its bytes until backward.
 For a tensorwise or per-row amax that is a few bytes per token or output feature; MXFP8's
 1x32 blocks keep one amax per 32 elements, 1/32 of their tensor's bytes, and for the weights in
-proportion to the parameters, not the tokens: at dim 512 and 64 tokens per block, mxfp8 under SAC
-kept 1.43x bf16's bytes, 92% of the excess the weights' block amaxes (docs/performance.md). So
+proportion to the parameters, not the tokens: at a real width most of what mxfp8 kept beyond bf16
+under SAC was the weights' block amaxes (scripts/memory_budget.py --dim 512; docs/bench/history.md,
+Memory). So
 an amax is saved only when it reduces its tensor at least ``amax_min_reduction``-fold: tensorwise,
 per row of 64 or more elements, 128-element and 128x128 blocks are kept, 32-element blocks
 recomputed. Either way the recompute's amax is the forward's, bit for bit (same tensor, same
@@ -39,8 +40,8 @@ reduction), and so are the gradients.
 
 Never a pointwise op. The cast computes ``abs(x)`` before its amax; ``abs`` of a weight is as
 large as the (unsharded) weight, so saving it kept a full high-precision copy of every weight alive
-until backward: the seed-004 regression, where rowwise float8 + per-op SAC peaked at 58.55 GiB
-against 47.65 GiB in bf16. :class:`Float8SACConfig` rejects pointwise ops for that reason.
+until backward: the seed-004 regression, where rowwise float8 + per-op SAC peaked far above bf16
+(docs/bench/history.md, Figures moved from f8dist's notes). :class:`Float8SACConfig` rejects pointwise ops for that reason.
 
 As in torchtitan, every ``recompute_every_nth_mm``-th matmul is recomputed rather than saved, to
 trade compute for memory; forward and recompute count matmuls separately so they agree.

@@ -44,7 +44,7 @@ grad_weight gemm, a tensorwise grad_output in both backward gemms: ``cast_to_flo
 store=True)``). Unstored, the transposed copy the second gemm needs re-casts from the
 high-precision tensor (2 bytes read per element) instead of reading the float8 bytes (1).
 
-Measured with scripts/bench_bytes.py on the CPU (docs/performance.md): every recipe of a LLaMA
+Measured with scripts/bench_bytes.py on the CPU (docs/bench/history.md, Bytes): every recipe of a LLaMA
 block moves fewer bytes; the attention half alone moves a little more (its norm output, cheap to
 recompute, is now stored). Triton recomputes ``sigmoid`` rather than storing it, and the H100
 figures were taken before these views, so off the CPU the choice stays inductor's until measured
@@ -356,7 +356,7 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
 # (the gemm's ``.to(torch.float32)``) stays the eager conversion, for the same reason. Rebuilding
 # 2**(byte - 127) from the byte in the graph instead (``scale.view(torch.uint8)``, then the bit
 # arithmetic of :func:`_pow2`) fuses the read-back and its reciprocal into the cast's kernel
-# (measured: the --small MXFP8 linear of scripts/bench_bytes.py moved 318,976 -> 301,312 bytes)
+# (fewer bytes on scripts/bench_bytes.py's --small MXFP8 linear: docs/bench/history.md, Bytes)
 # but breaks a graph whose input is an e8m0 tensor (a weight gathered in float8 by FSDP2, a
 # Float8Tensor made outside the compiled region): inductor lowers the uint8 view of an input
 # buffer as a reinterpretation and hands the kernel the e8m0 buffer, which the CPU backend has no

@@ -18,7 +18,7 @@ those of autograd's backward. They are the gradients of the float8 values, not o
 ones: an e4m3 rounding (about 30 dB) of ``gate`` and ``up`` inside the gradients of the w1 and
 w3 gemms, whose float8 recipes then cast those gradients again (e5m2 or e4m3: 25-30 dB).
 scripts/memory_report.py measures what it costs (gradient SQNR against fp32, with and without
-it: 0.3-0.7 dB on the worst weight gradient, 0.6-0.9 dB on the input's; docs/performance.md).
+it; docs/performance.md, Memory): little next to the recipes' own casts.
 
 [Note: a product recomputed in backward]
 The linear that reads the product (w2) keeps its own float8 copy of it for its grad_weight gemm,
@@ -30,7 +30,7 @@ grad_weight gemm then casts as it casts its input (or reads as it is, when that 
 precision). Its forward, its grad_input gemm and SwiGLU's gradients are unchanged; its weight
 gradient is that of the product of the float8 values, not of the high-precision ones, bit for
 bit what w2 gives when handed that product (tests/test_swiglu.py): one more e4m3 rounding
-inside it (scripts/memory_report.py measures the SQNR, docs/performance.md), hence an option.
+inside it (scripts/memory_report.py measures the SQNR, docs/performance.md, Memory), hence an option.
 
 Scales per channel (amax over dim 0 of ``[tokens, hidden]``) need no collective under tensor
 parallelism: w1 and w3 are column-parallel, so each rank holds whole channels of every token,

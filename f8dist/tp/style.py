@@ -26,8 +26,8 @@ operand. Layers whose input needs no redistribution are not cast here at all.
 [Note: the grad_weight gemm under sequence parallelism]
 The output gemm scales the SP input along K (per token, or 1 x K row blocks), but the grad_weight
 gemm contracts over the tokens: one device casts the high-precision input along the tokens, or
-reads it in high precision. Re-casting the gathered float8 would round twice (measured on 2 gloo
-ranks, dim 256: blockwise weight gradients 27-28 dB from one device, mxfp8_wgrad_with_hp 31 dB),
+reads it in high precision. Re-casting the gathered float8 would round twice (weight gradients
+far from one device's: tests/distributed/test_tp.py, figures in docs/numerics.md),
 so the style picks, per consuming linear's ``(grad_weight, input)`` spec and per forward (the
 token count is the batch's), with ``_grad_weight_cast``:
 
