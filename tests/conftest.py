@@ -31,4 +31,4 @@ def pytest_collection_modifyitems(config, items):
     # several programs] in tests/distributed/harness.py)
     from tests.distributed import harness
 
-    harness.SELECTED_MODULES = {item.module.__name__ for item in items if item.module is not None}
+    harness.SELECTED_MODULES = {item.module.__name__ for item in items if getattr(item, "module", None)}
