@@ -24,3 +24,11 @@ def pytest_report_header(config):
         name = torch.cuda.get_device_name() if TEST_DEVICE.startswith("cuda") else TEST_DEVICE
         return f"f8dist: default device {TEST_DEVICE} ({name}), torch {torch.__version__}"
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    # torchrun programs run together only with those of the tests selected ([Note: one launch,
+    # several programs] in tests/distributed/harness.py)
+    from tests.distributed import harness
+
+    harness.SELECTED_MODULES = {item.module.__name__ for item in items if getattr(item, "module", None)}

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import pytest
 
@@ -80,6 +81,65 @@ def run_torchrun(program: str, nproc: int, *args, timeout: float = 180) -> Optio
         if result_path.exists():
             return json.loads(result_path.read_text())
         return None
+
+
+# [Note: one launch, several programs]
+# Starting torchrun and importing torch in every rank costs seconds per launch on a 2-core
+# machine, more than many programs take to run. So a test module declares its programs with
+# ``launch(...)`` at import, and the first test that asks for one (``result(launch)``) runs every
+# declared program of the same world size, of the modules pytest selected, in ONE torchrun launch
+# (tests/distributed/several.py): one after the other, on the same process group, each program's
+# module run afresh as ``__main__``, each its own result. A program failing fails that launch's
+# tests with the rank's traceback, which names the program. Programs that test the launch itself
+# (the harness, a rank that never checks in agreement.py, train.py's own process) keep their own.
+
+
+class Launch:
+    """A program of tests/distributed/ on ``nproc`` ranks with ``args`` (``TMP``: a fresh folder)."""
+
+    def __init__(self, program: str, nproc: int, args: tuple, timeout: float, module: str):
+        self.program, self.nproc, self.args, self.timeout, self.module = program, nproc, args, timeout, module
+
+    def __repr__(self) -> str:
+        return f"{self.program} on {self.nproc} ranks {' '.join(map(str, self.args))}"
+
+
+_DECLARED: List[Launch] = []
+_RESULTS: Dict[int, object] = {}  # id(launch) -> its result, or the message its launch failed with
+SELECTED_MODULES: Optional[Set[str]] = None  # set by tests/conftest.py once pytest has selected
+
+
+def launch(program: str, nproc: int, *args, timeout: float = 180) -> Launch:
+    """Declare ``run_torchrun(program, nproc, *args)`` for :func:`result`, at a test module's import."""
+    declared = Launch(program, nproc, args, timeout, sys._getframe(1).f_globals["__name__"])
+    _DECLARED.append(declared)
+    return declared
+
+
+def result(declared: Launch) -> Optional[dict]:
+    """What ``declared``'s program wrote; runs it, with every other pending program of its world
+    size in the selected modules, in one launch ([Note: one launch, several programs])."""
+    if id(declared) not in _RESULTS:
+        batch = [l for l in _DECLARED if l.nproc == declared.nproc and id(l) not in _RESULTS
+                 and (l is declared or SELECTED_MODULES is None or l.module in SELECTED_MODULES)]
+        with tempfile.TemporaryDirectory(prefix="f8dist_several_") as tmp:
+            cases = []
+            for i, l in enumerate(batch):
+                args = [os.path.join(tmp, str(i)) if a == "TMP" else str(a) for a in l.args]
+                cases.append(f"--case=c{i}={shlex.join([l.program, *args])}")
+            try:
+                out = run_torchrun("several", declared.nproc, *cases,
+                                   timeout=sum(l.timeout for l in batch))
+            except pytest.fail.Exception as e:
+                for l in batch:
+                    _RESULTS[id(l)] = e
+                raise
+        for i, l in enumerate(batch):
+            _RESULTS[id(l)] = out[f"c{i}"]
+    got = _RESULTS[id(declared)]
+    if isinstance(got, pytest.fail.Exception):
+        pytest.fail(f"{declared} ran in a launch that failed:\n{got}", pytrace=False)
+    return got
 
 
 def _descendants(pid: int) -> List[int]:

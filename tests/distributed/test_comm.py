@@ -1,10 +1,13 @@
 """f8dist.testing.count_collectives on 2 ranks: calls and bytes of known collectives."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("comm_counts", 2)
 
 
 def test_count_collectives_two_ranks():
-    r = run_torchrun("comm_counts", 2)
+    r = result(PROGRAM)
     w = r["world"]
     assert w == 2
     assert r["all_reduce"] == {"all_reduce": {"calls": 1, "input_bytes": 40, "output_bytes": 40}}

@@ -2,11 +2,14 @@
 layer that runs on one rank only, against one device; the checks run inside
 tests/distributed/delayed_ddp.py, the figures are re-checked here."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("delayed_ddp", 2)
 
 
 def test_delayed_ddp_uneven_micro_batches_and_one_rank_layer_match_one_device():
-    r = run_torchrun("delayed_ddp", 2)
+    r = result(PROGRAM)
     assert min(r["weight_sqnr_db"].values()) >= 100, r
     assert r["buffers_max_rel_diff"] <= 1e-5, r
     # every delayed buffer of the three linears is kept out of DDP's broadcasts

@@ -2,14 +2,17 @@
 all-gather, amax init off, and TP) against one device, and ranks that hold different layers; the
 checks run inside tests/distributed/delayed_sync.py, the figures are re-checked here."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 FSDP = ("fsdp", "fsdp_fp8_all_gather", "fsdp_init_off", "fsdp_eval_reshard_True",
         "fsdp_eval_reshard_False")
 
 
+PROGRAM = launch("delayed_sync", 2)
+
+
 def test_delayed_sync_fsdp_and_tp_match_one_device():
-    r = run_torchrun("delayed_sync", 2)
+    r = result(PROGRAM)
     assert r["world"] == 2
     for scenario in FSDP + ("tp",):
         steps = r[scenario]["collectives_per_step"]

@@ -1,11 +1,14 @@
 """Delayed scaling under TP + SP with the float8 styles (2 ranks) against one device; the checks
 run inside tests/distributed/delayed_tp.py, the figures are re-checked here."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("delayed_tp", 2)
 
 
 def test_delayed_tp_sp_matches_one_device():
-    r = run_torchrun("delayed_tp", 2)
+    r = result(PROGRAM)
     assert r["world"] == 2
     for init in (True, False):
         figures = r[f"amax_init={init}"]

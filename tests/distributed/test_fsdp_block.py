@@ -1,10 +1,13 @@
 """FSDP2 float8 all-gather of block-scaled weights on 2 ranks (program: fsdp_block.py)."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("fsdp_block", 2, "--scenarios", "parity,bytes,split")
 
 
 def test_fsdp_block_scaled_all_gather_parity_bytes_and_split_blocks():
-    r = run_torchrun("fsdp_block", 2, "--scenarios", "parity,bytes,split")
+    r = result(PROGRAM)
     assert r["world"] == 2
     # bit-identical to one device (asserted in the program); each forward all-gathers the two
     # weights (bytes and scales in one call each) and reduces no amax

@@ -1,9 +1,14 @@
 """FSDP2 float8 all-gather on 2 and 3 ranks against one device (program: fsdp_float8.py)."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 N_FLOAT8_WEIGHTS = 3  # fc1, fc2, head in fsdp_float8.Net
 STEPS = 3
+
+
+TWO_RANKS = launch("fsdp_float8", 2, "--scenarios", "parity,bytes")
+THREE_RANKS = launch(
+    "fsdp_float8", 3, "--scenarios", "parity,dcp", "--ckpt-dir", "TMP")
 
 
 def _check_precompute_counts(r):
@@ -20,7 +25,7 @@ def _check_precompute_counts(r):
 
 def test_fsdp_float8_two_ranks_parity_and_bytes():
     # parity: bit-identical outputs and grads (asserted in the program), float8 and bf16 all-gather
-    r = run_torchrun("fsdp_float8", 2, "--scenarios", "parity,bytes")
+    r = result(TWO_RANKS)
     assert r["world"] == 2
     _check_precompute_counts(r)
     b = r["bytes"]
@@ -30,8 +35,8 @@ def test_fsdp_float8_two_ranks_parity_and_bytes():
     assert b["sqnr_fp8_vs_bf16_all_gather_db"] > 25, b
 
 
-def test_fsdp_float8_three_ranks_uneven_and_dcp(tmp_path):
-    r = run_torchrun("fsdp_float8", 3, "--scenarios", "parity,dcp", "--ckpt-dir", tmp_path)
+def test_fsdp_float8_three_ranks_uneven_and_dcp():
+    r = result(THREE_RANKS)
     assert r["world"] == 3
     assert r["fc1_shard_rows"] == [43, 43, 42]
     assert r["head_shard_rows"] == [2, 2, 0]  # rank 2 holds an empty shard

@@ -1,12 +1,18 @@
 """FSDP2 float8 gradient reduce-scatter on 2 and 3 ranks (program: fsdp_reduce_scatter.py)."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 # e4m3 in blocks of 256 measured 34-38 dB on the whole model; a 4-element bias (head.bias) has
 # too few elements to average its rounding errors (24-37 dB): each parameter gets the goal's 20 dB
 WHOLE_FLOOR_DB, PARAM_FLOOR_DB = 30.0, 20.0
 PARAMS = {"all", "emb.weight", "norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight",
           "fc2.bias", "head.weight", "head.bias"}
+
+
+TWO_RANKS = launch(
+    "fsdp_reduce_scatter", 2, "--scenarios", "disagree,grads,bytes,train,train_script", timeout=300)
+THREE_RANKS = launch(
+    "fsdp_reduce_scatter", 3, "--scenarios", "grads,bytes,train", timeout=300)
 
 
 def _mean(xs):
@@ -50,8 +56,7 @@ def _check_bytes(r):
 
 
 def test_float8_reduce_scatter_two_ranks():
-    r = run_torchrun("fsdp_reduce_scatter", 2, "--scenarios",
-                     "disagree,grads,bytes,train,train_script", timeout=300)
+    r = result(TWO_RANKS)
     assert r["world"] == 2
     assert "ranks disagree" in r["disagree_error"] and "block_size" in r["disagree_error"]
     _check_grads(r)
@@ -69,7 +74,7 @@ def test_float8_reduce_scatter_two_ranks():
 
 
 def test_float8_reduce_scatter_three_ranks_uneven():
-    r = run_torchrun("fsdp_reduce_scatter", 3, "--scenarios", "grads,bytes,train", timeout=300)
+    r = result(THREE_RANKS)
     assert r["world"] == 3
     assert r["shard_rows_fc1_head"] == [[43, 2], [43, 2], [42, 0]]  # uneven, one empty shard
     _check_grads(r)

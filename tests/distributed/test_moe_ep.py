@@ -4,15 +4,20 @@ the figures are re-checked here."""
 
 import pytest
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 DIM = 256  # of the tokens whose dispatch bytes are counted
+
+
+TWO_RANKS = launch("moe_ep", 2, "--case", "blockwise_128=blockwise:128:128")
+FOUR_RANKS = launch("moe_ep", 4, "--recipes", "rowwise")
+DELAYED = launch("moe_ep_delayed", 2)
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     """The default recipes and DeepSeek's 1 x 128 blocks (dim 128) in one launch of 2 ranks."""
-    return run_torchrun("moe_ep", 2, "--case", "blockwise_128=blockwise:128:128")
+    return result(TWO_RANKS)
 
 
 def test_expert_parallel_matches_one_device_bit_for_bit_with_float8_dispatch(two_ranks):
@@ -32,12 +37,12 @@ def test_expert_parallel_with_128_blocks_matches_one_device_bit_for_bit(two_rank
 
 
 def test_expert_parallel_on_4_ranks_matches_one_device_bit_for_bit():
-    r = run_torchrun("moe_ep", 4, "--recipes", "rowwise")
+    r = result(FOUR_RANKS)
     assert r["world"] == 4 and r["empty_groups_on_a_rank"], r
 
 
 def test_delayed_experts_under_expert_parallelism_match_one_device_bit_for_bit():
     """[Note: delayed experts]: histories per expert weight FQN, first-step amaxes over the EP
     axis, the sync over all ranks."""
-    r = run_torchrun("moe_ep_delayed", 2)
+    r = result(DELAYED)
     assert r["world"] == 2 and r["buffers_checked"] == 3 * 3 * 3 * 4, r  # steps x w x op x buffer

@@ -1,11 +1,14 @@
 """EP x FSDP2 on a 2 x 2 mesh of gloo ranks against one device; the checks run inside
 tests/distributed/moe_ep_fsdp.py, the figures are re-checked here."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("moe_ep_fsdp", 4)
 
 
 def test_ep_x_fsdp2_matches_one_device():
-    r = run_torchrun("moe_ep_fsdp", 4)
+    r = result(PROGRAM)
     assert r["world"] == 4 and r["min_sqnr_db"] > 45, r
     assert r["sqnr_db"]["logits"] > 100 and r["sqnr_db"]["layers.0.moe.router.gate"] > 100, r
     assert any("experts.w2" in name for name in r["sqnr_db"]), r

@@ -1,11 +1,14 @@
 """Per-op SAC with expert parallelism on 2 gloo ranks; the bit-for-bit checks against no
 checkpointing run inside tests/distributed/moe_sac.py, the all-to-all counts are checked here."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("moe_sac", 2)
 
 
 def test_selective_checkpointing_with_expert_parallelism_saves_the_dispatch():
-    r = run_torchrun("moe_sac", 2)
+    r = result(PROGRAM)
     a2a = r["all_to_all"]
     assert r["world"] == 2 and r["params"] > 10, r
     # per layer, forward: the token counts, the dispatch (float8 bytes, their scales), the

@@ -1,11 +1,14 @@
 """f8dist.optim.AdamW under FSDP2 and TP, and its DCP round trips (program: optim_dcp.py; the
 bit-exact comparisons are asserted there)."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 
-def test_8bit_adamw_fsdp2_tp_and_dcp_reshard_2_to_3_ranks(tmp_path):
-    r = run_torchrun("optim_dcp", 3, "--ckpt-dir", tmp_path, timeout=240)
+RESHARD = launch("optim_dcp", 3, "--ckpt-dir", "TMP", timeout=240)
+
+
+def test_8bit_adamw_fsdp2_tp_and_dcp_reshard_2_to_3_ranks():
+    r = result(RESHARD)
     assert r["world"] == 3
     # a step reads and writes each rank's shard only
     assert r["fsdp2_step_collectives"] == [{}] * 3

@@ -3,10 +3,14 @@
 
 import pytest
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 FLOOR_DB = 120.0  # fp32: only summation order differs from one device
 BLOCKWISE_FLOOR_DB = 105.0  # float32 block scales let a last-bit difference flip a float8 rounding
+
+
+TP_RESULTS = launch("tp_llama", 2, "--dp", "1", timeout=240)
+RESULTS_2D = launch("tp_llama", 4, "--dp", "2", "--recipes", "tensorwise,rowwise", timeout=240)
 
 
 def _check_recipe(name, figures, *, wire_bytes=1.1, floor_db=FLOOR_DB):
@@ -21,7 +25,7 @@ def _check_recipe(name, figures, *, wire_bytes=1.1, floor_db=FLOOR_DB):
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_torchrun("tp_llama", 2, "--dp", "1", timeout=240)
+    return result(TP_RESULTS)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -106,7 +110,7 @@ def test_misspecified_plans_raise(tp_results, case, words):
 
 @pytest.fixture(scope="module")
 def results_2d():
-    return run_torchrun("tp_llama", 4, "--dp", "2", "--recipes", "tensorwise,rowwise", timeout=240)
+    return result(RESULTS_2D)
 
 
 FLOAT8_ALL_GATHER = ["tensorwise+float8_all_gather", "tensorwise+float8_all_gather+precompute"]
@@ -165,11 +169,14 @@ TWO_CASTS = ["mxfp8", "blockwise"]  # their grad_weight gemm's cast travels alon
 SCALE_BYTES = 1 / 32  # per element: an e8m0 byte per 32 (mxfp8), a float32 per 128 (blockwise)
 
 
+BLOCK_RESULTS = launch("tp_llama", 2, "--recipes", BLOCK_RECIPES, "--dim", "256", "--seq", "256",
+                       "--split-seq-recipes", "blockwise", "--sp-grad-weight",
+                       "mxfp8+backward_gather,blockwise+recast", "--only-recipes", timeout=300)
+
+
 @pytest.fixture(scope="module")
 def block_results():
-    return run_torchrun("tp_llama", 2, "--recipes", BLOCK_RECIPES, "--dim", "256", "--seq", "256",
-                        "--split-seq-recipes", "blockwise", "--sp-grad-weight",
-                        "mxfp8+backward_gather,blockwise+recast", "--only-recipes", timeout=300)
+    return result(BLOCK_RESULTS)
 
 
 @pytest.mark.parametrize("recipe", TWO_CASTS)
@@ -268,10 +275,13 @@ def test_tp_sp_shared_input_follows_one_config(block_results):
     assert cases["w1_backward_gather+w3_forward_gather"] == {"w1": float("inf"), "w3": float("inf")}
 
 
+BLOCK_RESULTS_2D = launch("tp_llama", 4, "--dp", "2", "--recipes", "mxfp8,blockwise", "--dim", "256",
+                          "--float8-all-gather", "mxfp8_square_weights", "--only-recipes", timeout=300)
+
+
 @pytest.fixture(scope="module")
 def block_results_2d():
-    return run_torchrun("tp_llama", 4, "--dp", "2", "--recipes", "mxfp8,blockwise", "--dim", "256",
-                        "--float8-all-gather", "mxfp8_square_weights", "--only-recipes", timeout=300)
+    return result(BLOCK_RESULTS_2D)
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_square_weights+float8_all_gather"])

@@ -1,11 +1,14 @@
 """torch.compile(fullgraph=True) of float8 TP + SP equals eager bit for bit (2 ranks); the
 comparison runs in tests/distributed/tp_compile.py."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+PROGRAM = launch("tp_compile", 2, timeout=300)
 
 
 def test_compiled_tp_sp_equals_eager():
-    r = run_torchrun("tp_compile", 2, timeout=300)
+    r = result(PROGRAM)
     assert r["checked"] == [
         f"{recipe}:{name}"
         for recipe in ("tensorwise", "rowwise")

@@ -1,7 +1,11 @@
 """Tensor-parallel attention in the float8 MoE transformer against one device, on 2 gloo ranks
 (TP + SP) and on a 2 x 2 (dp, tp) mesh with FSDP2; the program is tests/distributed/tp_moe.py."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
+
+
+TP = launch("tp_moe", 2, "--recipe", "tensorwise")
+FSDP2_X_TP = launch("tp_moe", 4, "--dp", "2", "--recipe", "rowwise")
 
 
 def _check(r, floor, experts_floor):
@@ -14,7 +18,7 @@ def _check(r, floor, experts_floor):
 
 
 def test_tp_attention_in_the_moe_model_matches_one_device():
-    r = run_torchrun("tp_moe", 2, "--recipe", "tensorwise")
+    r = result(TP)
     # the experts' gradients leave the grouped gemm in bf16, and a tensorwise cast amplifies
     # the attention's summation order into whole float8 steps of a few elements ([Note: a float8
     # cast amplifies summation order] in tests/distributed/test_tp.py)
@@ -22,6 +26,6 @@ def test_tp_attention_in_the_moe_model_matches_one_device():
 
 
 def test_fsdp2_x_tp_attention_in_the_moe_model_matches_one_device():
-    r = run_torchrun("tp_moe", 4, "--dp", "2", "--recipe", "rowwise")
+    r = result(FSDP2_X_TP)
     assert r["dp"] == 2, r
     _check(r, floor=110, experts_floor=110)

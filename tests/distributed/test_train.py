@@ -110,16 +110,31 @@ DELAYED_LAYOUTS = {  # layout: {variant: its flags}, each against the layout's r
 }
 
 
+# train.py's defaults but for these: test_train_tp_with_block_scales's run, in the launch below
+BLOCK_SCALES_TP = ("--tp 2 --float8 mxfp8 --steps 6 --log-every 3 --dim 64 --warmup-steps 10 "
+                   "--ac none")
+
+
 @pytest.fixture(scope="module")
-def delayed_runs():
-    """Every run of both layouts in one torchrun launch (one start of 2 ranks, not two):
-    {layout: {variant: run}}."""
+def variant_runs(tmp_path_factory):
+    """Every run of both delayed layouts and the block-scaled TP run in one torchrun launch (one
+    start of 2 ranks, not three): {name: run}."""
     flags = "--steps 8 --log-every 100 --warmup-steps 3 --float8 delayed"
     args = [f"--variant={layout}/{name}={place} {extra}"
             for layout, (place, variants) in DELAYED_LAYOUTS.items()
             for name, extra in {"none": "--ac none", **variants}.items()]
-    r = run_torchrun("train_variants", 2, "--train", flags, *args, timeout=400)
-    return {layout: {name.split("/", 1)[1]: run for name, run in r.items() if name.startswith(layout + "/")}
+    metrics = tmp_path_factory.mktemp("block_scales_tp") / "m.json"
+    r = run_torchrun("train_variants", 2, "--train", flags, *args,
+                     f"--variant=block_scales_tp={BLOCK_SCALES_TP} --metrics-file {metrics}", timeout=500)
+    r["block_scales_tp"]["metrics_file"] = json.loads(metrics.read_text())
+    return r
+
+
+@pytest.fixture(scope="module")
+def delayed_runs(variant_runs):
+    """{layout: {variant: run}} of the delayed runs."""
+    return {layout: {name.split("/", 1)[1]: run for name, run in variant_runs.items()
+                     if name.startswith(layout + "/")}
             for layout in DELAYED_LAYOUTS}
 
 
@@ -147,17 +162,10 @@ def test_train_delayed_with_checkpointing_and_accumulation(delayed_runs, layout)
             assert losses == base, (name, losses, base)
 
 
-def test_train_tp_with_block_scales(tmp_path):
+def test_train_tp_with_block_scales(variant_runs):
     """``--tp 2 --float8 mxfp8``: tensor + sequence parallel with block scales trains (the flag
     used to be refused); the metrics file holds every step's finite, falling loss."""
-    metrics = tmp_path / "m.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
-         "--tp", "2", "--float8", "mxfp8", "--steps", "6", "--log-every", "3", "--dim", "64",
-         "--metrics-file", str(metrics)],
-        env=_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "float8 linears (mxfp8)" in out.stdout and "tp=2" in out.stdout, out.stdout
-    losses = json.loads(metrics.read_text())["losses"]
+    run = variant_runs["block_scales_tp"]
+    assert "float8 linears (mxfp8)" in run["stdout"] and "tp=2" in run["stdout"], run["stdout"]
+    losses = run["metrics_file"]["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0], losses

@@ -1,9 +1,12 @@
 """torchrun program: scripts/train.py several times in one launch, one run per ``--variant``
-(flags appended to ``--train``); reports each run's steps and losses, and every warning torch
-raised or logged in it (see tests/distributed/test_train.py)."""
+(flags appended to ``--train``, later flags winning); reports each run's steps and losses, what it
+printed on rank 0, and every warning torch raised or logged in it (see
+tests/distributed/test_train.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import shlex
@@ -31,9 +34,12 @@ def run(args):
     logging.getLogger("torch").addHandler(handler)
     for variant in args.variant:
         name, _, flags = variant.partition("=")
-        with warnings.catch_warnings(record=True) as caught:
+        printed = io.StringIO()
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
             warnings.simplefilter("always")
             result[name] = train.train(train.parse_args(shlex.split(args.train) + shlex.split(flags)))
+        print(printed.getvalue(), end="", flush=True)
+        result[name]["stdout"] = printed.getvalue()
         result[name]["torch_warnings"] = [str(w.message) for w in caught] + logged
         logged.clear()
     write_result(args, result)

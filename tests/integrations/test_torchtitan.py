@@ -40,7 +40,7 @@ import f8dist.integrations.torchtitan as tt  # noqa: E402
 from f8dist.integrations.torchtitan_assets import ASSETS_ENV, BOS, EOS, make_assets  # noqa: E402
 from f8dist.fsdp import Float8AllGatherWeight  # noqa: E402
 from f8dist.numerics import sqnr  # noqa: E402
-from tests.distributed.harness import REPO_ROOT, run_torchrun  # noqa: E402
+from tests.distributed.harness import REPO_ROOT, launch, result  # noqa: E402
 from tests.test_grouped import run_experts  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
@@ -370,8 +370,11 @@ def test_importing_f8dist_never_imports_torchtitan():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+FSDP_TWO_RANKS = launch("torchtitan_fsdp", 2, timeout=300)
+
+
 def test_fsdp_two_ranks_losses_bytes_and_collectives():
-    r = run_torchrun("torchtitan_fsdp", 2, timeout=300)
+    r = result(FSDP_TWO_RANKS)
     bf16 = r["bf16"]
     assert bf16["losses"][-1] < 0.8 * bf16["losses"][0]  # it trains
     for variant in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed",
