@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from optim_states_report import build, loss_of  # noqa: E402
+from optim_states_report import add_model_args, build, loss_of  # noqa: E402
 
 from f8dist.optim import AdamW  # noqa: E402
 
@@ -176,12 +176,7 @@ def main():
     p.add_argument("--index", type=int, default=300, help="the spiked element (flat index)")
     p.add_argument("--long-steps", type=int, default=100_000)
     p.add_argument("--grad-std", type=float, default=1e-3)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     opts = p.parse_args()
     torch.manual_seed(opts.seed)
     bnb = "not installed" if bitsandbytes is None else bitsandbytes.__version__

@@ -180,6 +180,16 @@ def name(fmt) -> str:
     return "torch AdamW fp32" if fmt is None else f"{fmt[0]} / {fmt[1]}"
 
 
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The small LLaMA the reports train (:func:`build`) and its batches."""
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -188,12 +198,7 @@ def main():
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--block-sizes", default="32,64,128,256,512")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     p.add_argument("--skip-training", action="store_true")
     opts = p.parse_args()
     torch.manual_seed(opts.seed)

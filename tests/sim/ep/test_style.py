@@ -74,6 +74,18 @@ def test_style_on_an_moe_matches_one_device(recipe, recompute):
     run_threads(WORLD, rank_main)
 
 
+def _rank_matches(experts, ref, rank, o, xi, out, all_tokens, order, weights):
+    """Rank ``rank``'s output, input gradient and expert weight gradients equal one device's
+    (``ref``'s ``out`` and gradients, its tokens in ``order``: (rank, row) per row)."""
+    mine = [k for k, (r, _) in enumerate(order) if r == rank]
+    assert torch.equal(o, out[mine]) and torch.equal(xi.grad, all_tokens.grad[mine])
+    per_rank = getattr(ref, weights[0]).shape[0] // WORLD
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    for w in weights:
+        assert torch.equal(getattr(experts, w).grad.to_local(), getattr(ref, w).grad[local]), \
+            (rank, w)
+
+
 def test_style_on_bare_experts_matches_one_device():
     """The experts module alone, called as one device calls it: ``experts(tokens, offsets)``
     with this rank's tokens sorted by expert and its offsets over all experts."""
@@ -97,12 +109,7 @@ def test_style_on_bare_experts_matches_one_device():
         xi = tokens[rank].clone().requires_grad_()
         o = experts(xi, torch.cumsum(counts[rank], 0).to(torch.int32))
         o.sum().backward()
-        mine = [k for k, (r, _) in enumerate(order) if r == rank]
-        assert torch.equal(o, out[mine]) and torch.equal(xi.grad, all_tokens.grad[mine])
-        local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        for w in ("w1", "w2", "w3"):
-            assert torch.equal(getattr(experts, w).grad.to_local(),
-                               getattr(ref, w).grad[local]), (rank, w)
+        _rank_matches(experts, ref, rank, o, xi, out, all_tokens, order, ("w1", "w2", "w3"))
 
     run_threads(WORLD, rank_main)
 
@@ -211,7 +218,6 @@ def test_style_on_torchtitan_experts_matches_one_device(float8_dispatch):
     out = ref(all_tokens, sum(counts))
     out.square().sum().backward()
     layers = [copy.deepcopy(ref) for _ in range(WORLD)]
-    per_rank = e // WORLD
 
     def rank_main(rank):
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
@@ -220,12 +226,8 @@ def test_style_on_torchtitan_experts_matches_one_device(float8_dispatch):
         xi = tokens[rank].clone().requires_grad_()
         o = experts(xi, counts[rank])
         o.square().sum().backward()
-        mine = [k for k, (r, _) in enumerate(order) if r == rank]
-        assert torch.equal(o, out[mine]) and torch.equal(xi.grad, all_tokens.grad[mine])
-        local = slice(rank * per_rank, (rank + 1) * per_rank)
-        for w in ("w1_EFD", "w2_EDF", "w3_EFD"):
-            assert torch.equal(getattr(experts, w).grad.to_local(),
-                               getattr(ref, w).grad[local]), (rank, w)
+        _rank_matches(experts, ref, rank, o, xi, out, all_tokens, order,
+                      ("w1_EFD", "w2_EDF", "w3_EFD"))
 
     run_threads(WORLD, rank_main)
 
