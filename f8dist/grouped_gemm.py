@@ -40,7 +40,8 @@ from f8dist.config import E4M3, ScaledMMConfig
 from f8dist.gemm import GEMM_ALIGNMENT, block_products
 from f8dist.scaling import expand_blocks, group_ids
 
-__all__ = ["scaled_grouped_mm", "block_scaled_grouped_mm", "pad_groups", "scatter_rows"]
+__all__ = ["scaled_grouped_mm", "block_scaled_grouped_mm", "pad_groups", "scatter_rows",
+           "grouped_scales"]
 
 
 def _round_up(x, alignment: int = GEMM_ALIGNMENT):
@@ -167,6 +168,43 @@ def scaled_grouped_mm(
     out = _kernel(a, b, a_inv.reshape(-1).contiguous(), b_inv.reshape(-1).contiguous(), padded,
                   mm_config=mm_config)  # [E, N, K]
     return out.to(out_dtype)
+
+
+def _per_group(scale: torch.Tensor, offsets: torch.Tensor, cols: int) -> torch.Tensor:
+    """Per-row scales that are constant over each token group ([M, C] or [M, 1]) -> [E, cols],
+    1 for an empty group (it multiplies nothing)."""
+    e, m = offsets.shape[0], scale.shape[0]
+    if m == 0:
+        return scale.new_ones((e, cols))
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))  # [E]
+    starts = (offsets - sizes).clamp(max=m - 1).long()  # [E]
+    per_group = scale[starts].expand(e, cols)  # [E, cols]
+    return torch.where(sizes[:, None] > 0, per_group, torch.ones_like(per_group))
+
+
+def _rows(scale: torch.Tensor, m: int) -> torch.Tensor:
+    """A token operand's scale ([M, 1], or [] for none) as one per row: [M]."""
+    return scale.expand(m, 1)[:, 0].contiguous()
+
+
+def _token_scales(scale: torch.Tensor, m: int) -> torch.Tensor:
+    """A token operand's scales ([M, C] or [M, 1] per group, or [] for a delayed one) as rows:
+    [M, C] or [M, 1]."""
+    return scale.expand(m, scale.shape[-1] if scale.dim() else 1)
+
+
+def grouped_scales(a_scale: torch.Tensor, a_shape, b_scale: torch.Tensor, b_shape,
+                   offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float8Tensor scales (broadcastable to their operands) as :func:`scaled_grouped_mm` takes
+    them: 2d x 3d, ``a`` [M, K] per row ([M, 1], or [] for a delayed one) -> [M], ``b``
+    [E, K, N] per expert and column ([E, 1, 1] or [E, 1, N]) -> [E, N]; 2d x 2d,
+    ``a`` [N, M] and ``b`` [M, K], each per token group -> [E, N] and [E, K]."""
+    if len(b_shape) == 3:
+        return _rows(a_scale, a_shape[0]), b_scale.expand(*b_shape)[:, 0].contiguous()
+    (n, m), k = a_shape, b_shape[1]
+    a_tokens = a_scale.t() if a_scale.dim() else a_scale  # [M, C]
+    return (_per_group(_token_scales(a_tokens, m), offsets, n),
+            _per_group(_token_scales(b_scale, m), offsets, k))
 
 
 # [Note: the CPU block grouped kernel]

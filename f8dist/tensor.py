@@ -53,6 +53,7 @@ import torch
 
 from f8dist.config import ScaledMMConfig
 from f8dist.gemm import scaled_mm
+from f8dist.grouped_gemm import block_scaled_grouped_mm, grouped_scales, scaled_grouped_mm
 from f8dist.scaling import dequantize, expand_blocks
 
 __all__ = ["Float8Tensor", "KeptShard", "WireMeta", "as_wire", "rewrap", "wrapper_like"]
@@ -362,15 +363,24 @@ def _same_scale_unary(func, args, kwargs):
 def _transpose(func, args, kwargs):
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
-    if t.is_blockwise:  # 2-D: the grid of block scales transposes with the blocks
-        return rewrap(t, data, t._scale.t(), block=t._block[::-1])
-    if not t.is_axiswise:
+    if not t.is_blockwise and t._scale.dim() != t._data.dim():  # one scale
         return rewrap(t, data)
-    if t._data.dim() != 2:
-        raise NotImplementedError("transposing an axiswise Float8Tensor is defined for 2-D tensors")
-    # [N, 1] scales of a [N, K] tensor become [1, N] scales of its [K, N] transpose
-    axis = 1 - (t._axiswise_dim % 2)
-    return rewrap(t, data, t._scale.t(), axis)
+    dims = (0, 1) if func is aten.t.default else tuple(d % t._data.dim() for d in args[1:3])
+    if sorted(dims) != [t._data.dim() - 2, t._data.dim() - 1]:
+        raise NotImplementedError(
+            f"transposing a Float8Tensor of shape {tuple(t.shape)} with scales "
+            f"{tuple(t._scale.shape)} along dims {dims}: defined for its last two dims")
+    # the scales transpose with the tensor: [N, 1] scales of a [N, K] tensor become [1, N] scales
+    # of its [K, N] transpose ([E, N, 1] of [E, N, K] likewise), a grid of block scales with its
+    # blocks
+    scale = t._scale.transpose(-2, -1)
+    if t.is_blockwise:
+        return rewrap(t, data, scale, block=t._block[::-1])
+    axis = t._axiswise_dim
+    if axis is not None:
+        axis %= t._data.dim()
+        axis = dims[1] if axis == dims[0] else dims[0] if axis == dims[1] else axis
+    return rewrap(t, data, scale, axis)
 
 
 @_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
@@ -440,6 +450,31 @@ def _mm(func, args, kwargs):
         a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config,
         a_block=a._block, b_block=b._block,
     )
+
+
+@_implements([aten._grouped_mm.default])
+def _grouped_mm(func, args, kwargs):
+    a, b, offs, bias, out_dtype = _grouped_mm_args(*args, **kwargs)
+    if not (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)):
+        raise TypeError(
+            "a float8 grouped gemm needs both operands in float8; got "
+            f"{type(a).__name__} and {type(b).__name__}"
+        )
+    if offs is None or bias is not None:
+        raise NotImplementedError(
+            f"a float8 grouped gemm takes token groups (offs, got {offs}) and no bias (got "
+            f"{bias}); add the bias to its output")
+    out_dtype = a._orig_dtype if out_dtype is None else out_dtype
+    if a.is_blockwise or b.is_blockwise:
+        return block_scaled_grouped_mm(a._data, a._scale, a._block, b._data, b._scale, b._block,
+                                       offs, out_dtype=out_dtype, mm_config=a._mm_config)
+    a_scale, b_scale = grouped_scales(a._scale, a.shape, b._scale, b.shape, offs)
+    return scaled_grouped_mm(a._data, a_scale, b._data, b_scale, offs, out_dtype=out_dtype,
+                             mm_config=a._mm_config)
+
+
+def _grouped_mm_args(self, mat2, offs=None, bias=None, out_dtype=None):
+    return self, mat2, offs, bias, out_dtype
 
 
 # autocast casts float8 gemm operands to its dtype ([Note: autocast] in f8dist/linear.py): the

@@ -139,3 +139,20 @@ def test_pieces_on_the_wire_put_back_together_are_the_whole_cast(kind):
     if kind == "per expert":  # along the reduced dims the per-expert scales are shared
         (data,), meta = whole.to_wire(1)
         assert data.shape == (4, 64, 64) and meta.scale is whole._scale
+
+
+def test_grouped_gemm_is_in_the_op_table():
+    # torch._grouped_mm on two Float8Tensors is the float8 grouped gemm (f8dist/grouped_gemm.py);
+    # a 3-D weight transposes with its scales
+    offsets = torch.tensor([5, 5, 12, 16], dtype=torch.int32)  # expert 1 gets no token
+    x8, w8 = _rowwise(torch.randn(16, 32)), _rowwise(torch.randn(4, 16, 32))  # [M, K], [E, N, K]
+    wt = w8.transpose(-2, -1)  # [E, K, N]
+    assert wt._scale.shape == (4, 1, 16) and wt._axiswise_dim == 1
+    assert torch.equal(wt.to_original_precision(), w8.to_original_precision().transpose(-2, -1))
+    out = torch._grouped_mm(x8, wt, offs=offsets)
+    ref = torch._grouped_mm(x8.to_original_precision(), wt.to_original_precision(), offs=offsets)
+    assert out.dtype == torch.float32 and sqnr(ref, out) > 40
+    with pytest.raises(TypeError, match="both operands in float8"):
+        torch._grouped_mm(x8, wt.to_original_precision(), offs=offsets)
+    with pytest.raises(NotImplementedError, match="token groups"):
+        torch._grouped_mm(x8, wt)
