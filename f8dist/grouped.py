@@ -99,7 +99,7 @@ from f8dist.delayed import (
 )
 from f8dist.fsdp.weight import gathers_float8, wrap_weight_for_float8_all_gather
 from f8dist.gemm import shape_problems
-from f8dist.grouped_gemm import block_scaled_grouped_mm, pad_groups, scaled_grouped_mm, scatter_rows
+from f8dist.grouped_gemm import pad_groups, scatter_rows
 from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
@@ -118,37 +118,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch._grouped_mm(x, w.transpose(-2, -1).to(x.dtype), offs=offsets)
 
 
-def _per_group(scale: torch.Tensor, offsets: torch.Tensor, cols: int) -> torch.Tensor:
-    """Per-row scales that are constant over each token group ([M, C] or [M, 1]) -> [E, cols],
-    1 for an empty group (it multiplies nothing)."""
-    e, m = offsets.shape[0], scale.shape[0]
-    if m == 0:
-        return scale.new_ones((e, cols))
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))  # [E]
-    starts = (offsets - sizes).clamp(max=m - 1).long()  # [E]
-    per_group = scale[starts].expand(e, cols)  # [E, cols]
-    return torch.where(sizes[:, None] > 0, per_group, torch.ones_like(per_group))
-
-
-def _rows(scale: torch.Tensor, m: int) -> torch.Tensor:
-    """A token operand's scale ([M, 1], or [] for none) as one per row: [M]."""
-    return scale.expand(m, 1)[:, 0].contiguous()
-
-
-def _token_scales(scale: torch.Tensor, m: int) -> torch.Tensor:
-    """A token operand's scales ([M, C] or [M, 1] per group, or [] for a delayed one) as rows:
-    [M, C] or [M, 1]."""
-    return scale.expand(m, scale.shape[-1] if scale.dim() else 1)
-
-
-def _select(scale: torch.Tensor, w_shape, dim: int) -> torch.Tensor:
-    """A 3-D weight's scale ([E, 1, 1], [E, N, 1] or [E, 1, K]) as one per expert and output
-    column of the gemm (``dim`` of the weight): [E, w_shape[dim]]."""
-    full = scale.expand(*w_shape)  # [E, N, K]
-    other = 2 if dim == 1 else 1
-    return full.select(other, 0).contiguous()  # [E, w_shape[dim]]
-
-
 def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
           specs: CastSpecs, scales: Scales = None) -> torch.Tensor:
     """One gemm of [Note: grouped gemms], in float8 as ``specs`` say or in high precision.
@@ -165,31 +134,25 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
             return torch._grouped_mm(a, b.to(a.dtype), offs=offsets)  # [M, K]
         return torch._grouped_mm(a.t(), b.to(a.dtype), offs=offsets)  # [E, N, K]
     if specs[gemm, left].blockwise:
-        return _block_gemm(gemm, a, b, offsets, specs, out_dtype)
-    scales = scales or {}
-    a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
-    b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
+        a8, b8, offsets = _block_operands(gemm, a, b, offsets, specs)
+    else:
+        scales = scales or {}
+        a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
+        b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
-    cfg = specs[gemm, left].mm_config
-    m = a8.shape[0]
-    if gemm is OUTPUT:  # [M, K] x [E, K, N]
-        w_scale = _select(b8._scale, b8.shape, 1)  # [E, N]
-        return scaled_grouped_mm(a8._data, _rows(a8._scale, m), b8._data.transpose(-2, -1),
-                                 w_scale, offsets, out_dtype=out_dtype, mm_config=cfg)
-    if gemm is GRAD_INPUT:  # [M, N] x [E, N, K]
-        w_scale = _select(b8._scale, b8.shape, 2)  # [E, K]
-        return scaled_grouped_mm(a8._data, _rows(a8._scale, m), b8._data, w_scale, offsets,
-                                 out_dtype=out_dtype, mm_config=cfg)
-    n, k = a8.shape[1], b8.shape[1]  # [N, M] x [M, K] per group
-    a_scale = _per_group(_token_scales(a8._scale, m), offsets, n)  # [E, N]
-    b_scale = _per_group(_token_scales(b8._scale, m), offsets, k)  # [E, K]
-    return scaled_grouped_mm(a8._data.t(), a_scale, b8._data, b_scale, offsets,
-                             out_dtype=out_dtype, mm_config=cfg)
+    # the grouped gemm of Float8Tensor's op table ([Note: grouped gemm constraints] in
+    # f8dist/grouped_gemm.py), its operands laid out as torch._grouped_mm's
+    if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its scales
+        b8 = b8.transpose(-2, -1)
+    elif gemm is GRAD_WEIGHT:  # [N, M] x [M, K] -> [E, N, K]
+        a8 = a8.t()
+    return torch._grouped_mm(a8, b8, offs=offsets, out_dtype=out_dtype)
 
 
-def _block_gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                specs: CastSpecs, out_dtype: torch.dtype) -> torch.Tensor:
-    """One gemm of [Note: grouped gemms] with block scales ([Note: block grouped gemms])."""
+def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                    specs: CastSpecs):
+    """The float8 operands of a gemm of [Note: grouped gemms] with block scales ([Note: block
+    grouped gemms]), and the offsets of their token groups."""
     left, right = gemm.operands
     sa, sb = specs[gemm, left], specs[gemm, right]
     if gemm is GRAD_WEIGHT:  # tokens blocked within each group: groups padded to the block
@@ -197,20 +160,8 @@ def _block_gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
         padded, rows, m_padded = pad_groups(offsets, a.shape[0], sa.block_size[1])
         a, b = scatter_rows(a, rows, m_padded), scatter_rows(b, rows, m_padded)  # [M', *]
         offsets = padded
-    a8 = local_part(cast_to_float8(a, sa))  # blocks of tokens need no offsets
-    b8 = local_part(cast_to_float8(b, sb))
-    cfg = sa.mm_config
-    if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its grid
-        return block_scaled_grouped_mm(
-            a8._data, a8._scale, a8._block, b8._data.transpose(-2, -1),
-            b8._scale.transpose(-2, -1), b8._block[::-1], offsets, out_dtype=out_dtype,
-            mm_config=cfg)
-    if gemm is GRAD_INPUT:  # [M, N] x [E, N, K]
-        return block_scaled_grouped_mm(a8._data, a8._scale, a8._block, b8._data, b8._scale,
-                                       b8._block, offsets, out_dtype=out_dtype, mm_config=cfg)
-    return block_scaled_grouped_mm(  # [N, M'] x [M', K] -> [E, N, K]
-        a8._data.t(), a8._scale.t(), a8._block[::-1], b8._data, b8._scale, b8._block,
-        offsets, out_dtype=out_dtype, mm_config=cfg)
+    # blocks of tokens need no offsets
+    return cast_to_float8(a, sa), cast_to_float8(b, sb), offsets
 
 
 class _Float8GroupedMM(torch.autograd.Function):
