@@ -152,7 +152,7 @@ def _grouped_axis(spec: CastSpec, ndim: int) -> Optional[int]:
 
 
 def grouped_amax(t: torch.Tensor, spec: CastSpec, offsets: Optional[torch.Tensor]) -> torch.Tensor:
-    """The amax of a grouped cast ([Note: grouped casts] in f8dist/config.py), shaped to broadcast
+    """The amax of a grouped cast ([Note: grouped casts] in f8dist/specs.py), shaped to broadcast
     against ``t``: [E, 1, 1] / [E, N, 1] / [E, 1, K] for a 3-D weight; [M, 1] per token, or per
     token group ([M, 1] tensorwise, [M, C] over the tokens) for a 2-D ``t`` with ``offsets``."""
     axis = _grouped_axis(spec, t.dim())
@@ -181,7 +181,7 @@ def cast_to_float8(
     in backward, [Note: what the matmul keeps for backward] in f8dist/linear.py), shaped as the
     cast's own would be. ``store``: the bytes serve two gemms, so a compiled graph stores them
     once and takes the other layout from them. ``offsets``: the token groups of a grouped cast
-    (``spec.grouped``, [Note: grouped casts] in f8dist/config.py). ``shared``: a table of casts of
+    (``spec.grouped``, [Note: grouped casts] in f8dist/specs.py). ``shared``: a table of casts of
     the same tensor (:func:`shared_casts`), looked up first and filled ([Note: one cast per
     input]; a delayed cast found there has the first sibling's scale). Not differentiable: see :class:`ToFloat8` for that.
 
@@ -256,7 +256,7 @@ def _observed(spec: CastSpec, t: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 
 
 def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> torch.Tensor:
-    """A blockwise cast ([Note: block scales] in f8dist/config.py): each block scaled by its own
+    """A blockwise cast ([Note: block scales] in f8dist/cells.py): each block scaled by its own
     amax, so no collective; a DTensor casts its local shard, whose blocks must be whole ([Note:
     shards on block boundaries] in f8dist/placement.py)."""
     if scale is not None or amax is not None:
@@ -321,7 +321,7 @@ def kept_shard_for(t: torch.Tensor, spec: CastSpec) -> Optional[KeptShard]:
 class SharedGather:
     """The backward all-gather of a :class:`~f8dist.tensor.KeptShard` (``sp_grad_weight=
     "backward_gather"``, [Note: the grad_weight operand of a gathered tensor] in
-    f8dist/config.py), run once for all the linears that read the shard (wq, wk and wv of one
+    f8dist/cells.py), run once for all the linears that read the shard (wq, wk and wv of one
     shared input): each reader's forward counts itself in (:meth:`add_reader`), the first
     backward gathers, the last one lets the gathered tensor go."""
 
@@ -336,7 +336,7 @@ class SharedGather:
     def __call__(self, local: torch.Tensor, shape: tuple, layout_as: Optional[tuple]) -> torch.Tensor:
         """The whole tensor of the shard ``local`` (this rank's, as kept for backward), gathered
         in float8 with its block scales and reshaped to ``shape`` ([B, S, K] token blocks to the
-        [B * S, K] view's: [Note: token blocks of N-D activations] in f8dist/config.py), as this
+        [B * S, K] view's: [Note: token blocks of N-D activations] in f8dist/specs.py), as this
         rank's part of a DTensor of ``layout_as`` (or None: the local tensor)."""
         from torch.distributed.tensor import Replicate
 

@@ -26,7 +26,7 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 def is_float8_compatible(mod: nn.Linear, config: Optional[Float8LinearConfig] = None) -> bool:
     """Whether ``torch._scaled_mm`` can take this linear's gemms as they are (dims % 16 == 0),
     and, given ``config``, its dims divide into the config's blocks ([Note: block scales] in
-    f8dist/config.py). Reads only ``in_features`` and ``out_features``."""
+    f8dist/cells.py). Reads only ``in_features`` and ``out_features``."""
     return not _problems(mod, config)
 
 

@@ -295,7 +295,7 @@ class DelayedScaling:
         """The state of ``module`` (a Float8Linear, or an expert weight's scaling: f8dist/grouped.py)
         with its buffers registered, or None when its config has no delayed cast. ``dtype``: the
         float8 dtype of every delayed cast, where the casts override the config's (e4m3 in
-        grouped gemms, [Note: grouped casts] in f8dist/config.py)."""
+        grouped gemms, [Note: grouped casts] in f8dist/specs.py)."""
         operands = delayed_operands(module.config)
         if dtype is not None:
             operands = {op: dtype for op in operands}

@@ -12,7 +12,7 @@ these rules on every device, so a program that runs on the CPU runs on a GPU too
 
 * K or N not a multiple of 16: raise (``check_gemm_shape``), or with ``pad_inner_dim`` zero-pad
   them and slice the result, which is exact. ``pad_k`` zero-pads K alone, without asking: the
-  grad_weight gemm's K is the number of tokens ([Note: any token count] in f8dist/config.py).
+  grad_weight gemm's K is the number of tokens ([Note: any token count] in f8dist/specs.py).
   The padding is the copy that puts an operand in the layout the kernel wants (which the
   grad_weight gemm's operands, transposed views, need anyway), so an aligned gemm pays nothing.
 * an empty gemm (M, K or N = 0): zeros, without a kernel.
@@ -46,7 +46,7 @@ fuses into the kernel that casts it, which then writes both layouts. Measured wi
 scripts/bench_bytes.py on the CPU (docs/performance.md).
 
 [Note: the block-scaled gemm]
-With block scales ([Note: block scales] in f8dist/config.py) ``a`` [M, K] has one scale per
+With block scales ([Note: block scales] in f8dist/cells.py) ``a`` [M, K] has one scale per
 (bm, bk) block, ``b`` [K, N] one per (bk, bn) block, the same bk along K. The gemm is
 
     out[m, n] = sum over k-blocks j of  (sum_{k in j} a[m, k] * b[k, n]) / (sa[m/bm, j] * sb[j, n/bn])
@@ -111,7 +111,7 @@ def check_gemm_shape(
 def block_problems(specs, in_features: int, out_features: int) -> List[str]:
     """The dims of a linear that its block-scaled casts (``specs``, a ``CastSpecs``) cannot divide
     into blocks, e.g. ``["out_features=96 (block 128)"]``; the tokens may be anything ([Note: block
-    scales] in f8dist/config.py)."""
+    scales] in f8dist/cells.py)."""
     k, n = in_features, out_features
     dims = {  # each operand's layer dims: name -> (size, dim in the operand's [rows, cols])
         "input": {"in_features": (k, 1)},

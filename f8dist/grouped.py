@@ -11,7 +11,7 @@ f8dist/linear.py), per expert ``e``::
     grad_weight = grad_output[rows of e].t() @ x[rows of e]  [N, M_e] x [M_e, K] -> [N, K]
 
 and each of their six operands is cast as the same cell of the same Float8LinearConfig table says,
-per expert ([Note: grouped casts] in f8dist/config.py): ``config.grouped_cast_specs(fqn)``.
+per expert ([Note: grouped casts] in f8dist/specs.py): ``config.grouped_cast_specs(fqn)``.
 rowwise: a scale per token, per expert and row (or column) of the weight, and per expert and
 column over the expert's tokens in grad_weight; tensorwise: a scale per expert (its weight, its
 token group); rowwise_with_gw_hp: grad_weight in high precision; block scales: [Note: block
@@ -19,7 +19,7 @@ grouped gemms]; delayed: [Note: delayed experts]. An expert with no tokens has a
 output rows, a zero weight gradient.
 
 [Note: block grouped gemms]
-With block scales ([Note: block scales] in f8dist/config.py: "mxfp8", "mxfp8_wgrad_with_hp",
+With block scales ([Note: block scales] in f8dist/cells.py: "mxfp8", "mxfp8_wgrad_with_hp",
 "mxfp8_square_weights", "blockwise") the cells are the same and each expert's gemm is the dense
 block-scaled gemm on its group. output and grad_input: the tokens in 1 x inner blocks along K
 (N), local to a token, the weight in blocks of its own per expert ([E, N/bn, K/bk] scales).
@@ -65,7 +65,7 @@ conversion (``check_grouped_options``, called by Float8GroupedExperts' construct
 
 * the cast table, the gemm options (use_fast_accum), ``emulate``, ``round_scales_to_power_of_2``,
   ``delayed_scaling_config``, ``enable_amax_init``: as for a linear, per expert ([Note: grouped
-  casts] in f8dist/config.py);
+  casts] in f8dist/specs.py);
 * ``enable_fsdp_float8_all_gather``: float8 for dynamic tensorwise expert weights; delayed and
   block-scaled ones are gathered in high precision, with a warning at conversion
   (``high_precision_gathered``, [Note: float8 all-gather of expert weights] in

@@ -16,7 +16,7 @@ i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad
 [Note: what the matmul keeps for backward]
 * weight: the high-precision weight (a parameter, alive anyway) and it is re-cast in backward,
   instead of keeping a second float8 copy. With square weight blocks or a tensorwise weight
-  (``CastSpecs.weight_same_bytes``, [Note: block scales] in f8dist/config.py) the backward cast
+  (``CastSpecs.weight_same_bytes``, [Note: block scales] in f8dist/cells.py) the backward cast
   gives the forward's bytes again; keeping them instead holds a float8 copy of every weight
   until backward (under FSDP2, of every unsharded weight), more than bf16 keeps, so it is an
   option: ``float8_weight_for_backward`` (``CastSpecs.save_float8_weight``) keeps the forward's
@@ -121,7 +121,7 @@ def _check_grad_weight_operand(x: torch.Tensor, specs: CastSpecs, found: bool) -
     without the grad_weight gemm's operand that this linear's config asks for one device's
     numbers from (``found``: it carries one that fits): the style cast a shared input with
     another linear's config ([Note: the grad_weight operand of a gathered tensor] in
-    f8dist/config.py). Backward would re-cast the gathered float8, a second rounding."""
+    f8dist/cells.py). Backward would re-cast the gathered float8, a second rounding."""
     if (found or not isinstance(local_part(x), Float8Tensor) or x.numel() == 0
             or torch.compiler.is_compiling() or specs.sp_grad_weight is SPGradWeight.RECAST):
         return
@@ -191,7 +191,7 @@ class _Float8Matmul(torch.autograd.Function):
         kept = _max_of(weight_amax) if backward else None  # [] or None
         saved = x  # [Note: what the matmul keeps for backward]
         companion = kept_shard = ctx.gather = None
-        if backward:  # [Note: the grad_weight operand of a gathered tensor] in f8dist/config.py
+        if backward:  # [Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py
             companion = companion_for(x, specs[GRAD_WEIGHT, INPUT])
             kept_shard = kept_shard_for(x, specs[GRAD_WEIGHT, INPUT])
             _check_grad_weight_operand(x, specs, companion is not None or kept_shard is not None)

@@ -40,7 +40,7 @@ f8dist/grouped.py) is reduced over those axes, by :func:`expert_token_placements
 other.
 
 [Note: shards on block boundaries]
-A block scale ([Note: block scales] in f8dist/config.py) is a statistic of its block alone, so
+A block scale ([Note: block scales] in f8dist/cells.py) is a statistic of its block alone, so
 under the same rule it needs no collective at all, provided no shard splits a block: then each
 rank's blocks are blocks of the logical tensor and it casts them as one device would.
 :func:`blocks_split_by_shards` says whether a layout does (torch shards a dim of size ``n`` over
@@ -189,7 +189,7 @@ def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_size
     ``mesh_sizes`` ranks split its blocks of ``block`` ([Note: shards on block boundaries]); None when
     every shard starts on a block boundary. An N-D ``shape`` with a 2-D ``block`` is in row
     blocks, (1, cols): blocks of 1 along its leading dims ([Note: row blocks of N-D activations]
-    in f8dist/config.py), or in token blocks, (rows, 1): blocks of its [tokens, K] view, which
+    in f8dist/specs.py), or in token blocks, (rows, 1): blocks of its [tokens, K] view, which
     its sequences (dim -2) must hold whole ([Note: token blocks of N-D activations])."""
     if len(shape) > len(block) == 2 and block[1] == 1 < block[0]:
         sequences, tokens = math.prod(shape[:-2]), shape[-2]

@@ -187,7 +187,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 # ---------------------------------------------------------------------------------------------
-# Block scales ([Note: block scales] and [Note: e8m0 rounding] in f8dist/config.py)
+# Block scales ([Note: block scales] and [Note: e8m0 rounding] in f8dist/cells.py)
 # ---------------------------------------------------------------------------------------------
 
 # e8m0 holds 2**e for e in [-127, 127] (and NaN); a quantizing scale 2**-e fits the same range
@@ -203,7 +203,7 @@ def _blocks(shape, block):
 
 # [Note: blocks of expert weights]
 # A 3-D tensor [E, R, C] (the experts' weights of a grouped gemm, [Note: grouped casts] in
-# f8dist/config.py) is blocked per expert: matrix e has its own [ceil(R / rows), ceil(C / cols)]
+# f8dist/specs.py) is blocked per expert: matrix e has its own [ceil(R / rows), ceil(C / cols)]
 # grid, so the grid is [E, ceil(R / rows), ceil(C / cols)] and no block spans two experts. The
 # functions below take it as the 2-D [E * R', C] stack of the matrices, each zero-padded to
 # R' = ceil(R / rows) * rows rows (exact, as the edge padding of a 2-D tensor is).
@@ -306,7 +306,7 @@ def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
     """Block scales [ceil(R / rows), ceil(C / cols)] as one float32 scale per element of a
     ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by); for an
     N-D ``shape`` in row blocks, scales [..., ceil(C / cols)] ([Note: row blocks of N-D
-    activations] in f8dist/config.py); a 3-D grid [E, nr, nc] for a ``shape = [E, R, C]`` in
+    activations] in f8dist/specs.py); a 3-D grid [E, nr, nc] for a ``shape = [E, R, C]`` in
     larger blocks ([Note: blocks of expert weights])."""
     if len(shape) != 2 and block[0] == 1:  # [..., C]: rows of the [prod(...), C] view
         rows = scale.reshape(-1, scale.shape[-1])  # [prod(...), ceil(C / cols)]

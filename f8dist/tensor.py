@@ -6,7 +6,7 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
 * ``_scale``: float32, a 0-dim tensor (tensorwise) or one that broadcasts against ``_data`` with
   a 1 at ``_axiswise_dim`` (axiswise: one scale per row or column); or, with ``_block`` =
   (rows, cols), one scale per block of the 2-D ``_data``, [ceil(R / rows), ceil(C / cols)], in
-  float32 or float8_e8m0fnu ([Note: block scales] in f8dist/config.py);
+  float32 or float8_e8m0fnu ([Note: block scales] in f8dist/cells.py);
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation);
 * ``_companion``: None, or a second Float8Tensor of the same values cast for the operand's other
@@ -28,7 +28,7 @@ place Float8Tensor ops are defined):
 [Note: two casts of one tensor]
 A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
 gemms may scale it along different axes: the output gemm's input in 1 x K row blocks, the
-grad_weight gemm's in token blocks ([Note: token blocks of N-D activations] in f8dist/config.py).
+grad_weight gemm's in token blocks ([Note: token blocks of N-D activations] in f8dist/specs.py).
 The cast for the second gemm is made from the same high-precision shard and rides along as the
 first one's ``_companion`` (as Transformer Engine's float8 tensors carry row- and column-wise
 data): the ops that move or re-view a tensor on its way to the gemms (views, detach, the
@@ -38,7 +38,7 @@ drops it. ``cast_to_float8`` takes the companion when it is what the spec asks f
 float8.
 
 A companion may also stay behind: with ``sp_grad_weight="backward_gather"`` ([Note: the
-grad_weight operand of a gathered tensor] in f8dist/config.py) the style casts the shard for the
+grad_weight operand of a gathered tensor] in f8dist/cells.py) the style casts the shard for the
 grad_weight gemm and attaches it as a :class:`KeptShard` (the shard's cast and what gathers
 it), which the same ops pass on unchanged, not moved: the linear keeps the shard for backward and
 all-gathers it there (f8dist/linear.py).
@@ -319,7 +319,7 @@ def _with_companions(out, handler, func, args, kwargs):
 def _block_per_dim(t: "Float8Tensor") -> Tuple[int, ...]:
     """The block's extent along each dim of a block-scaled tensor: (rows, cols) of a 2-D one, 1
     along the leading dims of an N-D one in row blocks ([Note: row blocks of N-D activations] in
-    f8dist/config.py) or token blocks ((rows, 1) along its last two dims: [Note: token blocks of
+    f8dist/specs.py) or token blocks ((rows, 1) along its last two dims: [Note: token blocks of
     N-D activations])."""
     return (1,) * (t._data.dim() - 2) + tuple(t._block)
 

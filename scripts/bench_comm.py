@@ -20,7 +20,7 @@ Variants: "float8" is the tensorwise recipe; "mxfp8", "blockwise" and "mxfp8_squ
 block-scaled recipes (their scales travel with the bytes: [Note: float8 on the wire] in
 f8dist/tensor.py), run where the scenario's shards hold whole blocks (a row says so otherwise);
 "+recast" and "+backward_gather" set ``Float8LinearConfig.sp_grad_weight`` (tp ffn: [Note: the
-grad_weight operand of a gathered tensor] in f8dist/config.py).
+grad_weight operand of a gathered tensor] in f8dist/cells.py).
 FSDP variants shard fp32 master weights and all-gather in bf16 (MixedPrecisionPolicy(param_dtype=
 bfloat16)); "fp8-ag" all-gathers float8 weights instead, "+precompute" computes their scales in
 one all-reduce after the optimizer step, "+fp8-rs" reduce-scatters gradients in float8
@@ -75,7 +75,7 @@ def recipe_of(variant) -> str:
 
 def sp_grad_weight_of(name: str) -> str:
     """The ``sp_grad_weight`` a variant's name asks for ([Note: the grad_weight operand of a
-    gathered tensor] in f8dist/config.py): its last "+" part, or the default."""
+    gathered tensor] in f8dist/cells.py): its last "+" part, or the default."""
     mode = name.split("+")[-1]
     return mode if mode in SP_GRAD_WEIGHT else "forward_gather"
 

@@ -163,7 +163,7 @@ def test_float8_activations_for_backward_and_requantize_are_exclusive():
         rowwise.replace(float8_activations_for_backward=1)
 
 
-# -- block scales ([Note: block scales] in f8dist/config.py) --------------------------------------
+# -- block scales ([Note: block scales] in f8dist/cells.py) --------------------------------------
 
 BLOCKWISE = ScalingGranularity.BLOCKWISE
 E8M0 = torch.float8_e8m0fnu

@@ -71,10 +71,11 @@ def test_cycle_finder_finds_cycles():
 def test_core_modules_import_no_distributed_code():
     # scale math is pure; the float8 tensor and its gemm need no f8dist distributed module
     graph = import_graph()
-    for name in ("f8dist.scaling", "f8dist.config", "f8dist.gemm"):
-        assert graph[name] <= {"f8dist.config", "f8dist.scaling"}, (name, graph[name])
-    source = (PACKAGE / "scaling.py").read_text()
-    assert "torch.distributed" not in source
+    pure = {"f8dist.cells", "f8dist.specs", "f8dist.recipes", "f8dist.config", "f8dist.scaling"}
+    for name in (*sorted(pure), "f8dist.gemm"):
+        assert graph[name] <= pure, (name, graph[name])
+    for module in ("scaling", "cells", "specs", "recipes", "config"):
+        assert "torch.distributed" not in (PACKAGE / f"{module}.py").read_text(), module
 
 
 def test_the_rank_agreement_check_imports_only_the_config_and_the_placement_rule():

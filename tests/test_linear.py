@@ -121,7 +121,7 @@ def test_autocast_with_a_float8_input(recipe):
     from f8dist.config import Gemm, Operand
 
     # a high-precision grad_weight gemm gets a float8 input only when it accepts the re-cast
-    # ([Note: the grad_weight operand of a gathered tensor] in f8dist/config.py)
+    # ([Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py)
     knob = {"sp_grad_weight": "recast"} if recipe == "rowwise_with_gw_hp" else {}
     ref, f8 = _pair(recipe, torch.float32, **knob)
     x = torch.randn(16, 64)
@@ -571,7 +571,7 @@ def test_siblings_compiled_match_eager_and_save_one_copy():
     assert compiled_saved_bytes(module, x) <= 64 * 64 + 64 * 4 * 2  # e4m3 + a scale per column
 
 
-# -- block scales ([Note: block scales] in f8dist/config.py) ---------------------------------------
+# -- block scales ([Note: block scales] in f8dist/cells.py) ---------------------------------------
 
 BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
 

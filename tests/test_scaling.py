@@ -156,7 +156,7 @@ def test_tiny_magnitudes_compiled():
     assert torch.equal(compiled(x, E4M3, True), _roundtrip(x, E4M3, True))
 
 
-# -- block scales ([Note: block scales], [Note: e8m0 rounding] in f8dist/config.py) -------------
+# -- block scales ([Note: block scales], [Note: e8m0 rounding] in f8dist/cells.py) -------------
 
 from f8dist.scaling import block_amax, block_scale, expand_blocks  # noqa: E402
 

@@ -9,7 +9,7 @@ per-shard ones (see ``f8dist/debug/recorder.py``):
 * ``underflow``: nonzero elements of ``hp`` whose float8 value is 0;
 * ``signal_sq``, ``error_sq``: ``sum(hp**2)`` and ``sum((hp - data / scale)**2)``, for the SQNR;
 * ``amax``, ``scale_min``, ``scale_max``: extremes;
-* block-scaled casts ([Note: block scales] in f8dist/config.py) add, per block: ``blocks``,
+* block-scaled casts ([Note: block scales] in f8dist/cells.py) add, per block: ``blocks``,
   ``blocks_saturated`` and ``blocks_underflow`` (blocks with at least one saturated or underflowed
   element) and ``block_amax_log2``, a histogram of the blocks' amaxes by power of 2 (bin ``i``
   counts amaxes in [2**(i + BLOCK_HIST_LO), 2**(i + 1 + BLOCK_HIST_LO)), the ends open; all-zero

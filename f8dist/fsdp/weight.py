@@ -204,7 +204,7 @@ class Float8AllGatherWeight(torch.Tensor):
 
 
 # [Note: block-scaled all-gather]
-# A block-scaled weight ([Note: block scales] in f8dist/config.py) is all-gathered as two
+# A block-scaled weight ([Note: block scales] in f8dist/cells.py) is all-gathered as two
 # tensors, its float8 bytes and its grid of block scales (as uint8: 1 byte per block for e8m0, 4
 # for float32), cast by each rank from its shard with no collective: a block's scale depends on
 # its own elements. When FSDP2's shards (ceil(rows / world) rows each, the last ones padded)
@@ -238,7 +238,7 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
 # A Float8GroupedExperts' weights w1, w2, w3 ([experts, out, in], f8dist/grouped.py) are wrapped
 # like a Float8Linear's weight when its config sets enable_fsdp_float8_all_gather, which needs a
 # tensorwise weight cast: for experts, one scale per expert ([Note: grouped casts] in
-# f8dist/config.py), one float8 copy serving the output and grad_input gemms; dynamic only
+# f8dist/specs.py), one float8 copy serving the output and grad_input gemms; dynamic only
 # (``gathers_float8``: the experts' delayed and block-scaled weights, which the config allows
 # with the all-gather for linears, are gathered in high precision, and convert_to_float8_training
 # warns naming them: refusing the config would take the float8 gather from its linears too).

@@ -32,7 +32,7 @@ so the style picks, per consuming linear's ``(grad_weight, input)`` spec and per
 token count is the batch's), with ``_grad_weight_cast``:
 
 * block scales along the tokens, shards holding whole token blocks (the rule of
-  ``blocks_split_by_shards``, [Note: token blocks of N-D activations] in f8dist/config.py): the
+  ``blocks_split_by_shards``, [Note: token blocks of N-D activations] in f8dist/specs.py): the
   local high-precision shard is cast twice, in row blocks and in token blocks, and the second
   cast travels as the first's companion ([Note: two casts of one tensor] in f8dist/tensor.py):
   the all-gather moves both, 2 x (1 byte + scales) per element, in forward; the linear keeps only
@@ -47,7 +47,7 @@ token count is the batch's), with ``_grad_weight_cast``:
   the row-block bytes without a second rounding, so an exact path moves two float8 casts (1.03x
   bf16's bytes with their scales) or high precision, never 0.52x.
   ``Float8LinearConfig.sp_grad_weight`` trades otherwise ([Note: the grad_weight operand of a
-  gathered tensor] in f8dist/config.py): with "recast" this rule answers None (the row blocks
+  gathered tensor] in f8dist/cells.py): with "recast" this rule answers None (the row blocks
   only, re-cast in backward); with "backward_gather" the token-block cast stays on its rank
   (``_cast_input``'s ``keep``: a ``KeptShard``) and the linears all-gather it in backward, once
   per shared input (Transformer Engine's way): the same bytes, 1 / tp of them kept.
@@ -73,7 +73,7 @@ device's scales and bytes. A tensorwise cast is still made first: its scale is t
 tensor's amax (no collective) and a split keeps it, giving one device's bytes.
 
 [Note: block scales on tensor-parallel shards]
-Block-scaled recipes ([Note: block scales] in f8dist/config.py) take the same styles and run no
+Block-scaled recipes ([Note: block scales] in f8dist/cells.py) take the same styles and run no
 amax collective: a block's scale is its own. The 1 x K blocks of an activation or gradient are
 local to a token, so the sequence-parallel input (and the rowwise style's gradient) is cast in
 [B, S, K] row blocks before its all-gather and its scale grid travels with its shards ([Note:
@@ -172,7 +172,7 @@ def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Oper
     blocks that the sequence shards split). None too where no grad_weight gemm will read it (no
     grad: eval, inference), there is nothing to round (an empty batch) or the linear puts bytes
     first (``SPGradWeight.RECAST``: the gemm re-casts the communicated bytes; [Note: the
-    grad_weight operand of a gathered tensor] in f8dist/config.py)."""
+    grad_weight operand of a gathered tensor] in f8dist/cells.py)."""
     if (specs is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
             or x.numel() == 0 or specs.sp_grad_weight is SPGradWeight.RECAST
             or not specs.own_grad_weight_operand(operand)):

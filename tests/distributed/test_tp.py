@@ -237,7 +237,7 @@ def _float8_weight_grads(sqnr):
 
 def test_tp_sp_recast_sends_one_float8_copy_and_rounds_weight_gradients_twice(block_results):
     # sp_grad_weight="recast" ([Note: the grad_weight operand of a gathered tensor] in
-    # f8dist/config.py): the row-block cast only, forward and backward (two calls each: bytes,
+    # f8dist/cells.py): the row-block cast only, forward and backward (two calls each: bytes,
     # scales); the grad_weight gemm re-casts it: 26.9-28.0 dB from one device (measured, blockwise
     # at dim 256), where the other gemms stay one device's
     figures = block_results["blockwise+recast"]

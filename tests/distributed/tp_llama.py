@@ -464,7 +464,7 @@ def run(args):
         results[recipe + "+float8_all_gather"] = compare(
             args, mesh, recipe, wire_reference=False, float8_all_gather=True)
     for variant in args.sp_grad_weight.split(",") if args.sp_grad_weight else ():
-        # [Note: the grad_weight operand of a gathered tensor] in f8dist/config.py
+        # [Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py
         recipe, mode = variant.split("+")
         results[variant] = compare(args, mesh, recipe, wire_reference=False, sp_grad_weight=mode)
     if args.sp_grad_weight:

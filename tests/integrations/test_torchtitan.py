@@ -44,7 +44,7 @@ from tests.distributed.harness import REPO_ROOT, launch, result  # noqa: E402
 from tests.test_grouped import run_experts  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
-BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/config.py)
+BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/cells.py)
 N_LINEARS = 6 * 5  # debugmodel: 6 blocks of wqkv, wo, w1, w2, w3 (lm_head filtered)
 
 
