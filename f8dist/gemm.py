@@ -225,6 +225,8 @@ def _block_scaled_mm(a_data, a_scale, b_data, b_scale, a_block, b_block, *, out_
 # block-scaled gemm]); the pairs CUDA's DeepSeek kernels (sm90) take
 _CUDA_BLOCKS = {(1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128"}
 _CUDA_BLOCK_PAIRS = {((1, 128), (128, 128)), ((128, 128), (1, 128)), ((1, 128), (1, 128))}
+# the same pairs by torch's names of their scaling types (what cuda_block_arg_problems reads)
+_CUDA_BLOCK_KIND_PAIRS = {tuple(_CUDA_BLOCKS[b] for b in pair) for pair in _CUDA_BLOCK_PAIRS}
 # MXFP8's contraction block, and the tile of its swizzled scale layout ([Note: MXFP8 on CUDA])
 MX_BLOCK = 32
 _SWIZZLE_ROWS, _SWIZZLE_COLS = 128, 4
@@ -500,7 +502,7 @@ def cuda_block_arg_problems(args, kwargs) -> List[str]:
     if (a.dtype, b.dtype) != (E4M3, E4M3):
         bad.append(f"both operands must be {E4M3} for {pair[0]} x {pair[1]}, got {a.dtype} x "
                    f"{b.dtype}")
-    if pair in {tuple(_CUDA_BLOCKS[x] for x in p) for p in _CUDA_BLOCK_PAIRS}:
+    if pair in _CUDA_BLOCK_KIND_PAIRS:
         bad += [p for p in (_deepseek_scale_problem("scale_a", scale_a, pair[0], m, k),
                             _deepseek_scale_problem("scale_b", scale_b, pair[1], n, k)) if p]
         if kwargs.get("use_fast_accum"):

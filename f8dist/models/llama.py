@@ -160,22 +160,28 @@ def _normalize(norm: nn.Module, x: torch.Tensor, readers=()):
     out, recompute = norm.normalize(x) if plain else (norm(x), None)
     if recompute is not None:
         return out, {"recompute": recompute}
+    if not torch.is_grad_enabled():  # nothing is kept for backward: nothing to recompute
+        return out, {}
     asking = [r.fqn or type(r).__name__ for r in readers
               if isinstance(r, Float8Linear) and r.config.recompute_norm_output]
-    if asking and torch.is_grad_enabled():
-        why = (f"it is {type(norm).__name__}, not f8dist.models.norm.RMSNorm" if not isinstance(
-                   norm, RMSNorm)
-               else "it runs hooks (a parallel style's, FSDP2's), which a recompute would bypass"
-               if not plain
-               else "its input is a DTensor (sequence parallel; a recompute would give the "
-                    "local rows)" if is_dtensor(x)
-               else "its weight is missing or of another dtype than its input")
+    if asking:
         raise ValueError(
             f"recompute_norm_output: {', '.join(asking)} read a norm's output, but the norm gives "
-            f"nothing to recompute it from: {why}. The option would do nothing here: build the "
-            "linears' config without recompute_norm_output (train.py: drop "
-            "--recompute-norm-output)")
+            f"nothing to recompute it from: {_no_recompute(norm, plain, x)}. The option would do "
+            "nothing here: build the linears' config without recompute_norm_output (train.py: "
+            "drop --recompute-norm-output)")
     return out, {}
+
+
+def _no_recompute(norm: nn.Module, plain: bool, x: torch.Tensor) -> str:
+    """Why ``norm`` gave no recompute of its output for ``x`` (with grad on)."""
+    if not isinstance(norm, RMSNorm):
+        return f"it is {type(norm).__name__}, not f8dist.models.norm.RMSNorm"
+    if not plain:
+        return "it runs hooks (a parallel style's, FSDP2's), which a recompute would bypass"
+    if is_dtensor(x):
+        return "its input is a DTensor (sequence parallel; a recompute would give the local rows)"
+    return "its weight is missing or of another dtype than its input"
 
 
 def _hooked(module: nn.Module) -> bool:
