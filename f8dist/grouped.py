@@ -1,86 +1,63 @@
 """Grouped experts of a mixture-of-experts layer, and their float8 grouped gemms.
 
 [Note: grouped gemms]
-An expert layer holds 3-D weights ``[experts, out, in]`` and runs one gemm per expert over the
-expert's token group (rows of ``x`` sorted by expert, ``offsets`` as in ``torch._grouped_mm``,
-[Note: token groups] in f8dist/scaling.py). Its three gemms are a linear's ([Note: gemms] in
-f8dist/linear.py), per expert ``e``::
+An expert layer holds 3-D weights ``[experts, out, in]`` and runs one gemm per expert over its
+token group (rows of ``x`` sorted by expert, ``offsets`` as in ``torch._grouped_mm``: [Note: token
+groups] in f8dist/scaling.py). The three gemms are a linear's ([Note: gemms] in f8dist/linear.py),
+per expert ``e``::
 
     output      = x[rows of e] @ w[e].t()              [M_e, K] x [K, N]   -> [M_e, N]
     grad_input  = grad_output[rows of e] @ w[e]        [M_e, N] x [N, K]   -> [M_e, K]
     grad_weight = grad_output[rows of e].t() @ x[rows of e]  [N, M_e] x [M_e, K] -> [N, K]
 
-and each of their six operands is cast as the same cell of the same Float8LinearConfig table says,
-per expert ([Note: grouped casts] in f8dist/specs.py): ``config.grouped_cast_specs(fqn)``.
-rowwise: a scale per token, per expert and row (or column) of the weight, and per expert and
-column over the expert's tokens in grad_weight; tensorwise: a scale per expert (its weight, its
-token group); rowwise_with_gw_hp: grad_weight in high precision; block scales: [Note: block
-grouped gemms]; delayed: [Note: delayed experts]. An expert with no tokens has an empty group: no
-output rows, a zero weight gradient.
+and each operand is cast as the same cell of the config's table says, per expert ([Note: grouped
+casts] in f8dist/specs.py). An expert with no tokens has an empty group: no output rows, a zero
+weight gradient.
 
 [Note: block grouped gemms]
-With block scales ([Note: block scales] in f8dist/cells.py: "mxfp8", "mxfp8_wgrad_with_hp",
-"mxfp8_square_weights", "blockwise") the cells are the same and each expert's gemm is the dense
-block-scaled gemm on its group. output and grad_input: the tokens in 1 x inner blocks along K
-(N), local to a token, the weight in blocks of its own per expert ([E, N/bn, K/bk] scales).
-grad_weight contracts each expert's tokens, so both of its operands are blocked along the
-tokens, within each group: the groups are first padded to a multiple of the inner block with zero
-rows (``pad_groups``; exact: zeros raise no amax and add no product), so that no block holds the
-tokens of two experts, then cast from high precision, and the kernel takes the padded offsets.
-A grouped gemm is then, per expert, a block-scaled ``Float8Linear`` on the expert's tokens, bit
-for bit ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py). The experts' dims must
-divide into the blocks (``shape_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
-"blockwise").
+With block scales ([Note: block scales] in f8dist/cells.py) each expert's gemm is the dense
+block-scaled gemm on its group, the weight in blocks of its own per expert. grad_weight contracts
+the tokens, so its operands are blocked along the tokens within each group: the groups are first
+padded with zero rows to a multiple of the block (``pad_groups``; exact: zeros raise no amax and
+add no product), so that no block holds two experts' tokens. Per expert, this is a block-scaled
+``Float8Linear`` on the expert's tokens, bit for bit ([Note: the CPU block grouped kernel] in
+f8dist/grouped_gemm.py). The experts' dims must divide into the blocks (``shape_problems``).
 
 [Note: delayed experts]
 Delayed scaling ([Note: delayed scaling] in f8dist/delayed.py) keeps one amax history per expert
-weight FQN (``<experts>.w1`` ...) and operand, per tensor: the 3-D weight's amax over every
-expert, the tokens' over every group, one e4m3 scale each (``ExpertWeightScaling``, a child
-``delayed_scaling.w1`` ... of the experts holding torchao's ``fp8_amax_*`` buffers, so that
-``sync_float8_amax_and_scale_history``, the counters, checkpoints and telemetry treat it as a
-linear's). Per tensor, not per expert, because (1) a history predicts the next step's amax, and
-an expert's token group changes with the routing every step (its size, its tokens; an expert may
-get none), while the layer's tokens as a whole do not; (2) the state stays a few replicated
-scalars whatever the number of experts, so a checkpoint reshards across EP degrees as plain
-tensors and the sync's one all-reduce is unchanged; the price is one scale for experts whose
-ranges differ, which a per-expert recipe (rowwise, the block recipes) does not pay. Under expert
-parallelism a rank holds a shard of the weights (dim 0) and of the tokens (the groups of its
-experts: [Note: tokens of sharded experts] in f8dist/placement.py), so the first step's amaxes are
-reduced over exactly the EP axis, and the sync's MAX over all ranks makes every history that of
-one device running the global batch: EP gives one device's bits (tests/distributed/
-test_moe_ep.py).
+weight FQN (``<experts>.w1`` ...) and operand, per tensor (``ExpertWeightScaling``, a child
+``delayed_scaling.w1`` ... holding torchao's ``fp8_amax_*`` buffers, so the sync, checkpoints
+and telemetry treat it as a linear's). Per tensor, not per expert, because (1) a history predicts
+the next step's amax, and an expert's token group changes with the routing every step (it may be
+empty), while the layer's tokens as a whole do not; (2) the state stays a few replicated scalars
+whatever the number of experts, so checkpoints reshard across EP degrees and the sync's one
+all-reduce is unchanged. Under expert parallelism the first step's amaxes are reduced over the EP
+axis ([Note: tokens of sharded experts] in f8dist/placement.py) and the sync's MAX makes every
+history that of one device running the global batch.
 
 [Note: one cast of the tokens]
-The up projections w1 and w3 read the same tokens. When their input cast is per token (rowwise,
-or blocks inside a token's row: the block recipes),
-:class:`Float8GroupedExperts` casts the tokens once (``ToFloat8``) and both gemms take those bytes;
-expert parallelism casts at the same point, before the dispatch all-to-all (f8dist/ep/dispatch.py),
-so one device and EP multiply the same float8 tokens. The grad_weight gemms re-cast the float8
-tokens along each expert's token axis (a second rounding; with the rowwise recipe's power-of-2
-scales only a shift of exponents, exact but for e4m3 subnormals).
+w1 and w3 read the same tokens. When their input cast is per token (rowwise, or the block
+recipes' 1 x K blocks), :class:`Float8GroupedExperts` casts the tokens once (``ToFloat8``) and both
+gemms take those bytes; expert parallelism casts at the same point, before the dispatch
+(f8dist/ep/dispatch.py), so one device and EP multiply the same float8 tokens. The grad_weight
+gemms re-cast the float8 tokens along each group (a second rounding; with power-of-2 scales only
+a shift of exponents, exact but for e4m3 subnormals).
 
 [Note: options of grouped experts]
-Every Float8LinearConfig field either takes effect in the experts or is refused at their
-conversion (``check_grouped_options``, called by Float8GroupedExperts' constructor):
+Every Float8LinearConfig field either takes effect in the experts or is refused at conversion
+(``check_grouped_options``):
 
-* the cast table, the gemm options (use_fast_accum), ``emulate``, ``round_scales_to_power_of_2``,
-  ``delayed_scaling_config``, ``enable_amax_init``: as for a linear, per expert ([Note: grouped
-  casts] in f8dist/specs.py);
+* the cast table, ``use_fast_accum``, ``emulate``, ``round_scales_to_power_of_2``, delayed scaling,
+  ``enable_amax_init``: as for a linear, per expert;
 * ``enable_fsdp_float8_all_gather``: float8 for dynamic tensorwise expert weights; delayed and
-  block-scaled ones are gathered in high precision, with a warning at conversion
-  (``high_precision_gathered``, [Note: float8 all-gather of expert weights] in
-  f8dist/fsdp/weight.py);
-* ``pad_inner_dim``: the grouped gemms do not pad the experts' own dims; experts whose dims do not
-  fit are kept in high precision (logged) or raise, as without it;
-* ``sp_grad_weight``: about the float8 all-gathers of tensor-parallel styles; the experts' input
-  crosses in high precision ([Note: MoE under tensor parallelism] in
-  f8dist/models/moe_parallel.py), so there is nothing for it to choose;
-* the options of what a linear keeps for backward (``LINEAR_ONLY_OPTIONS``): the experts keep
-  their own way, the tokens (float8 where cast once for w1 and w3, [Note: one cast of the
-  tokens]), w2's high-precision input, SwiGLU's high-precision gate and up, and re-cast the weight
-  in backward. A config that sets one raises, naming the fix: convert the experts with a config
-  without it, in a second call (``module_filter_fn`` picks the experts in one call and the linears
-  in the other).
+  block-scaled ones gather in high precision, with a warning ([Note: float8 all-gather of expert
+  weights] in f8dist/fsdp/weight.py);
+* ``pad_inner_dim``: the experts' dims are not padded; experts that do not fit stay in high
+  precision or raise;
+* ``sp_grad_weight``: nothing to choose, the experts' input crosses in high precision ([Note: MoE
+  under tensor parallelism] in f8dist/models/moe_parallel.py);
+* ``LINEAR_ONLY_OPTIONS`` (what a linear keeps for backward): the experts keep their own way and a
+  config that sets one raises, naming the fix (convert the experts in a second call).
 """
 
 from __future__ import annotations
@@ -120,10 +97,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
           specs: CastSpecs, scales: Scales = None) -> torch.Tensor:
-    """One gemm of [Note: grouped gemms], in float8 as ``specs`` say or in high precision.
-    output: a=x [M, K], b=w [E, N, K]; grad_input: a=grad_output [M, N], b=w; grad_weight:
-    a=grad_output [M, N], b=x [M, K] -> [E, N, K]. ``scales``: delayed scales by (gemm,
-    operand) ([Note: delayed experts])."""
+    """One gemm of [Note: grouped gemms], in float8 as ``specs`` say or in high precision;
+    ``scales``: delayed scales by (gemm, operand) ([Note: delayed experts])."""
     left, right = gemm.operands
     out_dtype = a.dtype
     if not specs.gemm_in_float8(gemm):
@@ -140,8 +115,7 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
         b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
-    # the grouped gemm of Float8Tensor's op table ([Note: grouped gemm constraints] in
-    # f8dist/grouped_gemm.py), its operands laid out as torch._grouped_mm's
+    # laid out as torch._grouped_mm's ([Note: grouped gemm constraints] in f8dist/grouped_gemm.py)
     if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its scales
         b8 = b8.transpose(-2, -1)
     elif gemm is GRAD_WEIGHT:  # [N, M] x [M, K] -> [E, N, K]
@@ -151,8 +125,8 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
 
 def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                     specs: CastSpecs):
-    """The float8 operands of a gemm of [Note: grouped gemms] with block scales ([Note: block
-    grouped gemms]), and the offsets of their token groups."""
+    """The float8 operands and token offsets of a gemm with block scales ([Note: block grouped
+    gemms])."""
     left, right = gemm.operands
     sa, sb = specs[gemm, left], specs[gemm, right]
     if gemm is GRAD_WEIGHT:  # tokens blocked within each group: groups padded to the block
@@ -165,9 +139,8 @@ def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch
 
 
 class _Float8GroupedMM(torch.autograd.Function):
-    """``x[rows of e] @ w[e].t()`` through float8 grouped gemms ([Note: grouped gemms]).
-    ``x`` [M, K] (high precision or per-token float8), ``w`` [E, N, K], ``offsets`` [E] int32;
-    ``scales``, ``delayed``, ``sharding``: delayed scaling's ([Note: delayed experts])."""
+    """``x[rows of e] @ w[e].t()`` through float8 grouped gemms ([Note: grouped gemms]);
+    ``x`` may be per-token float8."""
 
     @staticmethod
     def forward(ctx, x, w, offsets, specs: CastSpecs, scales: Scales, delayed: Delayed,
@@ -197,11 +170,9 @@ class _Float8GroupedMM(torch.autograd.Function):
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                       specs: CastSpecs, scales: Scales = None, delayed: Delayed = None,
                       sharding=None) -> torch.Tensor:
-    """``x[rows of e] @ w[e].t()`` with float8 grouped gemms cast as ``specs`` say
-    (``Float8LinearConfig.grouped_cast_specs``): x [M, K], w [E, N, K] -> [M, N]. ``scales``:
-    the forward's delayed scales, ``delayed``: (state, whether the forward recorded), which gives
-    backward its grad_output scale, ``sharding``: the operands' (mesh, placements) under expert
-    parallelism ([Note: delayed experts]).
+    """``x[rows of e] @ w[e].t()`` with float8 grouped gemms cast as ``specs`` say:
+    x [M, K], w [E, N, K] -> [M, N]. ``scales``, ``delayed`` (state, whether the forward
+    recorded) and ``sharding`` are delayed scaling's ([Note: delayed experts]).
 
     Example::
 
@@ -239,8 +210,7 @@ class _ScaleGrad(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as 3-D weights, ``w2(silu(w1(x)) * w3(x))`` per expert:
     ``w1``, ``w3`` [E, hidden, dim], ``w2`` [E, dim, hidden] (torchtitan's names and layout).
-    Under expert parallelism the weights are DTensors sharded on the experts dim and the layer
-    computes with its local experts.
+    Under expert parallelism the weights are DTensors sharded on dim 0.
 
     Example::
 
@@ -257,8 +227,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
-        # multiplies the weights' gradients (EP x FSDP2: [Note: EP x FSDP2] in
-        # f8dist/models/moe_parallel.py)
+        # [Note: EP x FSDP2] in f8dist/models/moe_parallel.py
         self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -289,23 +258,21 @@ def grouped_specs(config: Float8LinearConfig, fqn: str) -> Dict[str, CastSpecs]:
 
 def token_spec(specs: Dict[str, CastSpecs]) -> Optional[CastSpec]:
     """The per-token cast of the tokens when the up projections take one ([Note: one cast of
-    the tokens]); None otherwise (high precision, or tensorwise: per-group scales)."""
+    the tokens]); None otherwise."""
     spec = specs["w1"][OUTPUT, INPUT]
     per_token = spec.axiswise or (spec.blockwise and spec.block_shape(2)[0] == 1)
     return spec if spec.enabled and per_token else None
 
 
 def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
-    """The tokens cast once for both up projections when they cast per token ([Note: one cast
-    of the tokens]; differentiable), else ``x``."""
+    """The tokens cast once for both up projections ([Note: one cast of the tokens]), else x."""
     spec = token_spec(specs)
     return x if spec is None else ToFloat8.apply(x, spec, None)
 
 
 def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[str]:
-    """Why the experts' float8 grouped gemms cannot take ``mod``'s dims under ``config``:
-    ``torch._scaled_grouped_mm``'s alignment (dims % 16) and the block recipes' blocks
-    ([Note: block grouped gemms]); empty when they can."""
+    """Why the experts' float8 grouped gemms cannot take ``mod``'s dims under ``config``
+    (alignment, blocks); empty when they can."""
     specs, bad = grouped_specs(config, ""), []
     for name, (k, n) in (("w1", (mod.dim, mod.hidden_dim)), ("w2", (mod.hidden_dim, mod.dim))):
         for problem in shape_problems(specs[name], k, n):
@@ -316,8 +283,7 @@ def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[st
     return bad
 
 
-# The Float8LinearConfig options that grouped experts do not implement, and what they keep
-# instead ([Note: options of grouped experts])
+# [Note: options of grouped experts]: option -> what the experts keep instead
 LINEAR_ONLY_OPTIONS = {
     "axiswise_requantize_input_for_grad_weight":
         "w2's grad_weight gemm casts its high-precision input (w1 and w3 re-scale the float8 "
@@ -332,7 +298,7 @@ LINEAR_ONLY_OPTIONS = {
 
 def check_grouped_options(config: Float8LinearConfig, fqn: str = "") -> None:
     """Raise if ``config`` sets an option that grouped experts do not implement ([Note: options
-    of grouped experts]), naming it, what the experts do instead and the fix."""
+    of grouped experts])."""
     asked = [name for name in LINEAR_ONLY_OPTIONS if getattr(config, name)]
     if asked:
         raise ValueError(
@@ -355,9 +321,8 @@ def is_float8_grouped_compatible(mod: GroupedExperts,
 
 class ExpertWeightScaling(nn.Module):
     """The delayed-scaling state of one expert weight ([Note: delayed experts]): the
-    ``fp8_amax_*``, ``fp8_amax_history_*``, ``fp8_scale_*`` buffers of its casts (a
-    :class:`~f8dist.delayed.DelayedScaling`, ``delayed``), FQN ``<experts>.w1`` ...; a child of
-    its :class:`Float8GroupedExperts` (``delayed_scaling.w1``), whose weight it reads.
+    ``fp8_*`` buffers of its casts, FQN ``<experts>.w1`` ...; a child of its
+    :class:`Float8GroupedExperts` (``delayed_scaling.w1``), whose weight it reads.
 
     Example::
 
@@ -380,8 +345,8 @@ class ExpertWeightScaling(nn.Module):
         return getattr(self.__dict__["_experts"], self.name)
 
     def sharding(self) -> Optional[Dict[Operand, tuple]]:
-        """(mesh, placements) of the weight's and the tokens' local shards under expert
-        parallelism ([Note: tokens of sharded experts] in f8dist/placement.py); None otherwise."""
+        """(mesh, placements) of the weight's and tokens' shards under expert parallelism
+        ([Note: tokens of sharded experts] in f8dist/placement.py); None otherwise."""
         w = self.weight
         if not is_dtensor(w):
             return None
@@ -404,8 +369,7 @@ class ExpertWeightScaling(nn.Module):
 
 class Float8GroupedExperts(GroupedExperts):
     """:class:`GroupedExperts` whose grouped gemms run in float8 as ``config`` says
-    ([Note: grouped gemms]); its state dict is GroupedExperts'. Made by
-    ``convert_to_float8_training``.
+    ([Note: grouped gemms]); its state dict is GroupedExperts'.
 
     Example::
 
@@ -431,8 +395,7 @@ class Float8GroupedExperts(GroupedExperts):
         self._attach_delayed()
 
     def _attach_delayed(self) -> None:
-        """One :class:`ExpertWeightScaling` per weight when the config has delayed casts
-        ([Note: delayed experts]), on the weights' device."""
+        """One :class:`ExpertWeightScaling` per weight when the config has delayed casts."""
         if delayed_operands(self.config):
             self.delayed_scaling = nn.ModuleDict(
                 {name: ExpertWeightScaling(self, name) for name in WEIGHTS})
@@ -464,9 +427,9 @@ class Float8GroupedExperts(GroupedExperts):
 
     @property
     def high_precision_gathered(self) -> List[str]:
-        """The weights (FQNs) that FSDP2 all-gathers in high precision although the config sets
-        ``enable_fsdp_float8_all_gather``: delayed and block-scaled expert weights ([Note: float8
-        all-gather of expert weights] in f8dist/fsdp/weight.py); empty otherwise."""
+        """The weights (FQNs) FSDP2 all-gathers in high precision despite
+        ``enable_fsdp_float8_all_gather`` ([Note: float8 all-gather of expert weights] in
+        f8dist/fsdp/weight.py)."""
         if not self.config.enable_fsdp_float8_all_gather or all(
                 gathers_float8(self.specs[name][OUTPUT, WEIGHT]) for name in WEIGHTS):
             return []

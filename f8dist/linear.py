@@ -9,59 +9,36 @@ cast, resolved once per layer into ``Float8Linear.specs`` (``config.cast_spec(ge
     grad_weight = grad_output_t @ input      [N, M] x [M, K]   e5m2 x e4m3   backward
 
 M is the number of tokens (all leading dims of the input), K = in_features, N = out_features.
-An axiswise cast takes one scale per row of the left operand and per column of the right one,
-i.e. its amax runs over the gemm's contraction dim: K in ``output``, N in ``grad_input``, M in
-``grad_weight``. A tensorwise cast is the same for every gemm, so its float8 bytes are reused.
+An axiswise cast's amax runs over the gemm's contraction dim: K in ``output``, N in
+``grad_input``, M in ``grad_weight``. A tensorwise cast is the same for every gemm, so its bytes
+are reused.
 
 [Note: what the matmul keeps for backward]
-* weight: the high-precision weight (a parameter, alive anyway) and it is re-cast in backward,
-  instead of keeping a second float8 copy. With square weight blocks or a tensorwise weight
-  (``CastSpecs.weight_same_bytes``, [Note: block scales] in f8dist/cells.py) the backward cast
-  gives the forward's bytes again; keeping them instead holds a float8 copy of every weight
-  until backward (under FSDP2, of every unsharded weight), more than bf16 keeps, so it is an
-  option: ``float8_weight_for_backward`` (``CastSpecs.save_float8_weight``) keeps the forward's
-  cast, and backward reads its bytes (1 byte per element) instead of casting the weight again
-  (2 read, 1 written). Compiled, the partitioner then keeps those bytes too: the grad_input gemm
-  reads the forward's cast, and a node that an extern gemm materializes in backward is not
-  recomputed (``ban_recompute_materialized_backward``, on by default); without the option, the
-  joint graph's backward cast is its own, recomputed from the weight and the saved block amaxes.
-  A weight that arrives already in float8 (FSDP2 float8 all-gather) is kept as it is: it is the
-  unsharded parameter FSDP2 manages (freed after the forward and gathered again for backward),
-  so it costs no memory of its own.
-* weight amax, when backward's weight cast is tensorwise and both casts compute their amax
-  (``CastSpecs.weight_amax_from_forward``: tensorwise, rowwise_with_gw_hp): the max of the
-  forward's amax ([] or [N, 1]), one float32. The weight has not changed since, so it is
-  backward's amax, exact, without reading the weight again (rowwise_with_gw_hp's forward scales
-  per row, its backward per tensor: a full pass over every weight saved).
-* input: what ``CastSpecs.saved_input`` says, the one rule (``Float8LinearConfig._saved_input``):
-  - FORWARD_CAST, when the grad_weight gemm reuses the forward cast (same tensorwise config): the
-    float8 input, 1 byte per element, and no high-precision copy;
-  - HIGH_PRECISION otherwise by default: the high-precision input (axiswise needs the other axis;
-    a high-precision grad_weight gemm needs the values);
-  - GRAD_WEIGHT_CAST, with ``float8_activations_for_backward``: the input cast in forward as the
-    grad_weight gemm casts it (rowwise: along the token axis), 1 byte per element. Backward then
-    reads those bytes: its gradients are those of casting in backward, bit for bit, and the
-    forward pays a second cast of its input. A high-precision grad_weight gemm keeps the
-    high-precision input (it reads the values, not float8).
-  - FORWARD_CAST with ``axiswise_requantize_input_for_grad_weight``: the float8 forward copy is
-    kept and re-scaled along the token axis in backward instead (no second cast in forward, a
-    second rounding). With power-of-2 scales (the rowwise default) re-scaling only shifts
-    exponents, so the second rounding changes nothing but e4m3 subnormals. The two options are
-    exclusive (the config says so). scripts/memory_report.py measures the choices (bytes kept,
-    grad_weight SQNR; docs/performance.md).
-  An input that arrives in float8 (a tensor-parallel style cast it before its all-gather)
-  carrying the grad_weight gemm's cast as its companion ([Note: two casts of one tensor] in
-  f8dist/tensor.py) keeps that cast only, 1 byte per element: what casting the high-precision
-  input in backward would give, bit for bit; one that left it on its rank (``KeptShard``,
-  ``sp_grad_weight="backward_gather"``) keeps that rank's shard of it and all-gathers it in
-  backward, once for all the linears that read it (``SharedGather`` in f8dist/cast.py).
-  A float8 input kept for backward (FORWARD_CAST, GRAD_WEIGHT_CAST) is one copy for all the
-  linears that read the same input with the same spec ([Note: one cast per input] in
-  f8dist/cast.py); and an input handed over with ``recompute`` (an FFN's w2 with
-  ``recompute_swiglu_product``, a norm's readers with ``recompute_norm_output``) is not kept at
-  all: backward recomputes it ([Note: a recomputed input]; [Note: a product recomputed in
-  backward] in f8dist/swiglu.py; [Note: a norm output recomputed in backward] in
-  f8dist/models/norm.py).
+* weight: the high-precision parameter (alive anyway), re-cast in backward. Keeping the forward's
+  float8 copy instead holds one per weight until backward (under FSDP2, per unsharded weight), so
+  it is an option, ``float8_weight_for_backward`` (``CastSpecs.save_float8_weight``), for casts
+  whose backward bytes are the forward's (``CastSpecs.weight_same_bytes``). Compiled, the
+  partitioner keeps those bytes too (``ban_recompute_materialized_backward``). A weight that
+  arrives in float8 (FSDP2 float8 all-gather) is kept as it is: FSDP2 manages it.
+* weight amax, when backward's weight cast is tensorwise (``CastSpecs.weight_amax_from_forward``):
+  the max of the forward's amax, one float32; the weight has not changed, so it is exact and
+  saves a pass over the weight.
+* input: what ``CastSpecs.saved_input`` says (the one rule: ``Float8LinearConfig._saved_input``):
+  FORWARD_CAST when the grad_weight gemm reuses the forward cast (tensorwise), or with
+  ``axiswise_requantize_input_for_grad_weight`` (re-scaled along the tokens in backward: a second
+  rounding, exact but for e4m3 subnormals with power-of-2 scales); GRAD_WEIGHT_CAST with
+  ``float8_activations_for_backward`` (the grad_weight gemm's cast, made in forward: bit for bit
+  backward's); HIGH_PRECISION otherwise (axiswise needs the other axis; a high-precision
+  grad_weight gemm needs the values). scripts/memory_report.py measures the choices
+  (docs/performance.md).
+  An input that arrives in float8 with the grad_weight gemm's cast as its companion ([Note: two
+  casts of one tensor] in f8dist/tensor.py) keeps that cast only; one that left it on its rank
+  (``KeptShard``, ``sp_grad_weight="backward_gather"``) keeps the shard and all-gathers it in
+  backward, once for all its readers (``SharedGather`` in f8dist/cast.py). A float8 input kept for
+  backward is one copy for all linears reading it with the same spec ([Note: one cast per input]
+  in f8dist/cast.py); an input handed over with ``recompute`` is not kept: backward recomputes it
+  ([Note: a recomputed input]; [Note: a product recomputed in backward] in f8dist/swiglu.py;
+  [Note: a norm output recomputed in backward] in f8dist/models/norm.py).
 """
 
 from __future__ import annotations
@@ -95,9 +72,8 @@ Recompute = Optional[Tuple[Callable[..., torch.Tensor], Tuple[torch.Tensor, ...]
 
 def _mm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, specs: CastSpecs, scales: Scales,
         b_amax: Optional[torch.Tensor] = None):
-    """One gemm ``a @ b`` of [Note: gemms]: both operands cast as ``specs`` say (``b`` given in
-    its operand layout and transposed as the gemm needs; ``b_amax``: its amax, when known), or
-    both in high precision."""
+    """One gemm ``a @ b`` of [Note: gemms], both operands in float8 as ``specs`` say or both in
+    high precision (``b`` in its operand layout; ``b_amax``: its amax, when known)."""
     left, right = gemm.operands
     if not specs.gemm_in_float8(gemm):
         a, b = high_precision(a), high_precision(b)
@@ -117,11 +93,9 @@ def _cast(gemm: Gemm, operand: Operand, t: torch.Tensor, specs: CastSpecs, scale
 
 
 def _check_grad_weight_operand(x: torch.Tensor, specs: CastSpecs, found: bool) -> None:
-    """Raise where ``x`` arrived in float8 (a tensor-parallel style cast it before its all-gather)
-    without the grad_weight gemm's operand that this linear's config asks for one device's
-    numbers from (``found``: it carries one that fits): the style cast a shared input with
-    another linear's config ([Note: the grad_weight operand of a gathered tensor] in
-    f8dist/cells.py). Backward would re-cast the gathered float8, a second rounding."""
+    """Raise where ``x`` arrived in float8 without the grad_weight operand this linear's config
+    needs (``found``: it carries one): a style cast a shared input with another linear's config
+    ([Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py)."""
     if (found or not isinstance(local_part(x), Float8Tensor) or x.numel() == 0
             or torch.compiler.is_compiling() or specs.sp_grad_weight is SPGradWeight.RECAST):
         return
@@ -149,7 +123,7 @@ def _forward_weight_amax(weight: torch.Tensor, specs: CastSpecs) -> Optional[tor
 
 
 def _max_of(amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The tensorwise amax from a cast's amax ([] or per row): backward's weight amax."""
+    """Backward's tensorwise weight amax from the forward cast's ([] or per row)."""
     if amax is None or amax.dim() == 0:
         return amax
     return logical_amax(amax)  # [N, 1] -> []
@@ -166,15 +140,9 @@ def _gemm_layout(gemm: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.t()`` with float8 gemms; see [Note: gemms].
 
-    ``input`` is [M, K] (high precision or float8), ``weight`` is [N, K] (high precision, or a
-    float8 tensor from FSDP2's float8 all-gather). ``specs`` are the linear's six cast specs;
-    ``scales`` holds delayed-scaling scales by (gemm, operand), or is None. ``backward``: whether
-    a backward will run (grad mode on, an operand requiring grad); only then is the weight amax
-    kept for it (a reduction, an all-reduce for a TP-sharded weight). ``shared``: the table of
-    casts of the input that sibling linears share, or None ([Note: one cast per input] in
-    f8dist/cast.py). ``recompute``: None, or ``(fn, tensors)`` with ``fn(*tensors)`` the input
-    again: backward recomputes it from ``tensors`` instead of keeping anything of it ([Note: a
-    product recomputed in backward] in f8dist/swiglu.py).
+    ``input`` [M, K] and ``weight`` [N, K] may arrive in float8. ``backward``: whether a backward
+    will run; only then is anything kept for it (the weight amax costs a reduction, an all-reduce
+    for a TP-sharded weight). ``shared`` and ``recompute``: as in :func:`float8_linear_mm`.
     """
 
     @staticmethod
@@ -242,23 +210,16 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 # [Note: autocast]
-# Under torch.autocast, a linear computes in the autocast dtype from parameters of any dtype, and
-# gradients come back in the parameters' dtype. Float8Linear casts its input to the autocast
-# dtype, as autocast does for nn.Linear's; each gemm outputs its left operand's dtype (the
-# input's in forward, grad_output's in backward), and the weight gradient is cast to the weight's
-# dtype. Autocast casts the operands of aten.mm too (the float8 weight; a float8 input, cast
-# before a TP all-gather, in Float8Linear.forward): a Float8Tensor cast to another
-# high-precision dtype keeps its bytes and scale and stands for that dtype (f8dist/tensor.py).
-# A device autocast has no backend for (meta, where torchtitan builds a model) is not cast, as
-# nn.Linear's input is not there (``autocast_input`` in f8dist/cast.py); the gemms on meta give
-# shapes only, through the CPU kernels' fake implementations.
+# Under torch.autocast Float8Linear casts its input to the autocast dtype, as autocast does for
+# nn.Linear's; each gemm outputs its left operand's dtype and the weight gradient comes back in
+# the weight's dtype. A Float8Tensor that autocast casts (the float8 weight, a float8 TP input)
+# keeps its bytes and scale and stands for the new dtype (f8dist/tensor.py). A device autocast has
+# no backend for (meta, where torchtitan builds a model) is not cast, as for nn.Linear.
 
 # [Note: gradient placements under compile]
-# torch.compile traces an autograd.Function's backward when it traces the forward, with a
-# gradient that has the forward output's placements: a rowwise-parallel gemm's output is
-# Partial(sum), so the traced backward sees a Partial gradient, while eager autograd hands it the
-# gradient of the reduce-scatter, Replicate. Reducing a Partial gradient makes both see the same
-# (logical) gradient; in eager mode it never is Partial and this is a no-op.
+# torch.compile traces the backward with a gradient placed as the forward's output: Partial(sum)
+# for a rowwise-parallel gemm, while eager autograd hands it the reduce-scatter's Replicate one.
+# Reducing a Partial gradient makes both see the same gradient; in eager mode it is a no-op.
 
 
 def float8_linear_mm(
@@ -267,12 +228,10 @@ def float8_linear_mm(
     recompute: Recompute = None,
 ) -> torch.Tensor:
     """``input @ weight.t()`` through the float8 gemms, for inputs of any leading shape.
-    ``scales``: the forward's delayed scales; ``delayed``: (state, whether the forward recorded),
-    which gives backward its grad_output scale. ``share_with``: the tensor whose sibling readers
-    share the float8 copy kept for backward ([Note: one cast per input] in f8dist/cast.py), the
-    input as the caller handed it (before autocast's cast and the reshape). ``recompute``:
-    ``(fn, tensors)``, ``fn(*tensors)`` the [M, K] input again, for backward to recompute it from
-    instead of keeping it ([Note: a product recomputed in backward] in f8dist/swiglu.py)."""
+    ``scales``: the forward's delayed scales; ``delayed``: (state, whether the forward recorded).
+    ``share_with``: the caller's input, whose readers share the float8 copy kept for backward
+    ([Note: one cast per input] in f8dist/cast.py). ``recompute``: ``(fn, tensors)`` giving the
+    input again in backward ([Note: a recomputed input])."""
     k = input.shape[-1]
     input_2d = input.reshape(-1, k)  # [M, K]
     backward = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
@@ -295,20 +254,15 @@ def float8_linear_mm(
 
 
 # [Note: a recomputed input]
-# ``float8_linear_mm(..., recompute=(fn, tensors))``: ``fn(*tensors)`` gives the input again in
-# backward, the high-precision values it had in forward (before autocast's cast, of any leading
-# shape). Backward takes it as the [M, K] input of the gemms, in their dtype. For a DTensor input
-# (a tensor-parallel linear, whose input a TP style made from the caller's tensor) it gives this
-# rank's part, and backward lays it out as the forward's input was: a rowwise-parallel w2 reads
-# its Shard(-1) input as the local product of the column-parallel w1 and w3 (the SwiGLU's
-# float8 gate and up are local too), a linear reading a replicated norm output reads it whole.
-# A plan that redistributes the tensor on its way in (a gathered input, other shards) gives the
-# linear other local values than ``fn`` recomputes; where their shapes differ, backward raises.
+# ``recompute=(fn, tensors)``: ``fn(*tensors)`` gives the forward's high-precision input again in
+# backward (any leading shape; for a DTensor input, this rank's part, laid out as the forward's
+# input was). A TP plan that redistributes the tensor on its way in gives the linear other local
+# values than ``fn`` recomputes; where their shapes differ, backward raises.
 
 
 def _recomputed_input(fn, shape: tuple, layout_2d, dtype: torch.dtype, *tensors) -> torch.Tensor:
-    """``fn(*tensors)`` as the forward's [M, K] input (``shape``: its local shape; ``layout_2d``:
-    its DTensor layout or None), in the gemms' dtype ([Note: a recomputed input])."""
+    """``fn(*tensors)`` as the forward's [M, K] input, in the gemms' dtype ([Note: a recomputed
+    input])."""
     local = fn(*tensors)  # [..., K]
     if local.numel() != shape[0] * shape[1] or local.shape[-1] != shape[1]:
         raise RuntimeError(
@@ -320,18 +274,16 @@ def _recomputed_input(fn, shape: tuple, layout_2d, dtype: torch.dtype, *tensors)
 
 
 # [Note: an output that is no view]
-# nn.Linear's output is never a view (aten::matmul folds the leading dims back with _unsafe_view,
-# which autograd does not track as one); a reshape of the gemm's [M, N] output would be, and
-# FSDP2 warns about a module that returns a view ("can cause backward to fail or produce wrong
-# gradients": an in-place op on it would rebase its autograd history). No other tensor aliases
-# the gemm's output, so the same _unsafe_view is safe here.
+# nn.Linear's output is never a view (aten::matmul uses _unsafe_view); a reshape would be one, and
+# FSDP2 warns about a module that returns a view. No other tensor aliases the gemm's output, so
+# the same _unsafe_view is safe here.
 
 
 class Float8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` whose three gemms run in float8 as ``config`` says.
 
-    Its ``state_dict`` has the keys of ``nn.Linear`` (plus delayed-scaling buffers when the config
-    uses delayed scaling), so checkpoints move between float8 and plain models.
+    Its ``state_dict`` has ``nn.Linear``'s keys (plus delayed-scaling buffers), so checkpoints
+    move between float8 and plain models.
 
     Example::
 
@@ -388,8 +340,8 @@ class Float8Linear(nn.Linear):
         self.specs: CastSpecs = self._config.cast_specs(fqn)  # the six casts, resolved once
 
     def forward(self, input: torch.Tensor, *, recompute: Recompute = None) -> torch.Tensor:
-        """``recompute``: ``(fn, tensors)`` that give the input again, [M, K], for backward to
-        recompute it from instead of keeping it (f8dist/swiglu.py passes it)."""
+        """``recompute``: ``(fn, tensors)`` giving the input again in backward ([Note: a
+        recomputed input])."""
         if not input.is_floating_point():  # nn.Linear raises too; a float8 cast would not
             raise TypeError(
                 f"Float8Linear {self.fqn or '<root>'}: input must be a floating-point tensor, got "

@@ -1,50 +1,37 @@
 """Per-op selective activation checkpointing (SAC) that is safe for float8.
 
 [Note: what float8 SAC saves]
-Under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`` a policy
-decides, op by op, which forward outputs are kept for backward; everything else is recomputed.
+A policy decides, op by op, which forward outputs are kept for backward; the rest is recomputed.
 Worth keeping are outputs that are expensive to recompute and small compared with their inputs:
 
-* matmul outputs: ``aten.mm`` (what a float8 gemm looks like from outside: ``mm`` of two
-  Float8Tensors, see f8dist/tensor.py), ``aten._scaled_mm`` (what it becomes once
-  ``torch.compile`` has flattened the subclass) and scaled-dot-product attention;
-* the amax reductions behind float8 scales (``aten.amax``, ``aten.max``) that reduce their tensor
-  at least ``amax_min_reduction``-fold (default 64): one number per tensor, per row of 64 or more
-  elements, per 128-element or 128x128 block ([Note: which amaxes SAC saves]);
-* ``reduce_scatter_tensor`` outputs (sequence/tensor parallel), as torchtitan does, and
-  ``all_to_all_single`` outputs: expert parallelism's token dispatch and combine (and the token
-  counts that plan them, f8dist/ep/dispatch.py), so that backward's recompute re-runs the routing
-  and the experts locally from the received tokens and communicates no more than without
-  checkpointing (one all-to-all per direction and layer in backward, none replayed).
+* matmul outputs: ``aten.mm`` (a float8 gemm of Float8Tensors), ``aten._scaled_mm`` (the same once
+  ``torch.compile`` has flattened the subclass), f8dist's CPU kernels, and attention;
+* the amax reductions behind float8 scales that reduce their tensor at least
+  ``amax_min_reduction``-fold ([Note: which amaxes SAC saves]);
+* ``reduce_scatter_tensor`` outputs, as torchtitan does, and ``all_to_all_single`` outputs (EP's
+  dispatch and combine, and the counts that plan them), so backward's recompute re-runs the
+  routing and the experts locally and communicates no more than without checkpointing.
+
+Never a pointwise op ([Note: which amaxes SAC saves]). As in torchtitan, every
+``recompute_every_nth_mm``-th matmul is recomputed; forward and recompute count matmuls
+separately so they agree.
 
 [Note: SAC around a nested FSDP2 unit]
-EP x FSDP2 (f8dist/models/moe_parallel.py) makes the experts an FSDP2 unit inside the
-checkpointed block. Its hooks open profiler ranges (``profiler._record_function_enter_new``), as
-dispatcher ops, and they open more of them in the recompute (which runs inside backward) than in
-forward; torch's selective checkpointing logs every op of the region by invocation index and
-rejects the recompute's extra ones. A profiler range computes nothing, so f8dist's SAC modes pass
-``profiler`` ops through unlogged.
+Under EP x FSDP2 the experts are an FSDP2 unit inside the checkpointed block, whose hooks open
+more profiler ranges (dispatcher ops) in the recompute than in forward; torch's SAC logs every op
+by invocation index and rejects the extra ones. A profiler range computes nothing, so f8dist's SAC
+modes pass ``profiler`` ops through unlogged.
 
 [Note: which amaxes SAC saves]
-The recompute casts every tensor again, reading it whole, so a saved amax spares it only the
-reduction (which a compiled graph fuses into the cast's pass) and costs its bytes until backward.
-For a tensorwise or per-row amax that is a few bytes per token or output feature; MXFP8's
-1x32 blocks keep one amax per 32 elements, 1/32 of their tensor's bytes, and for the weights in
-proportion to the parameters, not the tokens: at a real width most of what mxfp8 kept beyond bf16
-under SAC was the weights' block amaxes (scripts/memory_budget.py --dim 512; docs/bench/history.md,
-Memory). So
-an amax is saved only when it reduces its tensor at least ``amax_min_reduction``-fold: tensorwise,
-per row of 64 or more elements, 128-element and 128x128 blocks are kept, 32-element blocks
-recomputed. Either way the recompute's amax is the forward's, bit for bit (same tensor, same
-reduction), and so are the gradients.
+The recompute reads every tensor again to cast it, so a saved amax spares only the reduction and
+costs its bytes until backward: a few bytes per token for tensorwise or per-row amaxes, but 1/32
+of the tensor for MXFP8's 1x32 blocks, and for weights in proportion to the parameters
+(docs/bench/history.md, Memory). So an amax is saved only when it reduces its tensor at least
+``amax_min_reduction``-fold. Either way the recompute's amax is the forward's, bit for bit.
 
-Never a pointwise op. The cast computes ``abs(x)`` before its amax; ``abs`` of a weight is as
-large as the (unsharded) weight, so saving it kept a full high-precision copy of every weight alive
-until backward: the seed-004 regression, where rowwise float8 + per-op SAC peaked far above bf16
-(docs/bench/history.md, Figures moved from f8dist's notes). :class:`Float8SACConfig` rejects pointwise ops for that reason.
-
-As in torchtitan, every ``recompute_every_nth_mm``-th matmul is recomputed rather than saved, to
-trade compute for memory; forward and recompute count matmuls separately so they agree.
+Never the cast's ``abs(x)``, nor any pointwise op: ``abs`` of a weight is as large as the
+unsharded weight, a high-precision copy of every weight kept until backward (docs/bench/history.md,
+Figures moved from f8dist's notes); :class:`Float8SACConfig` rejects pointwise ops.
 """
 
 from __future__ import annotations
@@ -62,8 +49,7 @@ __all__ = ["Float8SACConfig", "float8_sac_context_fn", "float8_sac_policy"]
 
 aten = torch.ops.aten
 
-# a float8 gemm is aten.mm of Float8Tensors, aten._scaled_mm once flattened, or f8dist's CPU
-# kernels (f8dist/gemm.py [Note: the CPU kernel], [Note: the block-scaled gemm])
+# f8dist/gemm.py: [Note: the CPU kernel], [Note: the block-scaled gemm]
 MATMUL_OPS = (aten.mm.default, aten._scaled_mm.default, torch.ops.f8dist.cpu_scaled_mm.default,
               torch.ops.f8dist.cpu_block_scaled_mm.default)
 
@@ -84,11 +70,9 @@ COLLECTIVE_OPS = (torch.ops._c10d_functional.reduce_scatter_tensor.default,
 class Float8SACConfig:
     """What :func:`float8_sac_context_fn` saves; see ``[Note: what float8 SAC saves]``.
 
-    ``recompute_every_nth_mm``: recompute every n-th matmul instead of saving it (2 = torchtitan's
-    "every other matmul"; None saves all of them). ``save_amax``: keep the amax reductions of the
-    float8 casts that reduce their tensor at least ``amax_min_reduction``-fold ([Note: which
-    amaxes SAC saves]; 1 saves them all). ``extra_ops_to_save``: more aten overloads to keep
-    (never pointwise ones).
+    ``recompute_every_nth_mm``: recompute every n-th matmul (None saves all of them).
+    ``save_amax``: keep the amaxes that reduce their tensor at least ``amax_min_reduction``-fold
+    ([Note: which amaxes SAC saves]). ``extra_ops_to_save``: more aten overloads (not pointwise).
     """
 
     recompute_every_nth_mm: Optional[int] = 2
@@ -164,8 +148,7 @@ def float8_sac_policy(config: Optional[Float8SACConfig] = None):
 
 
 def _reduction(op, x: torch.Tensor, dim=(), *args) -> int:
-    """How many elements of ``x`` an amax op reduces into each of its outputs: all of them for
-    ``aten.max`` and an ``aten.amax`` over no dims, else the product of the reduced dims' sizes."""
+    """How many elements of ``x`` an amax op reduces into each of its outputs."""
     dims = [dim] if isinstance(dim, int) else list(dim)
     if op is aten.max.default or not dims:
         return x.numel()
@@ -177,9 +160,8 @@ def _reduction(op, x: torch.Tensor, dim=(), *args) -> int:
 
 def float8_sac_context_fn(config: Optional[Float8SACConfig] = None):
     """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` for
-    per-op selective checkpointing that is safe for float8, in eager and under torch.compile.
-
-    Pass it as is for the defaults, or bind a :class:`Float8SACConfig` with ``functools.partial``.
+    per-op selective checkpointing that is safe for float8, in eager and under torch.compile;
+    bind a :class:`Float8SACConfig` with ``functools.partial``.
 
     Example::
 

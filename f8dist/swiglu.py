@@ -1,42 +1,23 @@
 """SwiGLU, ``silu(gate) * up``, whose inputs are kept for backward in float8.
 
 [Note: SwiGLU's saved tensors]
-Autograd's ``F.silu(gate) * up`` keeps three [tokens, hidden] tensors for backward: ``gate``
-(silu's input), ``silu(gate)`` and ``up`` (the product's inputs), 6 bytes per hidden element in
-bf16, half of a LLaMA FFN's activation memory. When the FFN's output projection is a
-Float8Linear whose config has ``float8_activations_for_backward``, :func:`swiglu` keeps ``gate``
-and ``up`` only, each cast to float8 as that linear's ``specs.activation`` says
-(``Float8LinearConfig.activation_spec``: e4m3, one scale per hidden channel from the amax over
-the tokens), 2 bytes per hidden element. Backward dequantizes them (to their dtype) and computes
-what autograd computes for ``F.silu(gate) * up``:
-
-    d_up   = grad * silu(gate)
-    d_gate = silu_backward(grad * up, gate)   # grad * up * s * (1 + gate * (1 - s)), s = sigmoid
-
-so its gradients are autograd's on the dequantized values, bit for bit, and its temporaries
-those of autograd's backward. They are the gradients of the float8 values, not of the bf16
-ones: an e4m3 rounding (about 30 dB) of ``gate`` and ``up`` inside the gradients of the w1 and
-w3 gemms, whose float8 recipes then cast those gradients again (e5m2 or e4m3: 25-30 dB).
-scripts/memory_report.py measures what it costs (gradient SQNR against fp32, with and without
-it; docs/performance.md, Memory): little next to the recipes' own casts.
+Autograd's ``F.silu(gate) * up`` keeps three [tokens, hidden] tensors for backward (``gate``,
+``silu(gate)``, ``up``). When the FFN's output projection is a Float8Linear with
+``float8_activations_for_backward``, :func:`swiglu` keeps ``gate`` and ``up`` only, cast to
+float8 as that linear's ``specs.activation`` says (e4m3, a scale per hidden channel). Backward
+dequantizes them and computes what autograd computes (``d_up = grad * silu(gate)``,
+``d_gate = silu_backward(grad * up, gate)``), so its gradients are autograd's on the float8
+values, bit for bit: one e4m3 rounding inside the w1 and w3 gradients (scripts/memory_report.py
+measures it, docs/performance.md, Memory). Per-channel scales need no collective under tensor
+parallelism: w1 and w3 are column-parallel, so each rank holds whole channels. Telemetry records
+the casts of linears only, not these two.
 
 [Note: a product recomputed in backward]
-The linear that reads the product (w2) keeps its own float8 copy of it for its grad_weight gemm,
-1 byte per hidden element beside SwiGLU's 2. With ``recompute_swiglu_product`` in w2's config,
-:func:`swiglu_for` hands w2 the float8 ``gate`` and ``up`` that SwiGLU keeps anyway
-(``Float8Linear.forward(input, recompute=...)``): w2 keeps nothing of its input and its backward
-recomputes it as ``silu(gate8) * up8`` (:func:`float8_product`, in the product's dtype), which its
-grad_weight gemm then casts as it casts its input (or reads as it is, when that gemm is in high
-precision). Its forward, its grad_input gemm and SwiGLU's gradients are unchanged; its weight
-gradient is that of the product of the float8 values, not of the high-precision ones, bit for
-bit what w2 gives when handed that product (tests/test_swiglu.py): one more e4m3 rounding
-inside it (scripts/memory_report.py measures the SQNR, docs/performance.md, Memory), hence an option.
-
-Scales per channel (amax over dim 0 of ``[tokens, hidden]``) need no collective under tensor
-parallelism: w1 and w3 are column-parallel, so each rank holds whole channels of every token,
-and its scales are one device's. Otherwise (and without grad) :func:`swiglu` is
-``F.silu(gate) * up``. Telemetry (``f8dist.debug``) records the casts of linears only; these two
-are not in its tables.
+w2 keeps its own float8 copy of the product for its grad_weight gemm. With
+``recompute_swiglu_product`` in w2's config, :func:`swiglu_for` hands w2 the float8 ``gate`` and
+``up`` that SwiGLU keeps anyway: w2 keeps nothing of its input and backward recomputes it as
+``silu(gate8) * up8`` (:func:`float8_product`). Only w2's weight gradient changes: it is that of
+the float8 values' product (one more e4m3 rounding), hence an option.
 """
 
 from __future__ import annotations
@@ -113,10 +94,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out_proj: Optional[torch.nn.Mod
 def swiglu_for(gate: torch.Tensor, up: torch.Tensor, out_proj: torch.nn.Module
                ) -> Tuple[torch.Tensor, Dict[str, object]]:
     """:func:`swiglu` for ``out_proj``, and the keyword arguments to call ``out_proj`` with:
-    ``{"recompute": ...}`` when its config has ``recompute_swiglu_product`` (it keeps nothing of
-    its input and recomputes it in backward from SwiGLU's float8 ``gate`` and ``up``, [Note: a
-    product recomputed in backward]), else ``{}``. Two steps, so that ``gate`` and ``up`` are
-    freed before ``out_proj`` runs.
+    ``{"recompute": ...}`` when its config has ``recompute_swiglu_product`` ([Note: a product
+    recomputed in backward]), else ``{}``. Two steps, so that ``gate`` and ``up`` are freed
+    before ``out_proj`` runs.
 
     Example::
 
