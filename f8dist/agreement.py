@@ -1,42 +1,26 @@
 """Ranks that shard one float8 model must cast alike: a check, once, before its first step.
 
 [Note: ranks that disagree]
-Ranks that train one float8 model (FSDP2, tensor parallel, DDP) run its collectives in lockstep,
-and f8dist's settings decide which collectives run: a float8 all-gather sends 1 byte per element
-where a plain one sends 2 or 4, a delayed cast syncs amax histories that a dynamic one does not
-keep, a tensorwise cast all-reduces an amax that a rowwise one takes per row, a float8 TP style
-all-gathers float8 where PyTorch's sends high precision. Ranks whose settings differ (a flag or
-environment variable read differently on one node, a rank that never converts) hang in mismatched
-collectives until the process-group timeout, or train silently with different numerics per rank.
+f8dist's settings decide which collectives run (float8 or plain all-gathers, amax syncs, float8
+TP styles), so ranks whose settings differ (a flag read differently on one node, a rank that never
+converts) hang in mismatched collectives, or train with different numerics per rank.
 
 So ``convert_to_float8_training`` registers the model, and before its first forward the ranks
-that train it compare their :func:`settings` (each linear's float8 config, field by field, and
-the float8 TP style applied to each module) through the c10d store, not a collective: a collective
-that one rank never joins is the hang this check exists to prevent. Each rank sets a hash of its
-settings under a key of the group and round; the group's first rank waits for all of them, at most
-``F8DIST_AGREEMENT_TIMEOUT_S`` seconds (default 60), and sets the verdict the others wait for:
+compare their :func:`settings` through the c10d store, not a collective (a collective one rank
+never joins is the hang this check prevents). Each rank sets a hash of its settings; the group's
+first rank waits for all, at most ``F8DIST_AGREEMENT_TIMEOUT_S`` seconds, and sets the verdict:
+equal hashes go on; different ones make every rank raise the same error naming the fields, ranks
+and modules; a rank missing at the timeout is named in the error of every rank that checked.
 
-* equal hashes: every rank goes on (no collective, no byte on the process group's wire);
-* different hashes: one rank per distinct hash sets its settings, and every rank raises the same
-  error naming the differing fields, the ranks and the modules;
-* a rank missing at the timeout (it never converted, runs another program, or is stuck in a
-  collective the others never join): every rank that checked raises an error naming it.
+The check runs from a global forward pre-hook, before FSDP2's all-gather and DDP's broadcast
+(``precompute_float8_dynamic_scale_for_fsdp`` checks too). The group is DDP's when the forward is
+DDP's, else the largest mesh of the model's DTensor parameters; without either, or without a
+multi-rank process group, nothing is checked and no hook is registered.
 
-The check runs from a global forward pre-hook, which runs before a module's own hooks, i.e. before
-FSDP2's pre-forward all-gather and DDP's buffer broadcast; the hook is removed once no registered
-model is left unchecked. ``precompute_float8_dynamic_scale_for_fsdp`` checks too, as it may run
-before the first forward. The group is DDP's process group when the forward is DDP's, else the
-largest device mesh among the model's DTensor parameters; a model with neither (one device, or
-independent models per rank) is not checked, and a model converted without an initialized process
-group of several ranks registers nothing (no hook, no cost).
-
-Sharding must not hang before the first forward either. ``parallelize_module`` replicates a
-module's buffers with one broadcast each, and only delayed linears have buffers; the float8 TP
-styles make the delayed buffers Replicate DTensors in place (every rank holds the same initial
-values: no broadcast), and ``convert_to_float8_training`` lists them in
-``_ddp_params_and_buffers_to_ignore`` (the sync keeps them equal across ranks), so ranks that
-disagree reach the check. ``parallelize_llama`` also checks over the tp mesh before sharding; with
-PyTorch's own styles on a delayed model, call :func:`check` before ``parallelize_module``.
+Sharding must not hang before it either: the float8 TP styles make delayed buffers Replicate
+DTensors in place (no broadcast) and DDP ignores them, and ``parallelize_llama`` checks over the
+tp mesh first; with PyTorch's own styles on a delayed model, call :func:`check` before
+``parallelize_module``.
 """
 
 from __future__ import annotations
@@ -69,9 +53,8 @@ _unchecked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _hook = None
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")  # not in names
 _SHOWN = 5  # differences named in the error
-# (group name, rank) -> checks this rank made over the group: the store keys of its next one. Per
-# rank, not per process: a process may simulate several ranks as threads (tests/sim/threads.py),
-# each of which makes its own checks
+# (group name, rank) -> checks made: the store keys of the next one. Per rank, not per process:
+# threads may simulate ranks (tests/sim/threads.py)
 _rounds: Dict[Tuple[str, int], int] = {}
 
 
@@ -133,9 +116,8 @@ def check_once(model: nn.Module, group=None) -> None:
 
 def check(model: nn.Module, mesh) -> None:
     """Compare ``model``'s :func:`settings` across the ranks of ``mesh`` now (every one of them
-    must call it); raises a RuntimeError naming the differences. ``parallelize_llama`` calls it
-    before sharding: a TP plan broadcasts delayed-scaling buffers, where ranks that disagree
-    would hang. Call it before ``parallelize_module`` with a plan of your own.
+    must call it); raises a RuntimeError naming the differences. Call it before
+    ``parallelize_module`` with a plan of your own ([Note: ranks that disagree]).
 
     Example::
 
@@ -161,10 +143,10 @@ def _check_group(model: nn.Module, group) -> None:
 
 
 def agree(mine: Settings, group, *, what: str, fix: str) -> None:
-    """Compare ``mine`` across the ranks of ``group`` (every one of them calls it) through the
-    c10d store; raise a RuntimeError ``what``, the differences and ``fix`` if they differ, or
-    naming the ranks that did not check within :func:`timeout_s` ([Note: ranks that disagree]).
-    Several checks over one group compare in the order each rank makes them."""
+    """Compare ``mine`` across the ranks of ``group`` (every one calls it) through the c10d
+    store; raise ``what``, the differences and ``fix`` if they differ, or name the ranks that did
+    not check in time ([Note: ranks that disagree]). Checks compare in the order each rank makes
+    them."""
     import torch.distributed as dist
 
     if dist.get_backend(group) == "fake":  # every rank simulated in this process
@@ -244,17 +226,14 @@ def _get(store, key: str, seconds: float) -> Optional[str]:
     return store.get(key).decode()
 
 
-# The module types besides nn.Linear that convert_to_float8_training converts, each registered by
-# the module that defines it (f8dist/grouped.py: GroupedExperts), so that this module, which the
-# layers above import, imports none of them
+# Module types convert_to_float8_training converts, registered by their defining modules (this
+# module imports none of them: the layers above import it)
 CONVERTIBLE: List[type] = [nn.Linear]
 
 
 def settings(model: nn.Module) -> Settings:
-    """What the ranks sharding ``model`` must agree on: for each linear (and each MoE layer's
-    experts) whether it is float8 and its config (field by field), and the float8 parallel style
-    of each module (a TP style, or the experts' EP style, which says whether their dispatch
-    carries float8 tokens)."""
+    """What the ranks sharding ``model`` must agree on: whether each convertible module is float8,
+    its config field by field, and each module's float8 parallel style (TP or EP)."""
     out: Settings = {}
     for name, m in model.named_modules():
         name = canonical_name(name) or "<root>"

@@ -1,17 +1,12 @@
 """Distributed checkpoints (DCP) that load across float8 recipes.
 
 [Note: loading across recipes]
-A model's recipe decides its state_dict: a delayed-scaling linear adds its amax histories and
-scales (``fp8_amax_*``, ``fp8_amax_history_*``, ``fp8_scale_*``: [Note: delayed checkpoints] in
-f8dist/delayed.py); a plain, dynamic or block-scaled one has its weight and bias only. DCP's
-default planner loads exactly the keys the model asks for and refuses any that the checkpoint
-lacks, so a plain or tensorwise checkpoint would not load into a delayed model.
-:class:`Float8LoadPlanner` loads every key the checkpoint has and leaves out the delayed-scaling
-state it lacks; :meth:`Float8LoadPlanner.restart_missing` then restarts those linears' histories
-(the next step is a first step) and names them, so a run can say so. The other direction needs no
-help: keys the checkpoint has and the model does not ask for (a delayed checkpoint loaded into a
-tensorwise model) are not read; :attr:`Float8LoadPlanner.unused_delayed_state` lists them.
-Any other missing key still raises DCP's error.
+Only a delayed-scaling linear adds state to its weight and bias ([Note: delayed checkpoints] in
+f8dist/delayed.py), and DCP's default planner refuses keys the checkpoint lacks, so a
+non-delayed checkpoint would not load into a delayed model. :class:`Float8LoadPlanner` leaves out
+the delayed state the checkpoint lacks, and :meth:`Float8LoadPlanner.restart_missing` restarts
+those linears' histories and names them. Keys the model does not ask for are not read
+(:attr:`Float8LoadPlanner.unused_delayed_state` lists them). Any other missing key still raises.
 """
 
 from __future__ import annotations
@@ -59,8 +54,7 @@ class Float8LoadPlanner(DefaultLoadPlanner):
 
     def restart_missing(self, model: nn.Module) -> List[str]:
         """Restart the delayed scaling of each linear of ``model`` whose state the checkpoint did
-        not hold (``DelayedScaling.restart``); returns their names. Keys may carry a prefix
-        (``{"model": model_state_dict}`` loads as ``model.<fqn>``)."""
+        not hold; returns their names. Keys may carry a prefix (``model.<fqn>``)."""
         owners = {key.rsplit(".", 1)[0] for key in self.missing_delayed_state}
         restarted = []
         for name, module in model.named_modules():

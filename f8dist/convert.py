@@ -24,9 +24,8 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 def is_float8_compatible(mod: nn.Linear, config: Optional[Float8LinearConfig] = None) -> bool:
-    """Whether ``torch._scaled_mm`` can take this linear's gemms as they are (dims % 16 == 0),
-    and, given ``config``, its dims divide into the config's blocks ([Note: block scales] in
-    f8dist/cells.py). Reads only ``in_features`` and ``out_features``."""
+    """Whether the float8 gemms can take this linear's dims as they are (alignment, and
+    ``config``'s blocks). Reads only ``in_features`` and ``out_features``."""
     return not _problems(mod, config)
 
 
@@ -44,29 +43,20 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` (that ``module_filter_fn(mod, fqn)`` accepts) with
     a :class:`Float8Linear` sharing its parameters, and every
-    :class:`~f8dist.grouped.GroupedExperts` (a mixture-of-experts layer's experts) with a
-    :class:`~f8dist.grouped.Float8GroupedExperts` whose grouped gemms run in float8 through the
-    same cast table ([Note: grouped gemms] in f8dist/grouped.py). A router is no nn.Linear (see
-    f8dist/models/moe.py) and stays in high precision. Returns ``module`` (or the new module if
-    ``module`` itself is a linear). ``config``: a :class:`Float8LinearConfig` or a recipe name
-    (``"rowwise"``, as ``Float8LinearConfig.from_recipe_name`` takes); None: the default config.
+    :class:`~f8dist.grouped.GroupedExperts` with a :class:`~f8dist.grouped.Float8GroupedExperts`
+    ([Note: grouped gemms] in f8dist/grouped.py). Returns ``module`` (or the new module if
+    ``module`` itself is a linear). ``config``: a :class:`Float8LinearConfig`, a recipe name, or
+    None (the default config).
 
-    Linears whose ``in_features`` or ``out_features`` is not a multiple of 16 (or of a
-    block-scaled config's blocks) cannot run ``torch._scaled_mm``: they stay high precision,
-    with a log note, unless
-    ``config.pad_inner_dim`` is set (they are then padded) or ``skip_incompatible=False``, which
-    raises instead.
+    Layers whose dims do not fit the float8 gemms (alignment, the recipe's blocks) stay high
+    precision with a log note, unless ``config.pad_inner_dim`` pads them or
+    ``skip_incompatible=False`` raises instead. A module registered at several places is replaced
+    at all of them ([Note: shared modules]); tied weights stay tied ([Note: tied weights]);
+    ``nn.Linear`` subclasses that override ``forward`` stay high precision ([Note: nn.Linear
+    subclasses]). Convert before ``fully_shard`` and ``parallelize_module``.
 
-    A module registered at several places (``nn.Sequential(lin, act, lin)``) is replaced by one
-    Float8Linear at all of them, named by its first place ([Note: shared modules]); linears that
-    share a weight keep sharing it ([Note: tied weights]). ``nn.Linear`` subclasses are
-    converted as torchao does, unless they override ``forward``: those stay high precision,
-    with a log note ([Note: nn.Linear subclasses]). Convert before ``fully_shard`` and
-    ``parallelize_module``: a linear whose weight is already a DTensor raises.
-
-    Experts take the options a linear takes but those of what a linear keeps for backward, which
-    raise ([Note: options of grouped experts] in f8dist/grouped.py). A model whose linears and
-    experts want different configs is converted in two calls, each picking its modules::
+    Linears and experts that want different configs ([Note: options of grouped experts] in
+    f8dist/grouped.py) are converted in two calls, each picking its modules::
 
         >>> is_experts = lambda mod, fqn: isinstance(mod, GroupedExperts)
         >>> convert_to_float8_training(model, config=config,   # doctest: +SKIP
@@ -74,10 +64,8 @@ def convert_to_float8_training(
         >>> convert_to_float8_training(model, config=experts_config,  # doctest: +SKIP
         ...     module_filter_fn=is_experts)
 
-    All or nothing: every layer is decided and built before the model changes, so an error
-    (a raising ``module_filter_fn``, an incompatible layer) leaves it as it was. A linear's child
-    modules move to its Float8Linear, converted as well. Converting a converted model again is a
-    no-op with the same config and an error with another (a Float8Linear's config is fixed).
+    All or nothing: every layer is decided and built before the model changes, so an error leaves
+    it as it was. Converting again is a no-op with the same config and an error with another.
 
     Example::
 
@@ -176,9 +164,8 @@ def convert_to_float8_training(
 
 
 def _note_high_precision_gathers(swaps) -> None:
-    """One warning per conversion naming the expert weights FSDP2 all-gathers in high precision
-    although the config sets enable_fsdp_float8_all_gather ([Note: float8 all-gather of expert
-    weights] in f8dist/fsdp/weight.py)."""
+    """Warn once naming the expert weights FSDP2 all-gathers in high precision ([Note: float8
+    all-gather of expert weights] in f8dist/fsdp/weight.py)."""
     weights = [w for _, _, old, new in swaps if isinstance(new, Float8GroupedExperts)
                and new is not old for w in new.high_precision_gathered]
     if weights:
@@ -220,26 +207,21 @@ def _check_same_config(mod, config: Float8LinearConfig, fqn: str) -> None:
 
 
 # [Note: shared modules]
-# nn.Module.named_children skips a module it has seen under another name, so a module registered
-# twice (``nn.Sequential(lin, act, lin)``, or one linear under two attributes) would be swapped at
-# its first place and stay high precision at the others. ``plan`` walks ``_modules`` itself and
-# memoizes by id: each module is decided once (at its first FQN, the one ``named_modules`` gives,
-# which also names it for telemetry) and its replacement is put at every place.
+# named_children skips a module seen under another name, so a module registered twice
+# (``nn.Sequential(lin, act, lin)``) would stay high precision at its later places. ``plan`` walks
+# ``_modules`` itself, memoized by id: each module is decided once, at its first FQN (the one
+# ``named_modules`` gives), and replaced at every place.
 
 # [Note: nn.Linear subclasses]
-# torchao converts ``isinstance(m, nn.Linear)``. A subclass that keeps nn.Linear's forward (e.g.
-# MultiheadAttention's NonDynamicallyQuantizableLinear) is a linear and converts; one that overrides
-# forward (LoRA, a scaled output head) computes something else, which Float8Linear would silently
-# replace: it stays high precision and the conversion logs it by name.
+# torchao converts ``isinstance(m, nn.Linear)``. A subclass that keeps nn.Linear's forward is a
+# linear and converts; one that overrides forward (LoRA, a scaled head) computes something else,
+# which Float8Linear would silently replace: it stays high precision, logged by name.
 
 # [Note: tied weights]
-# Float8Linear.from_float shares its linear's parameters, so ties survive conversion, except with
-# ``enable_fsdp_float8_all_gather``: the weight becomes a new Parameter (a Float8AllGatherWeight
-# around the same storage), one per linear. Linears that shared a weight then share the first one's
-# wrapper, so they still hold one Parameter (one optimizer state, one FSDP2 all-gather). A weight
-# also held by a module that is not converted (an embedding tied to the output linear, a linear
-# left high precision) cannot be both: FSDP2 would hand that module a float8 tensor. That raises,
-# naming both places and the fix.
+# With ``enable_fsdp_float8_all_gather`` each converted weight becomes a new wrapper Parameter, so
+# linears that shared a weight share the first one's wrapper (one optimizer state, one
+# all-gather). A weight also held by a module that is not converted (a tied embedding) would get
+# a float8 tensor from FSDP2: that raises, naming both places and the fix.
 
 
 def _share_tied_weights(model: nn.Module, swaps) -> None:
@@ -271,7 +253,7 @@ def _share_tied_weights(model: nn.Module, swaps) -> None:
 
 
 def _check_not_sharded(mod: nn.Linear, fqn: str) -> None:
-    """Converting after fully_shard / parallelize_module: say to convert first."""
+    """Raise for a linear already sharded: convert first."""
     if is_dtensor(mod.weight):
         raise ValueError(
             f"convert_to_float8_training: {fqn or '<root>'} already has a DTensor weight (the model "

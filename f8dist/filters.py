@@ -2,46 +2,25 @@
 precision, both usable as ``convert_to_float8_training(..., module_filter_fn=...)``.
 
 [Note: the auto filter's cost model]
-Float8 speeds up a linear's three gemms and pays for it with casts, which are memory-bound. The
-auto filter converts a linear only where a roofline model of one fwd+bwd predicts float8 to be
-faster than bf16. For a linear with K = in_features, N = out_features and M tokens:
+Float8 speeds up a linear's three gemms and pays with memory-bound casts. The auto filter converts
+a linear only where a roofline model of one fwd+bwd predicts float8 faster than bf16
+(``t_bf16 / t_float8 > 1``), for K = in_features, N = out_features and M tokens per gemm (per rank
+and micro-batch):
 
-* each gemm takes ``max(flops / peak_flops, bytes / bandwidth)`` (roofline). flops = 2MKN; bytes =
-  both operands (2 bytes per element in bf16, 1 in float8) plus the bf16 output. The gemms a
-  recipe runs in float8 use the float8 peak, the others the bf16 peak;
-* the casts move, per element of the high-precision operand, the bytes of ``CAST_BYTES[recipe]``
-  (written as they run under torch.compile, the mode float8 is meant for):
+* each gemm takes ``max(2MKN / peak_flops, bytes / bandwidth)``, bytes being both operands (2 per
+  element in bf16, 1 in float8) plus the bf16 output; float8 gemms use the float8 peak;
+* the casts move ``CAST_BYTES[recipe]`` bytes per element of each high-precision operand, as they
+  run under torch.compile: a dynamic cast reads twice (amax, then cast) and writes 1 byte, 5; a
+  delayed or block cast fuses the amax into its one pass, 3; each further layout the same pass
+  writes adds 1. An operand cast once per gemm pays per cast (rowwise: 5 + 5); a tensorwise input
+  or grad_output serves both its gemms (5 + 1); the weight is re-cast in backward ([Note: what the
+  matmul keeps for backward] in f8dist/linear.py) unless its blocks are square; a high-precision
+  gemm casts nothing. Block scales' own bytes are left out.
 
-  - a dynamic cast reads the tensor twice (amax, then scale-and-cast) and writes 1 byte:
-    2 + 2 + 1 = 5 bytes; a delayed one knows its scale and records the amax in the same pass:
-    2 + 1 = 3 bytes; each further float8 layout the same pass writes (the transposed copy a
-    backward gemm wants) adds 1 byte;
-  - tensorwise: input 5 + 1 (its float8 bytes serve the output and grad_weight gemms),
-    grad_output 5 + 1 (grad_input and grad_weight), weight 5 + 5 (cast in forward, re-cast in
-    backward: [Note: what the matmul keeps for backward] in f8dist/linear.py);
-  - rowwise: every operand is cast twice, once per gemm, each along that gemm's contraction
-    dim: 5 + 5 for input, grad_output and weight;
-  - rowwise_with_gw_hp: grad_weight runs in bf16, so input and grad_output are cast once
-    (5 each) and the weight twice (rowwise for output, tensorwise for grad_input: 5 + 5);
-  - delayed: input 3 + 1, grad_output 3 + 1, weight 3 + 3.
-  - block scales (mxfp8, blockwise): a block's amax and cast fuse into one pass (a block of 32
-    or 128 elements is one reduction of a row), 2 + 1 = 3 bytes per cast, plus its scales (1/32
-    or 4/128 byte, left out); every operand is cast once per gemm along that gemm's contraction
-    dim: 3 + 3 each, except a square-block weight (mxfp8_square_weights, blockwise's 128x128),
-    cast once (3), and the high-precision grad_weight gemm's operands (mxfp8_wgrad_with_hp: 3).
-    Its dims must divide into the recipe's blocks.
-
-Convert when ``t_bf16 / t_float8 > 1``. The peaks are the NVIDIA H100 SXM5 datasheet's dense tensor
-core figures (bf16 989.4 TFLOP/s, fp8 1978.9 TFLOP/s) and its HBM3 bandwidth (3.35 TB/s); give
-another :class:`GpuSpec` for another GPU. The model assumes the gemms and the casts reach the same
-fraction of their peaks, i.e. the ideal float8 gemm speedup (2x on a compute-bound gemm): a linear
-it keeps in high precision cannot gain from float8 even then. Measured speedups of small float8
-gemms are lower, so linears close to the boundary may gain nothing; ``docs/auto_filter.md`` has the
-predicted speedups of common shapes next to torchao's measured thresholds
-(``scripts/auto_filter_table.py`` prints them).
-
-M is the number of tokens per gemm (per rank and micro-batch; ``tokens``, default 8192, one 8K
-sequence). The weight casts do not grow with M, so fewer tokens convert fewer linears.
+The model assumes gemms and casts reach the same fraction of their peaks (the ideal float8
+speedup), so a linear it keeps in high precision cannot gain even then; near the boundary the
+measured gain may be none (``docs/auto_filter.md``, from ``scripts/auto_filter_table.py``). The
+weight casts do not grow with M, so fewer tokens convert fewer linears.
 """
 
 from __future__ import annotations
@@ -179,11 +158,11 @@ def auto_filter_for_recipe(
     gpu: GpuSpec = H100_SXM,
 ) -> ModuleFilter:
     """A ``module_filter_fn`` that converts a linear only if float8 is predicted to be faster for
-    ``recipe`` ([Note: the auto filter's cost model]), its dims are multiples of 16 (else
-    ``torch._scaled_mm`` would need padding) and of the recipe's blocks, and its FQN contains none of ``filter_fqns``.
+    ``recipe`` ([Note: the auto filter's cost model]), its dims fit the gemm's alignment and the
+    recipe's blocks, and its FQN contains none of ``filter_fqns``.
 
     It reads only ``in_features`` and ``out_features``, so it also takes torchtitan's
-    ``Linear.Config`` (f8dist.integrations.torchtitan's "auto_filter_small_kn").
+    ``Linear.Config``.
 
     Example::
 

@@ -1,11 +1,9 @@
 """The one distributed rule of f8dist: a statistic of a tensor is the statistic of the logical tensor.
 
 [Note: amax]
-A scale is computed from an amax, and an amax is a reduction over the *logical* (global) tensor,
-never over one rank's piece of it. Under FSDP2, tensor parallel (TP), sequence parallel (SP) and
-2-D FSDP x TP a rank holds a shard, and DTensor's placements say which mesh axes shard it. So the
-amax is the plain torch reduction of what the rank holds, all-reduced (max) over exactly the mesh
-axes whose placement shards the tensor, and over no other axis:
+An amax is a reduction over the *logical* (global) tensor, never over one rank's piece of it: the
+plain reduction of what the rank holds, all-reduced (max) over exactly the mesh axes whose
+placement shards the tensor, and over no other axis:
 
     replicated tensor (a TP-replicated activation)       no collective
     FSDP2 weight (Shard(0) over dp)                       all-reduce over dp
@@ -15,39 +13,26 @@ axes whose placement shards the tensor, and over no other axis:
     expert weight [E, N, K], one amax per expert          over the axes sharding dims 1, 2 only
       (FSDP2 on dim 1 under EP x FSDP2: dp_shard; EP or FSDP2 on dim 0: none)
 
-Then every rank casts its shard with the scale one device would compute from the whole tensor, and
-results match one device. The rule has two forms here, one per kind of caller:
-
-* :func:`reduce_partial`: the reduction ran as a DTensor op (``tensor_amax`` of an activation
-  DTensor), so DTensor already placed it ``Partial(max)`` on the sharding axes; turning those
-  placements ``Replicate`` is the all-reduce. It also reduces a ``Partial(sum)`` gradient.
-* :func:`reduce_over_shards`: the reduction ran on the local tensor (an FSDP2 shard, which may be
-  empty: ``tensor_amax`` gives 0, where DTensor's ``max`` would raise), and the sharded parameter's
-  ``(mesh, placements)`` name the axes to reduce over.
-
-Data parallelism does not shard activations: each rank scales its own micro-batch, as every float8
-recipe does; delayed scaling's history sync and first step (``f8dist/delayed.py``) are where
-amaxes cross data parallel ranks (:func:`all_reduce`).
-
-Nothing else in f8dist inspects placements to decide a reduction.
+Then every rank casts its shard with the scale one device would compute. Two forms:
+:func:`reduce_partial` for a reduction that ran as a DTensor op (already ``Partial(max)`` on the
+sharding axes), :func:`reduce_over_shards` for one that ran on the local shard (which may be
+empty: ``tensor_amax`` gives 0 where DTensor's ``max`` would raise). Data parallelism does not
+shard activations: each rank scales its own micro-batch; only delayed scaling's sync and first
+step cross data-parallel ranks (:func:`all_reduce`). Nothing else in f8dist inspects placements
+to decide a reduction.
 
 [Note: tokens of sharded experts]
-Under expert parallelism (f8dist/ep/) a rank's experts see the tokens routed to them from every
-rank: the layer's token tensor (every assignment of the step, in expert-major order) is
-sharded over exactly the mesh axes that shard the experts dim (dim 0) of its 3-D weights. So a
-statistic of those tokens (delayed scaling's first-step amax, [Note: delayed experts] in
-f8dist/grouped.py) is reduced over those axes, by :func:`expert_token_placements`, and over no
-other.
+Under expert parallelism the layer's token tensor (every assignment of the step, expert-major) is
+sharded over exactly the mesh axes that shard the experts dim (dim 0) of its 3-D weights, so a
+statistic of the tokens ([Note: delayed experts] in f8dist/grouped.py) is reduced over those axes
+(:func:`expert_token_placements`).
 
 [Note: shards on block boundaries]
-A block scale ([Note: block scales] in f8dist/cells.py) is a statistic of its block alone, so
-under the same rule it needs no collective at all, provided no shard splits a block: then each
-rank's blocks are blocks of the logical tensor and it casts them as one device would.
-:func:`blocks_split_by_shards` says whether a layout does (torch shards a dim of size ``n`` over
-``k`` ranks in chunks of ``ceil(n / k)``, so every shard starts on a block boundary iff that chunk
-is a multiple of the block; the same answer on every rank, so ranks never disagree). A dim that
-two mesh axes shard (2-D FSDP x TP: TP's ``Shard`` split again by FSDP2's ``_StridedShard``) is
-cut in two steps, each of which must keep whole blocks.
+A block scale ([Note: block scales] in f8dist/cells.py) is a statistic of its block alone, so it
+needs no collective provided no shard splits a block. torch shards a dim of size ``n`` over ``k``
+ranks in chunks of ``ceil(n / k)``, so every shard starts on a block boundary iff that chunk is a
+multiple of the block (the same answer on every rank). A dim that two mesh axes shard (TP's
+``Shard`` split again by FSDP2's ``_StridedShard``) is cut in two steps, each keeping whole blocks.
 """
 
 from __future__ import annotations
@@ -81,14 +66,14 @@ def local_part(x: torch.Tensor) -> torch.Tensor:
 
 
 def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as this rank's part of a DTensor laid out like ``template`` (same mesh,
-    placements, global shape and stride); ``local`` itself when ``template`` is no DTensor."""
+    """``local`` as this rank's part of a DTensor laid out like ``template``; ``local`` itself
+    when ``template`` is no DTensor."""
     return with_layout(layout(template), local)
 
 
 def layout(t: torch.Tensor) -> Optional[tuple]:
-    """(mesh, placements, global shape, stride) of a DTensor, None for a plain tensor: what
-    :func:`with_layout` needs to make a local tensor a DTensor like ``t``, without ``t``'s data."""
+    """(mesh, placements, global shape, stride) of a DTensor for :func:`with_layout`, None for a
+    plain tensor."""
     if not is_dtensor(t):
         return None
     return t.device_mesh, t.placements, t.shape, t.stride()
@@ -110,9 +95,8 @@ def has_partial(placements: Sequence) -> bool:
 
 
 def reduce_partial(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its ``Partial`` placements reduced (made ``Replicate``; ``Shard`` and
-    ``Replicate`` placements stay): an all-reduce over exactly the axes that hold partial values.
-    Plain tensors and DTensors without ``Partial`` placements come back unchanged."""
+    """``x`` with its ``Partial`` placements made ``Replicate`` (an all-reduce over exactly
+    those axes); anything else comes back unchanged."""
     if not is_dtensor(x) or not has_partial(x.placements):
         return x
     from torch.distributed.tensor import Replicate
@@ -123,14 +107,10 @@ def reduce_partial(x: torch.Tensor) -> torch.Tensor:
 
 def reduce_over_shards(local: torch.Tensor, mesh, placements: Sequence, op: str) -> torch.Tensor:
     """Reduce (``op``: "max" or "sum") a value computed on this rank's shard over the mesh axes
-    whose placement shards the tensor (``placements`` of a sharded parameter or DTensor: ``Shard``
-    and ``_StridedShard`` shard, ``Replicate`` does not). Returns a plain tensor, the same on every
-    rank of the mesh.
+    whose placement shards the tensor; a plain tensor, the same on every rank of the mesh.
 
-    ``local`` may stack the values of several tensors sharded alike: they travel together. A
-    tensor sharded over several axes takes ONE collective over all of them, not one per axis: over
-    the whole mesh for 2-D FSDP x TP weights, over the (flattened) sharding axes of a mesh with
-    named dims otherwise (HSDP x TP weights: dp_shard and tp, not dp_replicate).
+    ``local`` may stack the values of several tensors sharded alike. A tensor sharded over
+    several axes takes ONE collective over all of them, not one per axis.
     """
     sharded = [not p.is_replicate() for p in placements]
     if not any(sharded):
@@ -150,8 +130,7 @@ def reduce_over_shards(local: torch.Tensor, mesh, placements: Sequence, op: str)
 
 def all_reduce(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
     """Functional all-reduce (``op``: "max" or "sum") of ``t`` over ``group`` (a process group or a
-    device mesh, every rank of it; None: every rank); ``t`` itself when no process group is
-    initialized."""
+    device mesh; None: every rank); ``t`` itself without a process group."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -175,9 +154,8 @@ def _whole_mesh_group(mesh) -> Optional[object]:
 
 
 def expert_token_placements(placements: Sequence) -> list:
-    """The placements of the tokens an expert layer whose 3-D weights are laid out as
-    ``placements`` computes with ([Note: tokens of sharded experts]): sharded (like ``Shard(0)``)
-    over the axes that shard the experts dim, replicated over the others."""
+    """The placements of an expert layer's tokens, given its 3-D weights' ([Note: tokens of
+    sharded experts])."""
     from torch.distributed.tensor import Replicate
 
     return [p if p.is_shard(0) else Replicate() for p in placements]
@@ -186,11 +164,10 @@ def expert_token_placements(placements: Sequence) -> list:
 def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_sizes: Sequence[int],
                            placements: Sequence) -> Optional[str]:
     """Why shards of a tensor of ``shape`` laid out as ``placements`` over mesh dims of
-    ``mesh_sizes`` ranks split its blocks of ``block`` ([Note: shards on block boundaries]); None when
-    every shard starts on a block boundary. An N-D ``shape`` with a 2-D ``block`` is in row
-    blocks, (1, cols): blocks of 1 along its leading dims ([Note: row blocks of N-D activations]
-    in f8dist/specs.py), or in token blocks, (rows, 1): blocks of its [tokens, K] view, which
-    its sequences (dim -2) must hold whole ([Note: token blocks of N-D activations])."""
+    ``mesh_sizes`` ranks split its blocks of ``block`` ([Note: shards on block boundaries]); None
+    when none does. An N-D ``shape`` with a 2-D ``block`` is in row blocks ([Note: row blocks of
+    N-D activations] in f8dist/specs.py) or token blocks, which its sequences must hold whole
+    ([Note: token blocks of N-D activations])."""
     if len(shape) > len(block) == 2 and block[1] == 1 < block[0]:
         sequences, tokens = math.prod(shape[:-2]), shape[-2]
         if sequences > 1 and tokens % block[0]:
@@ -216,6 +193,5 @@ def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_size
 
 
 def _is_strided(p) -> bool:
-    """A ``_StridedShard`` (FSDP2's shard of a dim that TP already shards): it splits the TP
-    shard, so it applies after the plain ``Shard`` of the same dim."""
+    """A ``_StridedShard`` (FSDP2's shard of a TP-sharded dim): it applies after the ``Shard``."""
     return type(p).__name__ == "_StridedShard"
