@@ -1,44 +1,25 @@
 """AdamW whose moments are kept in 8 bits, on each parameter's local shard.
 
 [Note: 8-bit AdamW on shards]
-``f8dist.optim.AdamW`` is ``torch.optim.AdamW`` (decoupled weight decay, torch's update
-formula) with the two moments stored as block-scaled codes ([Note: state formats] in
-f8dist/optim/states.py) instead of in the parameter's dtype. A step, for each parameter:
+``torch.optim.AdamW`` (decoupled weight decay, torch's update formula) with the two moments stored
+as block-scaled codes ([Note: state formats] in f8dist/optim/states.py). A step decodes the
+moments to float32, updates them as torch does, encodes them, and updates the weight from the
+fresh float32 moments: only what is carried to the next step is rounded. Inf and NaN moments are
+kept ([Note: non-finite states]), so a non-finite gradient does what it does in torch's AdamW.
 
-    m, v   = decode(state)                          float32, from 1-byte codes
-    m      = lerp(m, g, 1 - beta1)                  as torch.optim.AdamW, in float32
-    v      = beta2 * v + (1 - beta2) * g * g
-    state  = encode(m, v)                            the rounding happens here, once
-    p      = p * (1 - lr * wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)   fresh m, v
-
-so the update of a step uses the exact float32 moments of that step, and only what is carried to
-the next step is rounded. The weight is updated in its own dtype, float32 at least: a float64
-parameter in float64 (its moments are float32, as the formats say), a bf16 or fp16 parameter in
-float32, rounded once to its dtype. Inf and NaN moments are kept ([Note: non-finite states]), so
-an overflowing or non-finite gradient does to its element what it does in torch.optim.AdamW.
-
-The codes live on the parameter's *local* tensor (a DTensor's ``to_local()``: an FSDP2 shard, a
-TP shard), flattened, in blocks of ``block_size`` consecutive elements: encoding needs the block's
-own amax only, so a step runs no collective on any mesh, and plain tensors and DTensors take the
-same code path. A rank with an empty shard keeps empty codes and still counts the step. When the
-shard boundaries fall on block boundaries (FSDP2 rows of a width that ``block_size`` divides),
-every rank's blocks are one device's blocks and the states are bit for bit one device's.
+The codes live on the parameter's *local* tensor (an FSDP2 or TP shard), flattened, in blocks of
+``block_size`` consecutive elements: encoding needs the block's own amax only, so a step runs no
+collective. When shard boundaries fall on block boundaries, the states are one device's, bit for
+bit. An empty shard keeps empty codes and still counts the step.
 
 [Note: optimizer checkpoints]
-``state_dict()`` holds, per parameter, what torch.optim.AdamW's holds: ``step`` (a float32
-tensor) and ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad) decoded to float32,
-laid out like the parameter (a DTensor with its mesh and placements when the parameter is one).
-So torch.distributed.checkpoint saves and reshards them as it does a high-precision AdamW's
-(2 -> 3 ranks, FSDP2 -> TP), ``torch.optim.AdamW`` loads them, and ``load_state_dict`` encodes
-whatever it gets (ours, torch's, resharded) into this optimizer's formats and blocks. The
-transient cost: ``state_dict()`` materializes 4 bytes per local element per moment (8 for AdamW),
-alive while the caller holds the dict (docs/optim.md measures it). Re-encoding a resharded state
-rounds again where blocks moved; a state loaded on the sharding it was saved on comes back with
-the same values, so a run resumed after a crash is the run that never stopped, bit for bit.
-
-The param groups of a state dict are torch.optim.AdamW's (its keys, no more): how the moments are
-stored (formats, block size) and how the step runs (foreach, fused, ...) belong to the optimizer
-that loads a state dict, not to the state dict, so loading keeps this optimizer's.
+``state_dict()`` holds what torch.optim.AdamW's holds: ``step`` and the moments decoded to
+float32, laid out like the parameter (a DTensor when it is one), so DCP saves and reshards them
+as a high-precision AdamW's, torch's AdamW loads them, and ``load_state_dict`` encodes whatever it
+gets into this optimizer's formats. The price is a transient float32 copy of the moments while
+the caller holds the dict (docs/optim.md). A state loaded on the sharding it was saved on comes
+back bit for bit; resharded, it rounds again where blocks moved. Param groups carry torch's keys
+only: storage and step options belong to the optimizer that loads, which keeps its own.
 """
 
 from __future__ import annotations
@@ -57,9 +38,7 @@ from f8dist.placement import is_dtensor, like, local_part
 __all__ = ["AdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-# how this optimizer stores and runs, not what it learned: a state dict leaves the storage keys
-# out (so that torch.optim.AdamW's state dicts, which lack them, load through DCP) and loading
-# one keeps this optimizer's values of all of them ([Note: optimizer checkpoints])
+# how this optimizer stores and runs, not what it learned ([Note: optimizer checkpoints])
 _STORAGE_KEYS = ("exp_avg_format", "exp_avg_sq_format", "block_size")
 _INSTANCE_KEYS = _STORAGE_KEYS + ("foreach", "fused", "capturable", "differentiable")
 _FORMAT_KEY = {"exp_avg": "exp_avg_format", "exp_avg_sq": "exp_avg_sq_format",
@@ -83,12 +62,10 @@ class AdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` with 8-bit moments ([Note: 8-bit AdamW on shards]).
 
     Args are torch.optim.AdamW's, plus ``exp_avg_format`` and ``exp_avg_sq_format``
-    (:class:`~f8dist.optim.states.StateFormat` or its string; the defaults are chosen by
-    ``scripts/optim_states_report.py``, docs/optim.md) and ``block_size`` (elements per scale).
-    All three may differ per param group (e.g. ``"fp32"`` for a group that should keep full
-    precision). ``foreach=True``, ``fused=True``, ``capturable=True`` and ``differentiable=True``
-    are refused: the step is one pass per parameter over its codes, meant to be compiled
-    (``torch.compile(optimizer.step)``) rather than batched across parameters.
+    (:class:`~f8dist.optim.states.StateFormat` or its string; defaults from
+    ``scripts/optim_states_report.py``, docs/optim.md) and ``block_size`` (elements per scale),
+    which may differ per param group. ``foreach``, ``fused``, ``capturable`` and
+    ``differentiable`` are refused: compile the step instead (``torch.compile(optimizer.step)``).
 
     Example::
 
@@ -177,9 +154,8 @@ class AdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict of this optimizer or of torch.optim.AdamW (also one that
-        torch.distributed.checkpoint resharded): its moments are encoded in this optimizer's
-        formats, on this rank's shards."""
+        """Load a state dict of this optimizer or of torch.optim.AdamW (also resharded by DCP),
+        encoding its moments in this optimizer's formats."""
         saved_params = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         by_key = dict(zip(saved_params, params))
@@ -304,9 +280,8 @@ def _update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> No
     bias_correction1 = 1 - beta1 ** step
     bias_correction2_sqrt = _sqrt(1 - beta2 ** step)
     step_size = lr / bias_correction1
-    # [Note: update precision] the weight is updated in its own dtype, float32 at least: a float64
-    # parameter keeps its 53 bits (float32 math would round it every step), a bf16 or fp16 one is
-    # updated in float32 and rounded once
+    # [Note: update precision] in the weight's dtype, float32 at least: float64 keeps its bits,
+    # bf16 and fp16 are rounded once
     dtype = torch.promote_types(local.dtype, torch.float32)
     m, v = m.to(dtype), v.to(dtype)
     denom = (v.sqrt() / bias_correction2_sqrt).add_(group["eps"])  # [blocks, B]

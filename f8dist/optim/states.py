@@ -1,11 +1,9 @@
 """Optimizer states in few bits: block-scaled codes of one vector, held flat on a local shard.
 
-A :class:`QuantizedState` stands for a float32 vector ``x`` (an optimizer moment of one
-parameter's local shard, flattened) in blocks of ``block_size`` consecutive elements, the last
-zero-padded: ``codes`` (1 byte per element for the 8-bit formats) and, for the block-scaled
-formats, ``scales`` (one float32 per block). :func:`encode` makes one, :func:`decode` gives the
-blocks back up to the format's rounding, :func:`encode_into` re-encodes in place (what an
-optimizer step does).
+A :class:`QuantizedState` stands for a float32 vector (an optimizer moment of one parameter's
+local shard, flattened) in blocks of ``block_size`` elements: ``codes`` and, for the block-scaled
+formats, per-block ``scales``. The codes live on the local shard, so encoding and decoding never
+communicate; this module imports nothing from torch.distributed.
 
 [Note: state formats]
 Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
@@ -20,50 +18,33 @@ Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
     log8       1      round(8 log2(x / max')) + 252; x >= 0     2**31.4, steps of 2**(1/8) (9 %)
     log16      1      round(16 log2(x / max')) + 252; x >= 0    2**15.7, steps of 2**(1/16) (4.4 %)
 
-Encoding a decoded vector again gives it back, bit for bit, so a checkpoint that holds decoded
-states (``f8dist.optim.AdamW.state_dict``) resumes exactly. The float8 formats take
-``f8dist.scaling.amax_to_scale`` of the block's amax rounded down to a power of 2 (a decoded value
-is also exact in bfloat16); int8's step ``s`` keeps 17 significant bits, so that ``126 * s`` is
-exact and a decoded block's amax gives ``s`` again. The log formats keep the block's largest value
-apart, exactly, with a code of its own (its *outlier*, a second float32 per block), and code the
-others against ``max'``, the largest of the rest: one huge value does not push its neighbours
-below the range ([Note: outliers in the second moment]). Code 0 is exactly 0; a positive value
-below the range takes the smallest code (it is overestimated, never flushed to 0: for a second
-moment that makes the update smaller, where zero would make it ``m / eps``). A block of zeros
-decodes to zeros in every format. Non-finite values: [Note: non-finite states].
+Encoding a decoded vector again gives it back, bit for bit, so a checkpoint of decoded states
+resumes exactly: the float8 formats' scales are powers of 2, and int8's step ``s`` keeps 17
+significant bits so that ``126 * s`` is exact. The log formats keep the block's largest value
+apart, exactly (its *outlier*, a second float32 per block), and code the others against
+``max'``, the largest of the rest ([Note: outliers in the second moment]). Code 0 is exactly 0; a
+positive value below the range takes the smallest code, never 0 (a zero second moment would make
+the update ``m / eps``). Non-finite values: [Note: non-finite states].
 
-Which format suits which moment is measured by ``scripts/optim_states_report.py``
-(docs/optim.md): the first moment (signed, an average of gradients) loses least in int8, whose
-127 linear steps are finer than e4m3's near the block's max; the second moment (non-negative,
-divides the update) needs range (e4m3 flushes small values to zero: updates of ``m / eps``) and,
-with round to nearest, steps finer than its per-step decay, or its codes stop following a
-decaying average (sqrt_e4m3 and e5m2 fall to single-digit SQNR): log16.
-
-The codes are laid out on the local shard, so encoding and decoding never communicate, and they
-are the same for a tensor and for a DTensor's local part. This module imports nothing from
-torch.distributed.
+The defaults come from ``scripts/optim_states_report.py`` (docs/optim.md): int8 for the first
+moment (signed; finer than e4m3 near the block's max); log16 for the second, which needs range
+(e4m3 flushes small values: updates of ``m / eps``) and steps finer than its per-step decay, or
+its codes stop following a decaying average.
 
 [Note: non-finite states]
-A moment that is inf or NaN is kept as it is, in every format: each has codes for +inf, -inf and
-NaN (fp32, bf16: their own; e5m2: its own; e4m3: 0x7F, 0xFF and -0, which no finite value takes;
-int8: 127, -127, -128; log: 254, 255 = NaN), and the block's scale is taken over its finite
-values, so the other elements of the block decode as they would without it. So a step follows
-torch.optim.AdamW element by element: a gradient of 1e30 makes ``v = inf`` and an update of 0, an
-inf or NaN gradient a NaN weight. The formats without a sign (sqrt_e4m3, log8, log16) hold no
-negative value: -inf, like any negative, is 0. A finite value stays finite: bf16 saturates at its
-max, and a value that decodes past float32's max (rounded up near it) decodes as that max.
+A moment that is inf or NaN is kept as it is, in every format (each has codes for them,
+``_NON_FINITE_CODES``), and the block's scale is taken over its finite values, so its other
+elements decode as without it; a step then follows torch.optim.AdamW element by element. The
+unsigned formats hold no negative value: -inf is 0. A finite value stays finite: bf16 saturates,
+and a value decoding past float32's max decodes as that max.
 
 [Note: outliers in the second moment]
-The second moment of an element that saw one huge gradient ``G`` is ``(1 - beta2) G**2`` and
-decays by ``beta2`` a step. Coded against it, the block's other elements (second moments ``v``)
-fall below the format's range, decode at the smallest code (``max * 2**-15.7``) and stay there
-until it has decayed below theirs: about ``ln((1 - beta2) G**2 2**-15.7 / v) / (1 - beta2)``
-steps in which their updates are close to 0. The log formats keep the block's largest value
-apart, so one such element per block costs its neighbours' second moments nothing. The first
-moment keeps no outlier: in int8 the neighbours' ``m`` round to 0 until the outlier's has decayed
-(by ``beta1`` a step) to within 126 steps of theirs, about
-``ln(126 (1 - beta1) G / |m|) / (1 - beta1)`` steps. The figures, and what two outliers in one
-block do, are in docs/optim.md (``scripts/optim_outlier_report.py``).
+One huge gradient ``G`` makes an element's second moment ``(1 - beta2) G**2``, decaying by
+``beta2`` a step; coded against it, the block's other second moments fall below the range and
+their updates stay near 0 until it has decayed. The log formats keep the block's largest value
+apart, so one such element per block costs its neighbours nothing. The first moment keeps no
+outlier: in int8 the neighbours' ``m`` round to 0 until the outlier's has decayed to within 126
+steps of theirs. docs/optim.md has the figures (``scripts/optim_outlier_report.py``).
 """
 
 from __future__ import annotations
@@ -152,10 +133,8 @@ _BF16_MAX, _F32_MAX = torch.finfo(torch.bfloat16).max, torch.finfo(torch.float32
 
 @dataclass
 class QuantizedState:
-    """One vector in a :class:`StateFormat`, in blocks: ``codes`` [blocks * block_size] (the
-    vector zero-padded to whole blocks) and ``scales`` [blocks * k] (k = 2 for the log formats:
-    the scale and the outlier of each block; 1 for the others; none for fp32 and bf16).
-    :func:`encode_into` rewrites both in place."""
+    """One vector in a :class:`StateFormat`, zero-padded to whole blocks; ``scales`` holds k
+    float32 per block (``StateFormat.scales_per_block``)."""
 
     codes: torch.Tensor  # [blocks * block_size]
     scales: torch.Tensor  # [blocks * k] float32, or [0]
@@ -183,12 +162,10 @@ def unblock(xb: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 # [Note: whole blocks]
-# States are kept padded to whole blocks, and a step computes on [blocks, block_size] (the
-# gradient and the weight padded alike), slicing back to the parameter's numel only where it
-# writes the weight. Decoding into a padded view and slicing it back inside the same compiled
-# kernel miscompiles with torch 2.13's inductor on the CPU: for a vector of 300 elements in blocks
-# of 128, the generated loop covers 2 rows of 128, and the last 44 outputs are never written.
-# tests/optim/test_adamw.py compiles a step on such a vector.
+# A step computes on [blocks, block_size] (gradient and weight padded alike), slicing back to the
+# parameter's numel only where it writes the weight: decoding into a padded view and slicing it in
+# the same compiled kernel miscompiles with torch 2.13's CPU inductor (the last partial block's
+# outputs are never written; tests/optim/test_adamw.py compiles a step on such a vector).
 
 
 def _keep_17_bits(x: torch.Tensor) -> torch.Tensor:
