@@ -1,13 +1,9 @@
 """Training text that needs no download: the Python standard library's own source, as bytes.
 
 The tokenizer is the identity on bytes (vocab 256). Batches are random windows of the corpus,
-drawn from a generator seeded by ``(seed, step)`` alone, so:
-
-* they are the same for every data-parallel layout: the global batch of step ``i`` is drawn
-  first, and each dp rank takes its contiguous slice of it (2 ranks x 4 rows see the same 8 rows
-  as 1 rank x 8);
-* the loader's whole state is its step counter (:meth:`ByteBatches.state_dict`), which makes
-  resuming from a checkpoint exact.
+drawn from a generator seeded by ``(seed, step)`` alone: each dp rank takes its contiguous slice
+of the global batch, so every data-parallel layout sees the same rows, and the loader's whole
+state is its step counter, so resuming is exact.
 """
 
 from __future__ import annotations
@@ -56,8 +52,7 @@ def decode(tokens: torch.Tensor) -> str:
 
 class ByteBatches:
     """An endless iterator of ``(inputs, targets)``, each ``[batch_size // dp_size, seq_len]``
-    int64, targets shifted by one byte. Implements ``state_dict``/``load_state_dict``
-    (torch.distributed.checkpoint's ``Stateful``).
+    int64, targets shifted by one byte; a DCP ``Stateful``.
 
     Example::
 

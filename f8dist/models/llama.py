@@ -1,8 +1,7 @@
 """A small LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention via
 ``scaled_dot_product_attention``), with torchtitan's module names.
 
-The names matter: tensor-parallel plans (``f8dist/models/llama_tp.py``) and memory tools address modules
-by fully qualified name, e.g. ``layers.0.attention.wq`` or ``layers.1.feed_forward.w2``::
+Plans and tools address modules by FQN (``layers.0.attention.wq``)::
 
     Transformer
       tok_embeddings            nn.Embedding(vocab_size, dim)
@@ -15,9 +14,8 @@ by fully qualified name, e.g. ``layers.0.attention.wq`` or ``layers.1.feed_forwa
       output                    nn.Linear(dim, vocab_size)
 
 [Note: local heads]
-Under tensor parallelism ``wq``/``wk``/``wv`` are column-sharded, so each rank holds a slice of the
-heads. Attention never uses ``n_heads`` to reshape: it views the projection as
-``[B, S, -1, head_dim]`` and takes the local head count from there, as torchtitan does.
+Under tensor parallelism each rank holds a slice of the heads, so attention views a projection as
+``[B, S, -1, head_dim]`` (the local head count), never reshaping by ``n_heads``.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "Attention", "FeedFor
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArgs:
-    """Sizes of a :class:`Transformer`. The defaults train on two CPU cores in about a minute.
+    """Sizes of a :class:`Transformer`; the defaults are small enough for CPU training.
 
     Example::
 
@@ -54,8 +52,7 @@ class ModelArgs:
     n_heads: int = 4
     n_kv_heads: Optional[int] = None  # None: as many as n_heads (plain multi-head attention)
     vocab_size: int = 256  # bytes
-    # the SwiGLU hidden size is rounded up to a multiple of this; 32 keeps each half a multiple
-    # of 16 (torch._scaled_mm's alignment) when 2 tensor-parallel ranks split it
+    # SwiGLU hidden size rounded up to it: 32 keeps 2 TP halves aligned to 16 (torch._scaled_mm)
     multiple_of: int = 32
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
@@ -139,23 +136,19 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_reader(linear: nn.Module, recompute) -> dict:
-    """``{"recompute": recompute}`` for a Float8Linear that reads a norm's output and whose
-    config has ``recompute_norm_output``, else ``{}`` ([Note: a norm output recomputed in
-    backward] in f8dist/models/norm.py)."""
+    """``{"recompute": recompute}`` for a Float8Linear whose config has
+    ``recompute_norm_output``, else ``{}``."""
     if recompute is None or not isinstance(linear, Float8Linear):
         return {}
     return {"recompute": recompute} if linear.config.recompute_norm_output else {}
 
 
 def _normalize(norm: nn.Module, x: torch.Tensor, readers=()):
-    """``(norm(x), kwargs)``: ``{"recompute": (fn, tensors)}`` for the modules that read the
-    output, from f8dist's RMSNorm, whose backward keeps what recomputes its output ([Note: a norm
-    output recomputed in backward] in f8dist/models/norm.py); ``{}`` without grad. A keyword only
-    when given, so that a TP style's input layouts still count the positional inputs.
-    ``readers``: the linears that read the output; where one's config has
-    ``recompute_norm_output`` and the norm gives no recompute (another norm class, a norm with
-    hooks, which only a call of the module runs: a TP style's layouts, FSDP2's all-gather; a
-    DTensor input), the option would do nothing: that raises."""
+    """``(norm(x), kwargs)``: ``{"recompute": (fn, tensors)}`` for the output's ``readers`` when
+    the norm gives one ([Note: a norm output recomputed in backward] in f8dist/models/norm.py),
+    else ``{}`` (a keyword only when given: a TP style's input layouts count positional inputs).
+    Raises where a reader asks for ``recompute_norm_output`` and the norm gives none (another
+    class, hooks, a DTensor input): the option would do nothing."""
     plain = isinstance(norm, RMSNorm) and not _hooked(norm)
     out, recompute = norm.normalize(x) if plain else (norm(x), None)
     if recompute is not None:
@@ -204,8 +197,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, recompute=None) -> torch.Tensor:
-        """``recompute``: ``(fn, tensors)`` that give ``x`` again, for the float8 linears whose
-        config has ``recompute_norm_output`` ([Note: a norm output recomputed in backward] in
+        """``recompute``: ``(fn, tensors)`` giving ``x`` again, for readers with
+        ``recompute_norm_output`` ([Note: a norm output recomputed in backward] in
         f8dist/models/norm.py)."""
         b, s, _ = x.shape
         # -1: the local head count, see [Note: local heads]
@@ -232,9 +225,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``. With float8 linears whose config keeps float8
-    activations for backward, ``w1(x)`` and ``w3(x)`` are kept in float8, and with
-    ``recompute_swiglu_product`` w2's input is recomputed from them (f8dist/swiglu.py)."""
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``, keeping what f8dist/swiglu.py says for backward."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -324,8 +315,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init from ``seed`` alone (the global RNG is left untouched), as
-        torchtitan's: normal embeddings, truncated-normal projections (residual ones scaled by
-        depth), unit norms, output scaled by ``dim ** -0.5``."""
+        torchtitan's."""
         generator = torch.Generator(device=self.output.weight.device).manual_seed(seed)
         self.rope.copy_(
             precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)

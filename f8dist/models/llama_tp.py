@@ -1,15 +1,8 @@
 """A ready tensor + sequence parallel plan for the LLaMA-style model of ``llama.py``.
 
-The plan is torchtitan's: embeddings row-sharded with a sequence-sharded output, every norm
-sequence parallel, attention's wq/wk/wv and the FFN's w1/w3 column-sharded behind one shared
-input all-gather per block, wo and w2 row-sharded with a reduce-scatter back to sequence shards,
-and the output projection column-sharded. With ``float8=True`` every linear that is a
-:class:`~f8dist.linear.Float8Linear` gets the float8 style (its shared input is all-gathered in
-float8), and linears left in high precision (e.g. ``output``, filtered out of the conversion) keep
-PyTorch's styles.
-
-Apply it after ``convert_to_float8_training`` and before FSDP2 (``fully_shard`` over the dp mesh
-axis, for 2-D).
+The plan is torchtitan's. With ``float8=True`` every :class:`~f8dist.linear.Float8Linear` gets
+the float8 style (its shared input all-gathered in float8); linears left in high precision keep
+PyTorch's. Apply it after ``convert_to_float8_training`` and before ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -78,11 +71,9 @@ def llama_tp_plan(
 ) -> Dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (FQN -> style) for a :class:`~f8dist.models.llama.Transformer`.
 
-    ``float8=True`` needs a converted model (a Float8Linear somewhere); linears left in high
-    precision keep PyTorch's styles. ``loss_parallel=True`` leaves the logits sharded on the vocab
-    dim (as a DTensor) for ``torch.distributed.tensor.parallel.loss_parallel``; else they are
-    replicated local tensors. ``ffn_plan``: the styles of each block's FFN (default
-    :func:`swiglu_tp_plan`; the MoE model's is ``f8dist.models.moe_parallel.moe_tp_plan``).
+    ``float8=True`` needs a converted model. ``loss_parallel=True`` leaves the logits a
+    vocab-sharded DTensor for ``loss_parallel``; else they are replicated local tensors.
+    ``ffn_plan``: each block's FFN styles (default :func:`swiglu_tp_plan`).
     """
     for name in ("tok_embeddings", "layers", "norm", "output"):
         if not hasattr(model, name):
@@ -130,10 +121,8 @@ def parallelize_llama(
     model: nn.Module, tp_mesh: DeviceMesh, *, float8: bool = True, loss_parallel: bool = False,
     ffn_plan: Optional[FFNPlan] = None,
 ) -> nn.Module:
-    """Apply :func:`llama_tp_plan` to ``model`` over the 1-D ``tp_mesh``, in place.
-
-    The model's input (token ids ``[B, S]``) is replicated over tp; its output is the replicated
-    logits ``[B, S, vocab]`` (or vocab-sharded ones with ``loss_parallel``).
+    """Apply :func:`llama_tp_plan` to ``model`` over the 1-D ``tp_mesh``, in place; token ids in
+    and logits out are replicated over tp (logits vocab-sharded with ``loss_parallel``).
 
     Example::
 
@@ -165,11 +154,9 @@ def parallelize_llama(
 
 
 # [Note: logits that are no view]
-# ColwiseParallel(use_local_output=True) hands back ``DTensor.to_local()``, a view of the
-# DTensor's local tensor, so the model returns a view, and FSDP2 warns on every rank that "an
-# in-place op on this view ... can cause backward to fail or produce wrong gradients". Nothing
-# else holds that local tensor: the hook re-labels the logits as a tensor of their own with
-# ``aten._unsafe_view`` (what aten::matmul does for nn.Linear's N-D output), no copy.
+# ColwiseParallel(use_local_output=True) returns ``to_local()``, a view, and FSDP2 warns about a
+# module returning a view. Nothing else holds the local tensor, so the hook makes the logits a
+# tensor of their own with ``aten._unsafe_view`` (as aten::matmul does), no copy.
 
 
 def _logits_not_a_view(module: nn.Module, args, output):

@@ -6,27 +6,18 @@ Module names follow torchtitan's (llama4 / deepseek_v3)::
       layers.N
         attention ...           as in llama.py
         moe                     MoE
-          router                TokenChoiceRouter: gate [experts, dim] (a Parameter, no
-                                nn.Linear: the router stays in high precision when converted)
+          router                TokenChoiceRouter: gate [experts, dim] (high precision)
           experts               GroupedExperts: w1, w3 [E, hidden, dim], w2 [E, dim, hidden]
           shared_expert         FeedForward (optional): w1, w2, w3 (nn.Linear)
 
 [Note: routing]
-Each token picks its ``top_k`` experts by the router's softmax scores (float32), the k scores
-renormalized to sum to 1. The ``T * k`` assignments are sorted by expert (stably: within an
-expert, in token order) into token groups, one per expert ([Note: token groups] in
-f8dist/scaling.py), which the experts' grouped gemms take. ``capacity_factor``: an expert takes at
-most ``ceil(capacity_factor * T * k / E)`` of a rank's assignments, the first ones in token order;
-the others are dropped (they add nothing to their token's output). The experts' outputs return to
-their assignments, are weighted by the scores and summed over each token's k experts (a sum over
-k in a fixed order: the same bits whatever rank computed them). The load-balancing auxiliary loss
-is Switch Transformer's, ``E * sum_e f_e * P_e`` (``f_e``: fraction of the assignments routed to
-``e``, ``P_e``: mean score of ``e``), over the tokens of the forward; ``model.aux_loss()`` is its
-weighted sum over layers, to add to the training loss.
-
-Expert parallelism (f8dist/models/moe_parallel.py) is the experts module's parallel style
-(f8dist/ep/style.py): its hooks send each expert's token group to the rank that holds the expert
-and back; this module's code is one device's either way.
+Each token picks its ``top_k`` experts by the router's float32 softmax scores, renormalized to sum
+to 1. The assignments are sorted stably by expert into token groups ([Note: token groups] in
+f8dist/scaling.py). ``capacity_factor``: an expert takes at most ``ceil(capacity_factor * T * k /
+E)`` of a rank's assignments, the first in token order; the rest are dropped. The outputs are
+weighted by the scores and summed over each token's k experts in a fixed order (the same bits
+whatever rank computed them). The auxiliary loss is Switch Transformer's. Expert parallelism is
+the experts' parallel style (f8dist/ep/style.py); this module's code is one device's either way.
 """
 
 from __future__ import annotations
@@ -82,9 +73,8 @@ class MoEArgs:
 
 class TokenChoiceRouter(nn.Module):
     """Top-k softmax routing in float32 ([Note: routing]): ``x [T, dim] -> (scores [T, k],
-    experts [T, k], all scores [T, E])``. Its gate is a Parameter, not an nn.Linear, so
-    ``convert_to_float8_training`` leaves it in high precision: routing decisions are discrete,
-    and a float8 rounding could flip them."""
+    experts [T, k], all scores [T, E])``. Its gate is no nn.Linear, so it stays in high
+    precision: routing is discrete, and a float8 rounding could flip it."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int):
         super().__init__()
@@ -99,8 +89,8 @@ class TokenChoiceRouter(nn.Module):
 
 
 def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss ``E * sum_e f_e * P_e`` ([Note: routing]), from the
-    router's scores [T, E] and the chosen experts [T, k]; 1 when perfectly balanced."""
+    """Switch Transformer's auxiliary loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the
+    assignments to ``e``, ``P_e``: its mean score); 1 when perfectly balanced."""
     e = scores.shape[-1]
     if scores.shape[0] == 0:
         return scores.new_zeros(())
@@ -128,9 +118,7 @@ class MoE(nn.Module):
         self.aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor, recompute=None) -> torch.Tensor:
-        """``recompute``: ``(fn, tensors)`` that give ``x`` again, for the shared expert's w1 and
-        w3 (:meth:`FeedForward.forward`); the router and the routed experts keep what they
-        keep."""
+        """``recompute``: as in :meth:`FeedForward.forward`, for the shared expert."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [T, dim]
         t, k = xf.shape[0], self.args.top_k
@@ -153,8 +141,8 @@ class MoE(nn.Module):
         return () if self.shared_expert is None else self.shared_expert.norm_readers()
 
     def _assignments(self, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The assignments (indices into ``experts`` [T * k]) sorted by expert, capacity
-        overflow dropped, and the token count of each expert ([Note: routing])."""
+        """The assignments sorted by expert, capacity overflow dropped, and each expert's token
+        count ([Note: routing])."""
         e = self.args.num_experts
         order = torch.argsort(experts, stable=True)  # [T * k]
         counts = torch.bincount(experts, minlength=e)  # [E]
@@ -167,8 +155,7 @@ class MoE(nn.Module):
         return order, counts
 
     def _experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts' outputs for tokens sorted by expert (under expert parallelism, the
-        experts' style dispatches them to the ranks that hold their experts and back)."""
+        """The experts' outputs for tokens sorted by expert."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E]
         return self.experts(tokens, offsets)
 
@@ -218,7 +205,6 @@ class MoETransformer(Transformer):
         return MoEBlock(layer_id, args, self.moe_args)
 
     def aux_loss(self) -> torch.Tensor:
-        """``aux_loss_coef`` times the sum of the layers' load-balancing losses of the last
-        forward."""
+        """``aux_loss_coef`` times the layers' load-balancing losses of the last forward."""
         losses = [layer.moe.aux_loss for layer in self.layers.values()]
         return self.moe_args.aux_loss_coef * torch.stack(losses).sum()

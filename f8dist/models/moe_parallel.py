@@ -1,35 +1,22 @@
 """Expert parallelism for the MoE model of ``moe.py``, and EP x FSDP2.
 
-``parallelize_moe(model, ep_mesh)`` applies :class:`~f8dist.ep.Float8ExpertParallel` to every
-MoE layer's experts: their weights sharded on the experts dim over the 1-D ``ep_mesh`` (DTensors,
-``Shard(0)``), their tokens routed with all-to-alls in the style's hooks ([Note: expert
-parallelism] in f8dist/ep/dispatch.py), in float8 where the experts' up projections cast per
-token ([Note: float8 dispatch]). Every other parameter is replicated over the EP ranks,
-which also are data-parallel ranks: each routes its own batch, and the replicated parameters'
-gradients are averaged (FSDP2 does it, see :func:`fully_shard_moe`).
+``parallelize_moe`` shards each MoE layer's experts on dim 0 over the EP mesh, their tokens
+routed by the style's all-to-alls ([Note: expert parallelism] in f8dist/ep/dispatch.py). The EP
+ranks are also data-parallel ranks: each routes its own batch.
 
 [Note: EP x FSDP2]
-On a 2-D mesh ``(dp_shard, ep)`` the experts are sharded over ``ep`` on dim 0 and over
-``dp_shard`` by FSDP2 on dim 1 (a mesh of its own, ``dp_shard`` only: an expert's gradient is
-already the sum over the EP ranks' tokens); every other parameter is sharded by FSDP2 over the
-flattened ``(dp_shard, ep)`` mesh, as in torchtitan. FSDP2's gradient of an expert weight is the
-mean over the dp_shard ranks only, so the experts' gradients are divided by the EP degree too
-(``GroupedExperts.grad_scale``, in backward before the reduce-scatter: FSDP2's own
-``set_gradient_divide_factor`` needs ReduceOp.PREMUL_SUM, which gloo lacks) to be the mean over
-all data-parallel ranks, as the other parameters'.
+On a 2-D mesh ``(dp_shard, ep)`` FSDP2 shards the experts over ``dp_shard`` on dim 1 (an expert's
+gradient already sums the EP ranks' tokens) and everything else over the flattened mesh, as in
+torchtitan. FSDP2 then averages an expert's gradient over dp_shard only, so the experts' gradients
+are divided by the EP degree too (``GroupedExperts.grad_scale``; FSDP2's
+``set_gradient_divide_factor`` needs ReduceOp.PREMUL_SUM, which gloo lacks).
 
 [Note: MoE under tensor parallelism]
-``parallelize_llama(model, tp_mesh, ffn_plan=moe_tp_plan)`` shards the MoE transformer's attention
-and output as the dense plan does (f8dist/models/llama_tp.py: wq/wk/wv column-, wo row-sharded,
-norms sequence parallel), and keeps each MoE layer whole on every TP rank: its input, sequence
-sharded after ``ffn_norm``, is all-gathered over tp; every TP rank routes and runs the experts
-(and the shared expert) on the whole sequence, the same computation on the same tokens, and keeps
-its own sequence shard of the output. Backward all-gathers the output's gradient, so each TP rank
-computes the whole gradient of the MoE's parameters and of its input, the same on every TP rank:
-no reduction over tp, and the routing, the capacity limit and the load-balancing loss see the
-sequence one device sees. The price: the MoE's compute is repeated on the tp ranks (experts
-replicated over tp; the all-gather and the gradient all-gather carry high-precision activations).
-Expert parallelism with TP (a 3-D mesh) is not implemented.
+``moe_tp_plan`` keeps each MoE layer whole on every TP rank: its sequence-sharded input is
+all-gathered over tp (in high precision), every TP rank routes and runs the experts on the whole
+sequence and keeps its shard of the output, and backward all-gathers the output's gradient. So
+no reduction over tp is needed, and routing, capacity and the auxiliary loss see what one device
+sees; the price is the MoE's compute repeated on the tp ranks. EP with TP is not implemented.
 """
 
 from __future__ import annotations
@@ -51,9 +38,8 @@ __all__ = ["parallelize_moe", "fully_shard_moe", "moe_tp_plan"]
 
 def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: bool = True
                     ) -> nn.Module:
-    """Shard the experts of every :class:`MoE` in ``model`` over ``ep_mesh`` (in place).
-    ``float8_dispatch=False`` sends the tokens in high precision ([Note: float8 dispatch]).
-    Convert to float8 before, FSDP2 after.
+    """Shard the experts of every :class:`MoE` in ``model`` over ``ep_mesh`` (in place);
+    ``float8_dispatch``: [Note: float8 dispatch]. Convert to float8 before, FSDP2 after.
 
     Example::
 
@@ -79,9 +65,8 @@ def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: b
 def fully_shard_moe(model: nn.Module, mesh: DeviceMesh, *, ep_dim: str = "ep",
                     dp_dim: str = "dp_shard", dp_mesh: Optional[DeviceMesh] = None,
                     **kwargs) -> nn.Module:
-    """FSDP2 for an expert-parallel model on the 2-D ``mesh`` ([Note: EP x FSDP2]): experts over
-    ``mesh[dp_dim]`` on dim 1, everything else over ``dp_mesh`` (default: the flattened mesh),
-    one FSDP unit per block. ``kwargs`` go to every ``fully_shard`` (e.g. ``mp_policy``).
+    """FSDP2 for an expert-parallel model on the 2-D ``mesh`` ([Note: EP x FSDP2]), one unit per
+    block; ``dp_mesh`` defaults to the flattened mesh, ``kwargs`` go to every ``fully_shard``.
 
     Example::
 
@@ -106,8 +91,8 @@ def fully_shard_moe(model: nn.Module, mesh: DeviceMesh, *, ep_dim: str = "ep",
 
 
 def moe_tp_plan(prefix: str, block: nn.Module, float8: bool) -> Dict[str, ParallelStyle]:
-    """The tensor-parallel style of an MoE block's FFN ([Note: MoE under tensor parallelism]):
-    the ``ffn_plan`` of ``parallelize_llama`` for a :class:`~f8dist.models.moe.MoETransformer`.
+    """``parallelize_llama``'s ``ffn_plan`` for a :class:`~f8dist.models.moe.MoETransformer`
+    ([Note: MoE under tensor parallelism]).
 
     Example::
 

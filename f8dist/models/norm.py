@@ -2,40 +2,21 @@
 per row.
 
 [Note: RMSNorm's saved tensors]
-``nn.RMSNorm`` computes in float32 (``x.float() * rsqrt(mean(x**2) + eps) * w``, rounded to the
-input's dtype). On CUDA torch runs it as one fused kernel that keeps the input
-and ``rstd`` for backward; on the CPU it is composite, and autograd keeps the float32 upcast of
-the input twice more, 8 bytes per element of a bf16 input beside its 2: in a LLaMA block the two
-norms kept more than the attention. :class:`RMSNorm` is ``nn.RMSNorm`` (same parameters, same
-state dict, same output bit for bit) whose backward recomputes the float32 copy from the kept
-input, on every device, so memory reports measure what a fused kernel keeps:
-
-    kept: x (its dtype) [..., D], rstd (float32) [..., 1]
-    n  = x.float() * rstd                            # the forward's, recomputed
-    dw = sum over rows of grad * n                   # in float32
-    dn = grad * w                                    # in float32
-    dx = rstd * dn - x.float() * rstd**3 * mean(dn * x.float())
-
-Gradients are autograd's up to the order of float32 sums (tested against float64). A DTensor
-input (sequence parallel: sharded along the sequence, whole rows on each rank) runs the same ops
-on its local rows; the weight's gradient is then Partial over those rows, as with ``nn.RMSNorm``.
+On CUDA torch runs ``nn.RMSNorm`` as a fused kernel that keeps the input and float32 ``rstd`` for
+backward; on the CPU it is composite and autograd also keeps float32 copies of the input.
+:class:`RMSNorm` is ``nn.RMSNorm`` (same parameters, state dict and output, bit for bit) whose
+backward recomputes the float32 copy from the kept input, on every device, so memory reports
+measure what a fused kernel keeps. Gradients are autograd's up to the order of float32 sums. A
+DTensor input (sequence parallel: whole rows per rank) runs the same ops on its local rows.
 
 [Note: a norm output recomputed in backward]
-The linears that read a norm's output keep their own copy of it for their grad_weight gemm:
-float8 (one copy for siblings, [Note: one cast per input] in f8dist/cast.py) or, when that gemm
-runs in high precision (rowwise_with_gw_hp), the high-precision output itself. The norm keeps
-its input and ``rstd`` anyway, and from them the output is one pointwise pass,
-``(rstd * x.float() * w.float()).type_as(x)``, the forward's own products (one in the other
-order, which a product of two floats does not depend on, and which keeps a compiled graph from
-merging it with the forward's output), so bit for bit the forward's. :meth:`RMSNorm.normalize` returns the output and ``(fn, tensors)`` that give it
-again; a Float8Linear whose config has ``recompute_norm_output`` takes them as its ``recompute``
-(f8dist.models.llama) and keeps nothing of its input: backward recomputes it and casts it as
-its grad_weight gemm casts it, so its gradients are those without the option, bit for bit, and
-each reader pays the pass (and the cast, which the forward skips unless its output gemm needs
-it). Not for a DTensor input (sequence parallelism; the recompute would give the local rows, the
-linear reads them all-gathered), nor for a norm with hooks (a TP style's, FSDP2's), which
-``normalize`` would bypass: the model calls the module then, and the linears keep their input as
-without the option.
+The linears that read a norm's output keep their own copy of it for their grad_weight gemm. The
+norm keeps its input and ``rstd`` anyway, and from them the output is one pointwise pass, bit for
+bit the forward's: :meth:`RMSNorm.normalize` returns the output and ``(fn, tensors)`` giving it
+again, and a Float8Linear with ``recompute_norm_output`` takes them as its ``recompute`` and keeps
+nothing of its input; its gradients are unchanged, bit for bit, and each reader pays the pass.
+Not for a DTensor input (the linear reads the rows all-gathered), nor for a norm with hooks,
+which ``normalize`` would bypass: the linears then keep their input as without the option.
 """
 
 from __future__ import annotations
@@ -58,10 +39,8 @@ def _normalized(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> to
 
 
 def _normalized_again(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """:func:`_normalized`, bit for bit (a product of two floats does not depend on their order),
-    written ``rstd * x`` so that a compiled graph does not merge it with the forward's output:
-    AOTAutograd's common-subexpression elimination would, and its partitioner would then save
-    that output for backward again."""
+    """:func:`_normalized`, bit for bit, written ``rstd * x`` so that AOTAutograd's CSE does not
+    merge it with the forward's output (its partitioner would then save that output again)."""
     return (rstd * x.float() * weight.float()).type_as(x)  # [..., D]
 
 
