@@ -20,12 +20,8 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     """Compute the float8 scale of every dynamically scaled float8 all-gather weight in ``model``
     (FSDP2-sharded) in one all-reduce of their stacked amaxes, and store each on its weight.
 
-    Call it after ``optimizer.step()``. A stored scale is used by the weight's next all-gathers
-    as long as the weight is unchanged (an in-place op on it, or on its high-precision tensor,
-    drops the stored scale): a weight updated after the call is re-scaled with its own
-    all-reduce, never cast with a stale scale. 2-D FSDP x TP weights also take one all-reduce
-    (over every rank), and so do HSDP x TP weights (over dp_shard and tp at once, on a mesh with
-    named dims).
+    Call it after ``optimizer.step()``. A stored scale serves the weight's all-gathers while the
+    weight is unchanged: one updated after the call is re-scaled, never cast with a stale scale.
 
     Example::
 
@@ -34,9 +30,7 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
         >>> model(x)                                           # no amax all-reduce
     """
     agreement.check_once(model)  # before this all-reduce if there was no forward yet
-    # weights sharded over the same mesh axes share their all-reduce(s), whatever their
-    # placements say otherwise (2-D: colwise (_StridedShard(0), Shard(0)) and rowwise
-    # (Shard(0), Shard(1)) weights both reduce over dp and tp)
+    # weights sharded over the same mesh axes share their all-reduce, whatever their placements
     groups = {}  # (mesh, sharded axes) -> (placements, [(module, local weight)])
     for module in model.modules():
         weight = getattr(module, "weight", None)

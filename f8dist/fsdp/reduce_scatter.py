@@ -1,36 +1,21 @@
 """FSDP2 gradient reduce-scatter with float8 on the wire, reduced in float32.
 
 [Note: float8 reduce-scatter]
-FSDP2 reduces a module's gradients in one flat buffer of ``reduce_dtype`` (fp32 or bf16), laid out
-as ``world`` destination chunks of ``n`` elements each: chunk ``d`` holds every parameter's dim-0
-shard ``d`` (padded), i.e. what rank ``d`` keeps. :meth:`FSDPModule.set_custom_reduce_scatter`
-lets a module replace the collective that turns the buffer into this rank's reduced chunk;
-:class:`Float8ReduceScatter` does it in three steps:
+FSDP2 reduces a module's gradients in one flat ``reduce_dtype`` buffer of ``world`` destination
+chunks (chunk ``d``: what rank ``d`` keeps). :class:`Float8ReduceScatter` replaces the collective
+(``FSDPModule.set_custom_reduce_scatter``):
 
-1. every rank casts each destination chunk to float8 in blocks of ``block_size`` elements, each
-   block with its own float32 scale (``amax_to_scale`` / ``saturated_cast`` of
-   ``f8dist/scaling.py``), and packs the chunk's bytes and its scales' bytes into one ``uint8``
-   row ([Note: payload layout]);
-2. one ``all_to_all_single`` of the ``uint8`` rows (gloo and NCCL carry ``uint8``, not float8):
-   rank ``d`` receives chunk ``d`` from every rank. An all-to-all, not a reduce-scatter, because
-   a reduce-scatter adds on the wire in the wire's dtype (partial sums re-rounded to float8 at
-   every hop of a ring); here every contribution is rounded to float8 once and the owner adds
-   them in float32, so the error does not grow with the number of ranks;
-3. rank ``d`` dequantizes the rows to float32, puts its own chunk back in full precision (it never
-   crossed the wire), sums them in float32, applies the reduce op's factor and writes the
-   result in ``reduce_dtype``.
+1. every rank casts each chunk to float8 in blocks of ``block_size``, a float32 scale per block,
+   packed into one ``uint8`` row ([Note: payload layout]; gloo and NCCL carry no float8);
+2. one ``all_to_all_single`` of the rows. Not a reduce-scatter, which adds in the wire's dtype
+   (partial sums re-rounded at every hop): here each contribution is rounded once and the owner
+   adds them in float32, so the error does not grow with the number of ranks;
+3. the owner dequantizes, puts its own chunk back in full precision, sums in float32 and applies
+   the reduce op's factor (``AVG``, ``SUM`` or ``PREMUL_SUM(f)``, as FSDP2 hands it).
 
-The reduce op is the one FSDP2 hands every reduce-scatter, so its averaging semantics carry over:
-``AVG`` divides the sum by the world size, ``SUM`` does not (FSDP2 then divides itself, with
-``set_force_sum_reduction_for_comms(True)`` or a fp16 ``reduce_dtype``), and ``PREMUL_SUM(f)``
-(``set_gradient_divide_factor``) multiplies it by ``f``. HSDP's all-reduce across replicas runs
-after this collective, unchanged, in ``reduce_dtype``.
-
-Bytes: a rank puts ``world * (n + 4 * ceil(n / block_size))`` bytes into the all-to-all where a
-reduce-scatter takes ``world * n * itemsize`` (2 for bf16, 4 for fp32): 0.508x of bf16 and
-0.254x of fp32 at the default block size of 256. Both send all but their own chunk
-(``(world - 1) / world`` of the input) in a ring or pairwise exchange. The default (e4m3, 256)
-was chosen by measurement: ``scripts/bench_reduce_scatter.py``, table in docs/performance.md.
+A rank sends ``world * (n + 4 * ceil(n / block_size))`` bytes where a reduce-scatter sends
+``world * n * itemsize``. The default (e4m3, 256) comes from ``scripts/bench_reduce_scatter.py``
+(docs/performance.md).
 
 Example::
 
@@ -101,10 +86,8 @@ class Float8ReduceScatterConfig:
 # -- the chunk math (pure: no process group) ----------------------------------------------------
 
 # [Note: payload layout]
-# One destination chunk of n elements travels as one uint8 row of payload_numel(n) bytes:
-#   [ n float8 bytes | n_blocks float32 scales (4 bytes each, native byte order) ]
-# The last block may be partial: it is zero-padded for its amax and cast (zeros change neither),
-# and only its n real bytes are sent.
+# A chunk of n elements travels as one uint8 row: [ n float8 bytes | n_blocks float32 scales ].
+# A partial last block is zero-padded for its amax and cast; only its real bytes are sent.
 
 
 def payload_numel(n: int, config: Float8ReduceScatterConfig) -> int:
@@ -150,10 +133,8 @@ def dequantize_and_sum(
 
 
 class Float8ReduceScatter:
-    """FSDP2's reduce-scatter comm (``torch.distributed.fsdp`` ``ReduceScatter`` interface:
-    ``allocate`` and ``__call__``) that sends float8 ([Note: float8 reduce-scatter]).
-
-    Installed on every FSDP module by :func:`enable_float8_reduce_scatter`.
+    """FSDP2's reduce-scatter comm (``allocate`` and ``__call__``) that sends float8
+    ([Note: float8 reduce-scatter]); see :func:`enable_float8_reduce_scatter`.
     """
 
     def __init__(self, config: Float8ReduceScatterConfig):
@@ -211,10 +192,8 @@ def enable_float8_reduce_scatter(
     model: nn.Module, *, config: Optional[Float8ReduceScatterConfig] = None
 ) -> int:
     """Make every FSDP2 module in ``model`` (after ``fully_shard``) reduce its gradients with
-    float8 on the wire ([Note: float8 reduce-scatter]); returns how many modules it set.
-
-    Every rank must call it with the same config (checked: ranks that disagree raise here rather
-    than hang in backward).
+    float8 on the wire ([Note: float8 reduce-scatter]); returns how many modules it set. Every
+    rank must call it with the same config (checked).
 
     Example::
 

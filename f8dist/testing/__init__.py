@@ -1,13 +1,8 @@
 """Measurement tools for checking float8 training: what crosses the wire and what stays in memory.
 
-They are what f8dist's own tests and benchmarks use, public for users who want to check the same
-figures in their programs. Nothing in the rest of f8dist depends on them.
-
-* :func:`count_collectives` (``collectives.py``): calls and bytes of every collective a region
-  runs, per kind, on this rank ([Note: what is counted]).
-* :func:`measure_fwd_bwd`, :func:`saved_tensor_bytes`, :func:`graph_saved_tensors`,
-  :func:`compiled_saved_bytes` (``memory.py``): bytes a forward keeps for backward and the peak of a forward + backward, on the
-  CPU too ([Note: counting bytes without an allocator]).
+f8dist's own tests and benchmarks use them; nothing else in f8dist depends on them.
+:func:`count_collectives`: [Note: what is counted]; :func:`measure_fwd_bwd` and the other byte
+counters: [Note: counting bytes without an allocator].
 
 Example::
 

@@ -10,39 +10,16 @@ Example::
     >>> counts.expect("all_gather")   # raises if the region ran no all-gather   # doctest: +SKIP
 
 [Note: what is counted]
-A collective is counted once, on the rank that runs it, at the level of the dispatcher ops every
-front end lowers to:
-
-* ``torch.ops.c10d.*``: the ops behind ``torch.distributed.all_reduce``, ``all_gather_single`` /
-  ``all_gather_into_tensor`` and ``reduce_scatter_single`` / ``reduce_scatter_tensor`` (what FSDP2
-  calls), ``broadcast``, ``all_to_all_single``, the object collectives, ...;
-* ``torch.ops._c10d_functional.*``: the functional collectives DTensor's redistribution issues
-  (an amax's Partial(max) -> Replicate is one ``all_reduce``).
-
-It is a ``TorchDispatchMode`` that lets tensor subclasses (DTensor, Float8Tensor) run first and
-sees the collectives they lower to, so a DTensor op that redistributes is counted by what it
-actually sends. A functional collective is counted when issued, not when waited on.
-
-Bytes are per rank and per call, summed over calls:
-
-* ``input_bytes``: size (``numel * element_size``) of the tensors the collective reads on this
-  rank: the local shard of an all-gather, the full buffer of a reduce-scatter or all-reduce;
-* ``output_bytes``: size of the tensors it writes on this rank: the gathered buffer of an
-  all-gather (this rank's own chunk included), the shard of a reduce-scatter, the buffer of an
-  all-reduce or broadcast.
-
-So a float8 all-gather of a weight with ``n`` elements on ``w`` ranks has ``output_bytes == n`` (1
-byte per element, uint8 on the wire) where a bf16 one has ``2 * n``.
-
-Each call is also counted by where it went: ``groups[(ranks, op)]``, the global ranks of its
-process group (sorted) and, for reductions, its reduce op ("max", "sum", "avg", ...; None for the
-others). So a test can say an amax was all-reduced over exactly the mesh axes that shard its
-tensor: ``counts["all_reduce"].calls_over(mesh["tp"], "max")``.
-
-Simulated ranks count as real ones: on torch's threaded process group each thread counts its own
-rank's calls; under ``LocalTensorMode`` (one program for every rank, [Note: simulating ranks in one
-process] in tests/sim/__init__.py) a ``LocalTensor`` is treated as a plain tensor, so a
-collective is counted once, with one rank's bytes and the group of the rank that issued it.
+A collective is counted once, on the rank that runs it, at the dispatcher ops every front end
+lowers to (``torch.ops.c10d.*``, ``torch.ops._c10d_functional.*``), when issued. A
+``TorchDispatchMode`` lets tensor subclasses (DTensor, Float8Tensor) run first, so an op that
+redistributes is counted by what it actually sends. Bytes are per rank, summed over calls:
+``input_bytes`` the tensors the collective reads on this rank, ``output_bytes`` those it writes
+(an all-gather's whole gathered buffer). ``groups[(ranks, op)]`` counts calls by process group
+and reduce op, so a test can check the axes of a reduction
+(``counts["all_reduce"].calls_over(mesh["tp"], "max")``). On torch's threaded process group each
+thread counts its rank's calls; under ``LocalTensorMode`` ([Note: simulating ranks in one process]
+in tests/sim/__init__.py) a collective is counted once, with one rank's bytes.
 """
 
 from __future__ import annotations
@@ -120,8 +97,7 @@ def _nbytes(x) -> int:
     return 0
 
 
-# op name -> (kind, index of the input arg, index of the output arg; "ret" = the return value,
-# "out" = the ``out=`` kwarg). In-place ops read and write the same argument.
+# op name -> (kind, input arg index, output arg index or "ret" / "out" (the out= kwarg))
 _C10D = {
     "allreduce_": ("all_reduce", 0, 0),
     "allreduce_coalesced_": ("all_reduce", 0, 0),
@@ -208,9 +184,7 @@ class _CountingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        # Let tensor subclasses (DTensor, Float8Tensor) desugar first; the collectives they
-        # issue come back through this mode on plain tensors. Fake tensors (DTensor's shape
-        # propagation) run no collectives and must not be deferred to.
+        # tensor subclasses desugar first; fake tensors run no collectives: not deferred to
         if any(_defers(t) for t in types):
             return NotImplemented
         out = func(*args, **kwargs)
@@ -233,13 +207,9 @@ class _CountingMode(TorchDispatchMode):
 def record_collective(kind: str, read, written, group, op: Optional[str] = None) -> None:
     """Count one collective in every :func:`count_collectives` region active on this thread.
 
-    For process groups whose collectives do not reach the dispatcher: torch's threaded test
-    group implements them as Python methods, which ``torch.distributed.all_gather_into_tensor``
-    (FSDP2) calls directly (tests/sim/threads.py reports them here). A functional collective
-    reaches such a method from inside the dispatcher, while the counting modes that counted it
-    are off the mode stack, so it is not counted twice. ``read`` / ``written``: the tensors (or
-    lists of them) the call reads and writes on this rank; ``group``: its process group; ``op``:
-    its reduce op, if any."""
+    For process groups whose collectives do not reach the dispatcher (torch's threaded test
+    group: tests/sim/threads.py reports them here). A functional collective reaching such a group
+    from inside the dispatcher is not counted twice: the counting modes are then off the stack."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _CountingMode)]
@@ -253,8 +223,7 @@ def record_collective(kind: str, read, written, group, op: Optional[str] = None)
 def count_collectives() -> Iterator[CollectiveCounts]:
     """Count the collectives run inside the ``with`` block, per kind, on this rank.
 
-    See [Note: what is counted] for what a call and a byte are. The counts are filled in as the
-    block runs (read them after it exits). Nested blocks count independently.
+    See [Note: what is counted]. Nested blocks count independently.
     """
     counts = CollectiveCounts()
     with _CountingMode(counts):

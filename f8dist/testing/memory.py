@@ -1,28 +1,15 @@
 """How many bytes a forward keeps alive for its backward, and the peak of a forward + backward.
 
 [Note: counting bytes without an allocator]
-On the CPU there are no allocator statistics, so :class:`LiveBytes` counts tensor storages: a
-``TorchDispatchMode`` sees the output of every aten op (also the ones a Float8Tensor runs inside its
-own ``__torch_dispatch__``: the mode returns ``NotImplemented`` for subclass arguments, so the
-subclass handles the op and its inner ops come back to the mode), registers each new storage
-once with its size and the op that made it, and a ``weakref.finalize`` on the storage subtracts
-it when the storage dies. "Live bytes" are therefore the bytes allocated since the mode started
-that are still referenced by anything: saved tensors, selective-checkpoint caches, Python names.
-
-:func:`measure_fwd_bwd` runs ``module(x)`` and its backward under it:
-
-* ``kept_bytes``: bytes allocated in the forward and still alive at its end, the output excluded:
-  what the forward keeps for backward. Parameters are not allocated in the forward, so they never
-  count; the input is cloned inside the forward (standing for the previous layer's output), so it
-  counts exactly when backward keeps it.
-* ``scale_bytes``: the part of ``kept_bytes`` made by amax reductions (``aten.amax``/``aten.max``):
-  the float8 scales a selective-checkpoint policy keeps, one number per tensor or per row.
-* ``peak_bytes``: the most bytes alive at once over forward and backward (on CUDA:
-  ``torch.cuda.max_memory_allocated`` minus what was allocated before).
-
-:func:`saved_tensor_bytes` counts the other way, from autograd's saved tensors (the graph's
-nodes, deduplicated by storage, parameters excluded); for a plain (non-checkpointed) forward the two
-agree, which the tests check.
+The CPU has no allocator statistics, so :class:`LiveBytes` (a ``TorchDispatchMode``, deferring to
+tensor subclasses so their inner ops come back to it) registers each new storage an aten op makes
+and a ``weakref.finalize`` subtracts it when it dies: live bytes are those allocated since the
+mode started and still referenced. :func:`measure_fwd_bwd` runs ``module(x)`` and its backward
+under it: ``kept_bytes`` are the forward's allocations alive at its end, the output excluded
+(parameters never count; the input is cloned inside the forward, so it counts exactly when
+backward keeps it); ``scale_bytes`` the part made by amax reductions; ``peak_bytes`` the most
+alive at once. :func:`saved_tensor_bytes` counts from autograd's saved tensors instead; for a
+plain forward the two agree, which the tests check.
 """
 
 from __future__ import annotations
@@ -171,10 +158,8 @@ def measure_fwd_bwd(
 
 def saved_tensor_bytes(module: nn.Module, x: torch.Tensor, *args) -> int:
     """Bytes of the tensors autograd saves in ``module(x.clone(), *args)``, deduplicated by
-    storage, parameters and buffers excluded (a plain forward, not checkpointed). Read from the
-    autograd graph the forward built (each node's saved tensors), not with saved-tensor hooks:
-    hooks turn off the float8 casts that sibling linears share ([Note: one cast per input] in
-    f8dist/cast.py)."""
+    storage, parameters and buffers excluded. Read from the graph, not with saved-tensor hooks,
+    which turn off the casts sibling linears share ([Note: one cast per input] in f8dist/cast.py)."""
     state = [*module.parameters(), *module.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
     params = {st.data_ptr() for p in state for st in storages(p)}
     x = x.detach().requires_grad_(True)
@@ -212,15 +197,11 @@ def compiled_saved_bytes(
     module: nn.Module, x: torch.Tensor, *args, context_fn: Optional[Callable] = None
 ) -> int:
     """Bytes that ``torch.compile`` saves for backward in ``module(x.clone(), *args)`` (under
-    ``checkpoint(..., context_fn=context_fn)`` when given): the storages of the inputs of the
-    partitioned backward graph other than gradients, each counted once, and none of the forward's
-    own inputs (parameters, buffers, ``x``).
+    ``checkpoint(..., context_fn=context_fn)`` when given), forward inputs excluded.
 
-    Compiled kernels allocate outside the dispatcher, so :class:`LiveBytes` cannot see them; this
-    reads what AOTAutograd's partitioner (the one that applies a SAC policy) decided to keep. It
-    compiles with the ``aot_eager`` backend: the same partition, no code generation. It resets
-    dynamo's caches first. A saved tensor that is a view counts as the tensor it views
-    ([Note: saved views]).
+    Compiled kernels allocate outside the dispatcher, so this reads what AOTAutograd's
+    partitioner keeps (``aot_eager``: the same partition, no code generation; dynamo's caches are
+    reset first). A saved view counts as the tensor it views ([Note: saved views]).
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
@@ -260,13 +241,10 @@ def compiled_saved_bytes(
 
 
 # [Note: saved views]
-# The partitioner saves tensors by graph node, and a view is a node of its own: the attention's
-# output is saved for its backward and, as the view ``out.transpose(1, 2).reshape(...)``, for the
-# output projection's grad_weight gemm; rope's cos and sin are saved as ``select``s of the
-# frequency table the model passes in. A compiled graph returns such views of one buffer (or of
-# its input, which AOTAutograd regenerates from the input), so they hold no bytes of their own.
-# Each saved node is therefore followed through view ops to the node that allocated it, and each
-# allocation counted once; one that is a forward input (a parameter, a buffer, ``x``) not at all.
+# The partitioner saves tensors by graph node, and a view is a node of its own (attention's output
+# and its reshaped view; rope's ``select``s of the frequency table), holding no bytes of its own.
+# Each saved node is followed through view ops to the node that allocated it, each allocation
+# counted once, and forward inputs not at all.
 
 
 def _saved_storage_bytes(graph, names) -> int:
