@@ -5,22 +5,13 @@ f8dist's settings decide which collectives run (float8 or plain all-gathers, ama
 TP styles), so ranks whose settings differ (a flag read differently on one node, a rank that never
 converts) hang in mismatched collectives, or train with different numerics per rank.
 
-So ``convert_to_float8_training`` registers the model, and before its first forward the ranks
-compare their :func:`settings` through the c10d store, not a collective (a collective one rank
-never joins is the hang this check prevents). Each rank sets a hash of its settings; the group's
-first rank waits for all, at most ``F8DIST_AGREEMENT_TIMEOUT_S`` seconds, and sets the verdict:
-equal hashes go on; different ones make every rank raise the same error naming the fields, ranks
-and modules; a rank missing at the timeout is named in the error of every rank that checked.
-
-The check runs from a global forward pre-hook, before FSDP2's all-gather and DDP's broadcast
-(``precompute_float8_dynamic_scale_for_fsdp`` checks too). The group is DDP's when the forward is
-DDP's, else the largest mesh of the model's DTensor parameters; without either, or without a
-multi-rank process group, nothing is checked and no hook is registered.
-
-Sharding must not hang before it either: the float8 TP styles make delayed buffers Replicate
-DTensors in place (no broadcast) and DDP ignores them, and ``parallelize_llama`` checks over the
-tp mesh first; with PyTorch's own styles on a delayed model, call :func:`check` before
-``parallelize_module``.
+So before the first forward (a global forward pre-hook, ahead of FSDP2's and DDP's
+collectives) the ranks compare their :func:`settings` through the c10d store, not a collective,
+which a missing rank would hang: the group's first rank gathers hashes for at most
+``F8DIST_AGREEMENT_TIMEOUT_S`` seconds and sets a verdict, and every rank raises the same error
+naming the differences or the missing ranks. Sharding must not hang before it either: the float8
+TP styles make delayed buffers Replicate in place (no broadcast); with PyTorch's own styles on a
+delayed model, call :func:`check` before ``parallelize_module``.
 """
 
 from __future__ import annotations
@@ -59,8 +50,7 @@ _rounds: Dict[Tuple[str, int], int] = {}
 
 
 def check_before_first_forward(model: nn.Module) -> None:
-    """Check ``model`` against the other ranks before its first forward ([Note: ranks that
-    disagree]); ``convert_to_float8_training`` calls it."""
+    """Check ``model`` before its first forward ([Note: ranks that disagree])."""
     import torch.distributed as dist
 
     global _hook
@@ -72,8 +62,7 @@ def check_before_first_forward(model: nn.Module) -> None:
 
 
 def record_style(module: nn.Module, style) -> None:
-    """Note the float8 parallel style (TP or EP) applied to ``module`` (part of its
-    :func:`settings`)."""
+    """Note the float8 parallel style applied to ``module`` (part of its :func:`settings`)."""
     module._f8dist_tp_style = repr(style)
 
 

@@ -44,9 +44,8 @@ def convert_to_float8_training(
     """Replace every ``nn.Linear`` in ``module`` (that ``module_filter_fn(mod, fqn)`` accepts) with
     a :class:`Float8Linear` sharing its parameters, and every
     :class:`~f8dist.grouped.GroupedExperts` with a :class:`~f8dist.grouped.Float8GroupedExperts`
-    ([Note: grouped gemms] in f8dist/grouped.py). Returns ``module`` (or the new module if
-    ``module`` itself is a linear). ``config``: a :class:`Float8LinearConfig`, a recipe name, or
-    None (the default config).
+    ([Note: grouped gemms] in f8dist/grouped.py). Returns ``module`` (or its replacement).
+    ``config``: a :class:`Float8LinearConfig`, a recipe name, or None (the default).
 
     Layers whose dims do not fit the float8 gemms (alignment, the recipe's blocks) stay high
     precision with a log note, unless ``config.pad_inner_dim`` pads them or
@@ -64,8 +63,8 @@ def convert_to_float8_training(
         >>> convert_to_float8_training(model, config=experts_config,  # doctest: +SKIP
         ...     module_filter_fn=is_experts)
 
-    All or nothing: every layer is decided and built before the model changes, so an error leaves
-    it as it was. Converting again is a no-op with the same config and an error with another.
+    All or nothing: an error leaves the model as it was. Converting again with another config
+    raises.
 
     Example::
 

@@ -9,18 +9,13 @@ and micro-batch):
 
 * each gemm takes ``max(2MKN / peak_flops, bytes / bandwidth)``, bytes being both operands (2 per
   element in bf16, 1 in float8) plus the bf16 output; float8 gemms use the float8 peak;
-* the casts move ``CAST_BYTES[recipe]`` bytes per element of each high-precision operand, as they
-  run under torch.compile: a dynamic cast reads twice (amax, then cast) and writes 1 byte, 5; a
-  delayed or block cast fuses the amax into its one pass, 3; each further layout the same pass
-  writes adds 1. An operand cast once per gemm pays per cast (rowwise: 5 + 5); a tensorwise input
-  or grad_output serves both its gemms (5 + 1); the weight is re-cast in backward ([Note: what the
-  matmul keeps for backward] in f8dist/linear.py) unless its blocks are square; a high-precision
-  gemm casts nothing. Block scales' own bytes are left out.
+* the casts move ``CAST_BYTES[recipe]`` bytes per element of each operand, as compiled: a
+  dynamic cast reads twice and writes 1 byte (5), a delayed or block cast one pass (3), each extra
+  layout +1; an operand pays once per gemm it is cast for ([Note: what the matmul keeps for
+  backward] in f8dist/linear.py).
 
-The model assumes gemms and casts reach the same fraction of their peaks (the ideal float8
-speedup), so a linear it keeps in high precision cannot gain even then; near the boundary the
-measured gain may be none (``docs/auto_filter.md``, from ``scripts/auto_filter_table.py``). The
-weight casts do not grow with M, so fewer tokens convert fewer linears.
+The model assumes the ideal float8 speedup, so a linear it keeps in high precision cannot gain
+even then (``docs/auto_filter.md``, from ``scripts/auto_filter_table.py``).
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ __all__ = [
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
-# bytes moved per element of (input [M, K], grad_output [M, N], weight [N, K]) by a recipe's
-# casts; see [Note: the auto filter's cost model]
+# cast bytes per element of (input, grad_output, weight): [Note: the auto filter's cost model]
 CAST_BYTES = {
     Float8LinearRecipeName.TENSORWISE: (6, 6, 10),
     Float8LinearRecipeName.ROWWISE: (10, 10, 10),

@@ -1,63 +1,41 @@
 """Grouped experts of a mixture-of-experts layer, and their float8 grouped gemms.
 
 [Note: grouped gemms]
-An expert layer holds 3-D weights ``[experts, out, in]`` and runs one gemm per expert over its
-token group (rows of ``x`` sorted by expert, ``offsets`` as in ``torch._grouped_mm``: [Note: token
-groups] in f8dist/scaling.py). The three gemms are a linear's ([Note: gemms] in f8dist/linear.py),
-per expert ``e``::
-
-    output      = x[rows of e] @ w[e].t()              [M_e, K] x [K, N]   -> [M_e, N]
-    grad_input  = grad_output[rows of e] @ w[e]        [M_e, N] x [N, K]   -> [M_e, K]
-    grad_weight = grad_output[rows of e].t() @ x[rows of e]  [N, M_e] x [M_e, K] -> [N, K]
-
-and each operand is cast as the same cell of the config's table says, per expert ([Note: grouped
-casts] in f8dist/specs.py). An expert with no tokens has an empty group: no output rows, a zero
-weight gradient.
+An expert layer holds 3-D weights ``[experts, out, in]`` and runs a linear's three gemms
+([Note: gemms] in f8dist/linear.py) per expert ``e`` over its token group (rows of ``x`` sorted by
+expert: [Note: token groups] in f8dist/scaling.py), e.g. ``output = x[rows of e] @ w[e].t()``,
+each operand cast as the config's table says, per expert ([Note: grouped casts] in
+f8dist/specs.py). An expert with no tokens gets a zero weight gradient.
 
 [Note: block grouped gemms]
 With block scales ([Note: block scales] in f8dist/cells.py) each expert's gemm is the dense
-block-scaled gemm on its group, the weight in blocks of its own per expert. grad_weight contracts
-the tokens, so its operands are blocked along the tokens within each group: the groups are first
-padded with zero rows to a multiple of the block (``pad_groups``; exact: zeros raise no amax and
-add no product), so that no block holds two experts' tokens. Per expert, this is a block-scaled
-``Float8Linear`` on the expert's tokens, bit for bit ([Note: the CPU block grouped kernel] in
-f8dist/grouped_gemm.py). The experts' dims must divide into the blocks (``shape_problems``).
+block-scaled gemm on its group. grad_weight contracts the tokens, so the groups are first padded
+with zero rows to a multiple of the block (``pad_groups``; exact: zeros raise no amax and add no
+product), so that no block holds two experts' tokens: per expert, bit for bit a block-scaled
+``Float8Linear`` ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py).
 
 [Note: delayed experts]
 Delayed scaling ([Note: delayed scaling] in f8dist/delayed.py) keeps one amax history per expert
-weight FQN (``<experts>.w1`` ...) and operand, per tensor (``ExpertWeightScaling``, a child
-``delayed_scaling.w1`` ... holding torchao's ``fp8_amax_*`` buffers, so the sync, checkpoints
-and telemetry treat it as a linear's). Per tensor, not per expert, because (1) a history predicts
-the next step's amax, and an expert's token group changes with the routing every step (it may be
-empty), while the layer's tokens as a whole do not; (2) the state stays a few replicated scalars
-whatever the number of experts, so checkpoints reshard across EP degrees and the sync's one
-all-reduce is unchanged. Under expert parallelism the first step's amaxes are reduced over the EP
-axis ([Note: tokens of sharded experts] in f8dist/placement.py) and the sync's MAX makes every
-history that of one device running the global batch.
+weight (``ExpertWeightScaling``, so the sync, checkpoints and telemetry treat it as a linear's)
+and operand, per tensor, not per expert: (1) a history predicts the next step's amax, and an
+expert's token group changes with the routing every step, while the layer's tokens do not;
+(2) the state stays a few replicated scalars, so checkpoints reshard across EP degrees. Under
+expert parallelism the first step's amaxes are reduced over the EP axis ([Note: tokens of sharded
+experts] in f8dist/placement.py), so every history is that of one device.
 
 [Note: one cast of the tokens]
-w1 and w3 read the same tokens. When their input cast is per token (rowwise, or the block
-recipes' 1 x K blocks), :class:`Float8GroupedExperts` casts the tokens once (``ToFloat8``) and both
-gemms take those bytes; expert parallelism casts at the same point, before the dispatch
-(f8dist/ep/dispatch.py), so one device and EP multiply the same float8 tokens. The grad_weight
-gemms re-cast the float8 tokens along each group (a second rounding; with power-of-2 scales only
-a shift of exponents, exact but for e4m3 subnormals).
+When w1's and w3's input cast is per token, :class:`Float8GroupedExperts` casts the tokens once
+and both gemms take those bytes; EP casts at the same point, before the dispatch, so one device
+and EP multiply the same float8 tokens. The grad_weight gemms re-cast the float8 tokens along
+each group (a second rounding, exact but for e4m3 subnormals with power-of-2 scales).
 
 [Note: options of grouped experts]
-Every Float8LinearConfig field either takes effect in the experts or is refused at conversion
-(``check_grouped_options``):
-
-* the cast table, ``use_fast_accum``, ``emulate``, ``round_scales_to_power_of_2``, delayed scaling,
-  ``enable_amax_init``: as for a linear, per expert;
-* ``enable_fsdp_float8_all_gather``: float8 for dynamic tensorwise expert weights; delayed and
-  block-scaled ones gather in high precision, with a warning ([Note: float8 all-gather of expert
-  weights] in f8dist/fsdp/weight.py);
-* ``pad_inner_dim``: the experts' dims are not padded; experts that do not fit stay in high
-  precision or raise;
-* ``sp_grad_weight``: nothing to choose, the experts' input crosses in high precision ([Note: MoE
-  under tensor parallelism] in f8dist/models/moe_parallel.py);
-* ``LINEAR_ONLY_OPTIONS`` (what a linear keeps for backward): the experts keep their own way and a
-  config that sets one raises, naming the fix (convert the experts in a second call).
+Every Float8LinearConfig field takes effect in the experts or is refused at conversion
+(``check_grouped_options``). Dynamic tensorwise expert weights gather in float8, delayed and
+block-scaled ones in high precision, with a warning ([Note: float8 all-gather of expert weights]
+in f8dist/fsdp/weight.py); ``pad_inner_dim`` does not pad experts; ``sp_grad_weight`` has nothing
+to choose ([Note: MoE under tensor parallelism] in f8dist/models/moe_parallel.py); the options of
+what a linear keeps for backward (``LINEAR_ONLY_OPTIONS``) raise, naming the fix.
 """
 
 from __future__ import annotations

@@ -23,22 +23,17 @@ are reused.
 * weight amax, when backward's weight cast is tensorwise (``CastSpecs.weight_amax_from_forward``):
   the max of the forward's amax, one float32; the weight has not changed, so it is exact and
   saves a pass over the weight.
-* input: what ``CastSpecs.saved_input`` says (the one rule: ``Float8LinearConfig._saved_input``):
-  FORWARD_CAST when the grad_weight gemm reuses the forward cast (tensorwise), or with
-  ``axiswise_requantize_input_for_grad_weight`` (re-scaled along the tokens in backward: a second
-  rounding, exact but for e4m3 subnormals with power-of-2 scales); GRAD_WEIGHT_CAST with
-  ``float8_activations_for_backward`` (the grad_weight gemm's cast, made in forward: bit for bit
-  backward's); HIGH_PRECISION otherwise (axiswise needs the other axis; a high-precision
-  grad_weight gemm needs the values). scripts/memory_report.py measures the choices
-  (docs/performance.md).
-  An input that arrives in float8 with the grad_weight gemm's cast as its companion ([Note: two
-  casts of one tensor] in f8dist/tensor.py) keeps that cast only; one that left it on its rank
-  (``KeptShard``, ``sp_grad_weight="backward_gather"``) keeps the shard and all-gathers it in
-  backward, once for all its readers (``SharedGather`` in f8dist/cast.py). A float8 input kept for
-  backward is one copy for all linears reading it with the same spec ([Note: one cast per input]
-  in f8dist/cast.py); an input handed over with ``recompute`` is not kept: backward recomputes it
-  ([Note: a recomputed input]; [Note: a product recomputed in backward] in f8dist/swiglu.py;
-  [Note: a norm output recomputed in backward] in f8dist/models/norm.py).
+* input: what ``CastSpecs.saved_input`` says (the one rule: ``Float8LinearConfig._saved_input``).
+  High precision by default: axiswise needs the other axis, a high-precision gemm the values.
+  ``float8_activations_for_backward`` keeps the grad_weight gemm's cast, made in forward (bit for
+  bit backward's); ``axiswise_requantize_input_for_grad_weight`` re-scales the forward's (a second
+  rounding, exact but for e4m3 subnormals with power-of-2 scales). scripts/memory_report.py
+  measures the choices (docs/performance.md). An input that arrives in
+  float8 with the grad_weight gemm's cast as its companion ([Note: two casts of one tensor] in
+  f8dist/tensor.py) keeps that cast only; one that left it on its rank (``KeptShard``) keeps the
+  shard and all-gathers it in backward, once for all its readers. A float8 input kept for
+  backward is one copy for all its readers ([Note: one cast per input] in f8dist/cast.py); one
+  handed over with ``recompute`` is not kept ([Note: a recomputed input]).
 """
 
 from __future__ import annotations

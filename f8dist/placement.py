@@ -13,26 +13,20 @@ placement shards the tensor, and over no other axis:
     expert weight [E, N, K], one amax per expert          over the axes sharding dims 1, 2 only
       (FSDP2 on dim 1 under EP x FSDP2: dp_shard; EP or FSDP2 on dim 0: none)
 
-Then every rank casts its shard with the scale one device would compute. Two forms:
-:func:`reduce_partial` for a reduction that ran as a DTensor op (already ``Partial(max)`` on the
-sharding axes), :func:`reduce_over_shards` for one that ran on the local shard (which may be
-empty: ``tensor_amax`` gives 0 where DTensor's ``max`` would raise). Data parallelism does not
-shard activations: each rank scales its own micro-batch; only delayed scaling's sync and first
-step cross data-parallel ranks (:func:`all_reduce`). Nothing else in f8dist inspects placements
-to decide a reduction.
+Then every rank casts its shard as one device would: :func:`reduce_partial` for a DTensor
+reduction (already ``Partial(max)``), :func:`reduce_over_shards` for a local one (an empty shard's
+amax is 0). Activations are not sharded by data parallelism: each rank scales its own micro-batch.
+Nothing else in f8dist inspects placements to decide a reduction.
 
 [Note: tokens of sharded experts]
-Under expert parallelism the layer's token tensor (every assignment of the step, expert-major) is
-sharded over exactly the mesh axes that shard the experts dim (dim 0) of its 3-D weights, so a
-statistic of the tokens ([Note: delayed experts] in f8dist/grouped.py) is reduced over those axes
-(:func:`expert_token_placements`).
+Under expert parallelism an expert layer's tokens are sharded over exactly the axes that shard
+its weights' dim 0, so their statistics are reduced over those (:func:`expert_token_placements`).
 
 [Note: shards on block boundaries]
 A block scale ([Note: block scales] in f8dist/cells.py) is a statistic of its block alone, so it
 needs no collective provided no shard splits a block. torch shards a dim of size ``n`` over ``k``
 ranks in chunks of ``ceil(n / k)``, so every shard starts on a block boundary iff that chunk is a
-multiple of the block (the same answer on every rank). A dim that two mesh axes shard (TP's
-``Shard`` split again by FSDP2's ``_StridedShard``) is cut in two steps, each keeping whole blocks.
+multiple of the block; a dim two mesh axes shard is cut in two steps, each keeping whole blocks.
 """
 
 from __future__ import annotations
@@ -66,14 +60,12 @@ def local_part(x: torch.Tensor) -> torch.Tensor:
 
 
 def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as this rank's part of a DTensor laid out like ``template``; ``local`` itself
-    when ``template`` is no DTensor."""
+    """``local`` as this rank's part of a DTensor laid out like ``template`` (if one)."""
     return with_layout(layout(template), local)
 
 
 def layout(t: torch.Tensor) -> Optional[tuple]:
-    """(mesh, placements, global shape, stride) of a DTensor for :func:`with_layout`, None for a
-    plain tensor."""
+    """(mesh, placements, global shape, stride) of a DTensor, None for a plain tensor."""
     if not is_dtensor(t):
         return None
     return t.device_mesh, t.placements, t.shape, t.stride()
@@ -95,8 +87,7 @@ def has_partial(placements: Sequence) -> bool:
 
 
 def reduce_partial(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its ``Partial`` placements made ``Replicate`` (an all-reduce over exactly
-    those axes); anything else comes back unchanged."""
+    """``x`` with its ``Partial`` placements made ``Replicate`` (an all-reduce over them)."""
     if not is_dtensor(x) or not has_partial(x.placements):
         return x
     from torch.distributed.tensor import Replicate
@@ -142,8 +133,7 @@ def all_reduce(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
 
 
 def _whole_mesh_group(mesh) -> Optional[object]:
-    """A group spanning every rank of ``mesh``: the mesh itself when 1-D, else all ranks when it
-    spans the world, else its flattened 1-D mesh."""
+    """A group spanning every rank of ``mesh`` (None: the world)."""
     import torch.distributed as dist
 
     if mesh.ndim == 1:

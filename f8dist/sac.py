@@ -1,37 +1,23 @@
 """Per-op selective activation checkpointing (SAC) that is safe for float8.
 
 [Note: what float8 SAC saves]
-A policy decides, op by op, which forward outputs are kept for backward; the rest is recomputed.
-Worth keeping are outputs that are expensive to recompute and small compared with their inputs:
-
-* matmul outputs: ``aten.mm`` (a float8 gemm of Float8Tensors), ``aten._scaled_mm`` (the same once
-  ``torch.compile`` has flattened the subclass), f8dist's CPU kernels, and attention;
-* the amax reductions behind float8 scales that reduce their tensor at least
-  ``amax_min_reduction``-fold ([Note: which amaxes SAC saves]);
-* ``reduce_scatter_tensor`` outputs, as torchtitan does, and ``all_to_all_single`` outputs (EP's
-  dispatch and combine, and the counts that plan them), so backward's recompute re-runs the
-  routing and the experts locally and communicates no more than without checkpointing.
-
-Never a pointwise op ([Note: which amaxes SAC saves]). As in torchtitan, every
-``recompute_every_nth_mm``-th matmul is recomputed; forward and recompute count matmuls
-separately so they agree.
+The policy keeps outputs that are expensive to recompute and small next to their inputs: matmuls
+(``aten.mm`` of Float8Tensors, ``aten._scaled_mm`` once compiled, f8dist's CPU kernels) and
+attention; large-reduction amaxes ([Note: which amaxes SAC saves]); reduce-scatters and EP's
+all-to-alls, so the recompute communicates nothing. As in torchtitan, every
+``recompute_every_nth_mm``-th matmul is recomputed (forward and recompute count separately).
 
 [Note: SAC around a nested FSDP2 unit]
-Under EP x FSDP2 the experts are an FSDP2 unit inside the checkpointed block, whose hooks open
-more profiler ranges (dispatcher ops) in the recompute than in forward; torch's SAC logs every op
-by invocation index and rejects the extra ones. A profiler range computes nothing, so f8dist's SAC
-modes pass ``profiler`` ops through unlogged.
+A nested FSDP2 unit's hooks open more profiler ranges in the recompute than in forward, and
+torch's SAC rejects the extra ops; a range computes nothing, so f8dist's modes pass ``profiler``
+ops through unlogged.
 
 [Note: which amaxes SAC saves]
-The recompute reads every tensor again to cast it, so a saved amax spares only the reduction and
-costs its bytes until backward: a few bytes per token for tensorwise or per-row amaxes, but 1/32
-of the tensor for MXFP8's 1x32 blocks, and for weights in proportion to the parameters
-(docs/bench/history.md, Memory). So an amax is saved only when it reduces its tensor at least
-``amax_min_reduction``-fold. Either way the recompute's amax is the forward's, bit for bit.
-
-Never the cast's ``abs(x)``, nor any pointwise op: ``abs`` of a weight is as large as the
-unsharded weight, a high-precision copy of every weight kept until backward (docs/bench/history.md,
-Figures moved from f8dist's notes); :class:`Float8SACConfig` rejects pointwise ops.
+The recompute reads every tensor again to cast it, so a saved amax spares only the reduction,
+and MXFP8's 1x32 block amaxes cost 1/32 of their tensor (docs/bench/history.md, Memory): an amax
+is saved only when it reduces its tensor at least ``amax_min_reduction``-fold. Never a pointwise
+op: the cast's ``abs(weight)`` is a high-precision copy of the weight (docs/bench/history.md,
+Figures moved from f8dist's notes).
 """
 
 from __future__ import annotations

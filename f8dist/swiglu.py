@@ -7,10 +7,8 @@ Autograd's ``F.silu(gate) * up`` keeps three [tokens, hidden] tensors for backwa
 float8 as that linear's ``specs.activation`` says (e4m3, a scale per hidden channel). Backward
 dequantizes them and computes what autograd computes (``d_up = grad * silu(gate)``,
 ``d_gate = silu_backward(grad * up, gate)``), so its gradients are autograd's on the float8
-values, bit for bit: one e4m3 rounding inside the w1 and w3 gradients (scripts/memory_report.py
-measures it, docs/performance.md, Memory). Per-channel scales need no collective under tensor
-parallelism: w1 and w3 are column-parallel, so each rank holds whole channels. Telemetry records
-the casts of linears only, not these two.
+values, bit for bit: one e4m3 rounding inside the w1 and w3 gradients (docs/performance.md,
+Memory). Per-channel scales need no collective under TP (each rank holds whole channels).
 
 [Note: a product recomputed in backward]
 w2 keeps its own float8 copy of the product for its grad_weight gemm. With

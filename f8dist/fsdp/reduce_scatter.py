@@ -1,21 +1,13 @@
 """FSDP2 gradient reduce-scatter with float8 on the wire, reduced in float32.
 
 [Note: float8 reduce-scatter]
-FSDP2 reduces a module's gradients in one flat ``reduce_dtype`` buffer of ``world`` destination
-chunks (chunk ``d``: what rank ``d`` keeps). :class:`Float8ReduceScatter` replaces the collective
-(``FSDPModule.set_custom_reduce_scatter``):
-
-1. every rank casts each chunk to float8 in blocks of ``block_size``, a float32 scale per block,
-   packed into one ``uint8`` row ([Note: payload layout]; gloo and NCCL carry no float8);
-2. one ``all_to_all_single`` of the rows. Not a reduce-scatter, which adds in the wire's dtype
-   (partial sums re-rounded at every hop): here each contribution is rounded once and the owner
-   adds them in float32, so the error does not grow with the number of ranks;
-3. the owner dequantizes, puts its own chunk back in full precision, sums in float32 and applies
-   the reduce op's factor (``AVG``, ``SUM`` or ``PREMUL_SUM(f)``, as FSDP2 hands it).
-
-A rank sends ``world * (n + 4 * ceil(n / block_size))`` bytes where a reduce-scatter sends
-``world * n * itemsize``. The default (e4m3, 256) comes from ``scripts/bench_reduce_scatter.py``
-(docs/performance.md).
+:class:`Float8ReduceScatter` replaces FSDP2's gradient reduce-scatter: every rank casts each
+destination chunk to float8 in blocks, packed into ``uint8`` rows ([Note: payload layout]; gloo
+and NCCL carry no float8), one ``all_to_all_single`` sends them, and each owner dequantizes, puts
+its own chunk back in full precision, sums in float32 and applies FSDP2's reduce op's factor.
+Not a reduce-scatter, which adds in the wire's dtype at every hop: each contribution is rounded
+once, so the error does not grow with the number of ranks. The default (e4m3, 256) comes from
+``scripts/bench_reduce_scatter.py`` (docs/performance.md).
 
 Example::
 

@@ -24,8 +24,7 @@ _SPLITS = ("train", "val")
 
 @functools.lru_cache(maxsize=None)
 def corpus_bytes(split: str = "train") -> torch.Tensor:
-    """The stdlib's top-level ``*.py`` files in sorted order, concatenated (uint8, 1-D); the last
-    10 % is the ``"val"`` split, the rest ``"train"``."""
+    """The stdlib's top-level ``*.py`` files, sorted and concatenated (uint8, 1-D), split."""
     if split not in _SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {_SPLITS}")
     stdlib = os.path.dirname(os.__file__)

@@ -1,8 +1,7 @@
 """Expert parallelism for the MoE model of ``moe.py``, and EP x FSDP2.
 
-``parallelize_moe`` shards each MoE layer's experts on dim 0 over the EP mesh, their tokens
-routed by the style's all-to-alls ([Note: expert parallelism] in f8dist/ep/dispatch.py). The EP
-ranks are also data-parallel ranks: each routes its own batch.
+The EP ranks are also data-parallel ranks, each routing its own batch ([Note: expert
+parallelism] in f8dist/ep/dispatch.py).
 
 [Note: EP x FSDP2]
 On a 2-D mesh ``(dp_shard, ep)`` FSDP2 shards the experts over ``dp_shard`` on dim 1 (an expert's
@@ -13,10 +12,9 @@ are divided by the EP degree too (``GroupedExperts.grad_scale``; FSDP2's
 
 [Note: MoE under tensor parallelism]
 ``moe_tp_plan`` keeps each MoE layer whole on every TP rank: its sequence-sharded input is
-all-gathered over tp (in high precision), every TP rank routes and runs the experts on the whole
-sequence and keeps its shard of the output, and backward all-gathers the output's gradient. So
-no reduction over tp is needed, and routing, capacity and the auxiliary loss see what one device
-sees; the price is the MoE's compute repeated on the tp ranks. EP with TP is not implemented.
+all-gathered over tp (in high precision) and each TP rank runs the whole sequence, keeping its
+shard of the output: no reduction over tp, and routing sees what one device sees, for the price
+of repeating the MoE's compute on the tp ranks. EP with TP is not implemented.
 """
 
 from __future__ import annotations

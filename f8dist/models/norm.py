@@ -2,21 +2,17 @@
 per row.
 
 [Note: RMSNorm's saved tensors]
-On CUDA torch runs ``nn.RMSNorm`` as a fused kernel that keeps the input and float32 ``rstd`` for
-backward; on the CPU it is composite and autograd also keeps float32 copies of the input.
-:class:`RMSNorm` is ``nn.RMSNorm`` (same parameters, state dict and output, bit for bit) whose
-backward recomputes the float32 copy from the kept input, on every device, so memory reports
-measure what a fused kernel keeps. Gradients are autograd's up to the order of float32 sums. A
-DTensor input (sequence parallel: whole rows per rank) runs the same ops on its local rows.
+On the CPU ``nn.RMSNorm`` is composite and autograd keeps float32 copies of the input; CUDA's
+fused kernel keeps only the input and ``rstd``. :class:`RMSNorm` is ``nn.RMSNorm`` (bit for bit)
+whose backward recomputes the float32 copy, on every device, so memory reports measure what a
+fused kernel keeps. Gradients are autograd's up to the order of float32 sums.
 
 [Note: a norm output recomputed in backward]
-The linears that read a norm's output keep their own copy of it for their grad_weight gemm. The
-norm keeps its input and ``rstd`` anyway, and from them the output is one pointwise pass, bit for
-bit the forward's: :meth:`RMSNorm.normalize` returns the output and ``(fn, tensors)`` giving it
-again, and a Float8Linear with ``recompute_norm_output`` takes them as its ``recompute`` and keeps
-nothing of its input; its gradients are unchanged, bit for bit, and each reader pays the pass.
-Not for a DTensor input (the linear reads the rows all-gathered), nor for a norm with hooks,
-which ``normalize`` would bypass: the linears then keep their input as without the option.
+The norm keeps its input and ``rstd`` anyway, and from them its output is one pointwise pass,
+bit for bit the forward's: :meth:`RMSNorm.normalize` returns ``(fn, tensors)`` giving it again,
+and a Float8Linear with ``recompute_norm_output`` takes them as its ``recompute`` instead of
+keeping its input. Not for a DTensor input (the linear reads the rows all-gathered), nor for a
+norm with hooks, which ``normalize`` would bypass.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """AdamW whose moments are kept in 8 bits, on each parameter's local shard.
 
 [Note: 8-bit AdamW on shards]
-``torch.optim.AdamW`` (decoupled weight decay, torch's update formula) with the two moments stored
-as block-scaled codes ([Note: state formats] in f8dist/optim/states.py). A step decodes the
-moments to float32, updates them as torch does, encodes them, and updates the weight from the
-fresh float32 moments: only what is carried to the next step is rounded. Inf and NaN moments are
-kept ([Note: non-finite states]), so a non-finite gradient does what it does in torch's AdamW.
-
-The codes live on the parameter's *local* tensor (an FSDP2 or TP shard), flattened, in blocks of
-``block_size`` consecutive elements: encoding needs the block's own amax only, so a step runs no
-collective. When shard boundaries fall on block boundaries, the states are one device's, bit for
-bit. An empty shard keeps empty codes and still counts the step.
+``torch.optim.AdamW`` with the moments stored as block-scaled codes ([Note: state formats] in
+f8dist/optim/states.py). A step decodes them to float32, updates them as torch does, encodes
+them, and updates the weight from the fresh float32 moments: only what is carried to the next
+step is rounded. The codes live on the parameter's local shard, in blocks of ``block_size``
+elements whose scale needs only the block: a step runs no collective, and where shard boundaries
+fall on block boundaries the states are one device's, bit for bit.
 
 [Note: optimizer checkpoints]
-``state_dict()`` holds what torch.optim.AdamW's holds: ``step`` and the moments decoded to
-float32, laid out like the parameter (a DTensor when it is one), so DCP saves and reshards them
-as a high-precision AdamW's, torch's AdamW loads them, and ``load_state_dict`` encodes whatever it
-gets into this optimizer's formats. The price is a transient float32 copy of the moments while
-the caller holds the dict (docs/optim.md). A state loaded on the sharding it was saved on comes
-back bit for bit; resharded, it rounds again where blocks moved. Param groups carry torch's keys
-only: storage and step options belong to the optimizer that loads, which keeps its own.
+``state_dict()`` holds what torch.optim.AdamW's holds, the moments decoded to float32 and laid
+out like the parameter, so DCP reshards them and torch's AdamW loads them; ``load_state_dict``
+encodes whatever it gets (bit for bit on the same sharding; resharded, rounded again where blocks
+moved). Param groups carry torch's keys only: storage options belong to the loading optimizer.
 """
 
 from __future__ import annotations

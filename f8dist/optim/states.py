@@ -1,9 +1,7 @@
 """Optimizer states in few bits: block-scaled codes of one vector, held flat on a local shard.
 
-A :class:`QuantizedState` stands for a float32 vector (an optimizer moment of one parameter's
-local shard, flattened) in blocks of ``block_size`` elements: ``codes`` and, for the block-scaled
-formats, per-block ``scales``. The codes live on the local shard, so encoding and decoding never
-communicate; this module imports nothing from torch.distributed.
+A :class:`QuantizedState` stands for one flattened moment of a local shard, in blocks of
+``block_size`` elements: encoding and decoding never communicate.
 
 [Note: state formats]
 Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
@@ -18,25 +16,18 @@ Each :class:`StateFormat` is one row of this table (``s``: the block's scale)::
     log8       1      round(8 log2(x / max')) + 252; x >= 0     2**31.4, steps of 2**(1/8) (9 %)
     log16      1      round(16 log2(x / max')) + 252; x >= 0    2**15.7, steps of 2**(1/16) (4.4 %)
 
-Encoding a decoded vector again gives it back, bit for bit, so a checkpoint of decoded states
-resumes exactly: the float8 formats' scales are powers of 2, and int8's step ``s`` keeps 17
-significant bits so that ``126 * s`` is exact. The log formats keep the block's largest value
-apart, exactly (its *outlier*, a second float32 per block), and code the others against
-``max'``, the largest of the rest ([Note: outliers in the second moment]). Code 0 is exactly 0; a
-positive value below the range takes the smallest code, never 0 (a zero second moment would make
-the update ``m / eps``). Non-finite values: [Note: non-finite states].
-
-The defaults come from ``scripts/optim_states_report.py`` (docs/optim.md): int8 for the first
-moment (signed; finer than e4m3 near the block's max); log16 for the second, which needs range
-(e4m3 flushes small values: updates of ``m / eps``) and steps finer than its per-step decay, or
-its codes stop following a decaying average.
+Encoding a decoded vector gives it back bit for bit (power-of-2 float8 scales; int8's ``s``
+keeps 17 bits so ``126 * s`` is exact), so checkpoints of decoded states resume exactly. The log
+formats keep the block's largest value apart, exactly, and code the rest against ``max'``, the
+largest of the rest ([Note: outliers in the second moment]). A positive value below the range
+takes the smallest code, never 0 (a zero second moment would make the update ``m / eps``).
+The defaults (int8, log16) come from ``scripts/optim_states_report.py`` (docs/optim.md): the
+second moment needs range and steps finer than its per-step decay.
 
 [Note: non-finite states]
-A moment that is inf or NaN is kept as it is, in every format (each has codes for them,
-``_NON_FINITE_CODES``), and the block's scale is taken over its finite values, so its other
-elements decode as without it; a step then follows torch.optim.AdamW element by element. The
-unsigned formats hold no negative value: -inf is 0. A finite value stays finite: bf16 saturates,
-and a value decoding past float32's max decodes as that max.
+Inf and NaN are kept in every format (``_NON_FINITE_CODES``; -inf is 0 in the unsigned ones) and
+the block's scale comes from its finite values, so a step follows torch.optim.AdamW element by
+element. A finite value stays finite (bf16 saturates; decoding clamps to float32's max).
 
 [Note: outliers in the second moment]
 One huge gradient ``G`` makes an element's second moment ``(1 - beta2) G**2``, decaying by

@@ -10,16 +10,12 @@ Example::
     >>> counts.expect("all_gather")   # raises if the region ran no all-gather   # doctest: +SKIP
 
 [Note: what is counted]
-A collective is counted once, on the rank that runs it, at the dispatcher ops every front end
-lowers to (``torch.ops.c10d.*``, ``torch.ops._c10d_functional.*``), when issued. A
-``TorchDispatchMode`` lets tensor subclasses (DTensor, Float8Tensor) run first, so an op that
-redistributes is counted by what it actually sends. Bytes are per rank, summed over calls:
-``input_bytes`` the tensors the collective reads on this rank, ``output_bytes`` those it writes
-(an all-gather's whole gathered buffer). ``groups[(ranks, op)]`` counts calls by process group
-and reduce op, so a test can check the axes of a reduction
-(``counts["all_reduce"].calls_over(mesh["tp"], "max")``). On torch's threaded process group each
-thread counts its rank's calls; under ``LocalTensorMode`` ([Note: simulating ranks in one process]
-in tests/sim/__init__.py) a collective is counted once, with one rank's bytes.
+A collective is counted once, when issued, on the rank that runs it, at the c10d dispatcher ops,
+after tensor subclasses have run (so by what it actually sends). Bytes are per rank, summed:
+``input_bytes`` read, ``output_bytes`` written (an all-gather's whole buffer). ``groups`` counts
+calls by process group and reduce op (``calls_over(mesh["tp"], "max")``). Under
+``LocalTensorMode`` ([Note: simulating ranks in one process] in tests/sim/__init__.py) a
+collective is counted once, with one rank's bytes.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """How many bytes a forward keeps alive for its backward, and the peak of a forward + backward.
 
 [Note: counting bytes without an allocator]
-The CPU has no allocator statistics, so :class:`LiveBytes` (a ``TorchDispatchMode``, deferring to
-tensor subclasses so their inner ops come back to it) registers each new storage an aten op makes
-and a ``weakref.finalize`` subtracts it when it dies: live bytes are those allocated since the
-mode started and still referenced. :func:`measure_fwd_bwd` runs ``module(x)`` and its backward
-under it: ``kept_bytes`` are the forward's allocations alive at its end, the output excluded
-(parameters never count; the input is cloned inside the forward, so it counts exactly when
-backward keeps it); ``scale_bytes`` the part made by amax reductions; ``peak_bytes`` the most
-alive at once. :func:`saved_tensor_bytes` counts from autograd's saved tensors instead; for a
-plain forward the two agree, which the tests check.
+The CPU has no allocator statistics, so :class:`LiveBytes` (a ``TorchDispatchMode``) registers
+each new storage an aten op makes and a ``weakref.finalize`` subtracts it when it dies.
+:func:`measure_fwd_bwd`'s ``kept_bytes`` are the forward's allocations alive at its end, output
+excluded (the input is cloned inside the forward, so it counts exactly when backward keeps it);
+``scale_bytes`` the part made by amax reductions; ``peak_bytes`` the most alive at once.
 """
 
 from __future__ import annotations
@@ -159,7 +155,8 @@ def measure_fwd_bwd(
 def saved_tensor_bytes(module: nn.Module, x: torch.Tensor, *args) -> int:
     """Bytes of the tensors autograd saves in ``module(x.clone(), *args)``, deduplicated by
     storage, parameters and buffers excluded. Read from the graph, not with saved-tensor hooks,
-    which turn off the casts sibling linears share ([Note: one cast per input] in f8dist/cast.py)."""
+    which turn off the casts sibling linears share ([Note: one cast per input] in
+    f8dist/cast.py)."""
     state = [*module.parameters(), *module.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
     params = {st.data_ptr() for p in state for st in storages(p)}
     x = x.detach().requires_grad_(True)
