@@ -4,10 +4,10 @@ from."""
 
 from __future__ import annotations
 
-import enum
 from typing import Dict, Tuple
 
 from f8dist.cells import E4M3, E8M0, CastConfig, ScalingGranularity, ScalingType
+from f8dist.recipe_names import Float8LinearRecipeName
 
 __all__ = ["Float8LinearRecipeName", "recipe_fields"]
 
@@ -22,18 +22,6 @@ def _deepseek(block_size: Tuple[int, int]) -> CastConfig:
     """A DeepSeek-V3 blockwise cast: e4m3 with one float32 scale per ``block_size`` block."""
     return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3,
                       block_size=block_size)
-
-
-class Float8LinearRecipeName(enum.Enum):
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
-    DELAYED = "delayed"
-    # 1x32 blocks, e8m0 scales, e4m3 everywhere ([Note: block scales] in f8dist/cells.py)
-    MXFP8 = "mxfp8"
-    MXFP8_WGRAD_WITH_HP = "mxfp8_wgrad_with_hp"  # mxfp8, grad_weight gemm in high precision
-    MXFP8_SQUARE_WEIGHTS = "mxfp8_square_weights"  # mxfp8 with 32x32 weight blocks
-    BLOCKWISE = "blockwise"  # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights
 
 
 def recipe_fields(recipe_name: str) -> Dict[str, object]:

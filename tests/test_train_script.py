@@ -2,6 +2,7 @@
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 import compare_loss  # noqa: E402
 import train  # noqa: E402
+import train_flags  # noqa: E402
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():
@@ -70,6 +72,25 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     err = capsys.readouterr().err
     assert match in err
     assert err.count("\n") == 1, err  # no usage dump
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--float8", "none", "--pad-inner-dim"], "--pad-inner-dim change(s) how float8 linears"),
+    (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
+    (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+])
+def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
+    """[Note: flags before torch]: under torchrun every rank paid torch's import for it."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "train.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "WORLD_SIZE": "2", "RANK": "0"}
+    run = subprocess.run([sys.executable, "-X", "importtime", script, *argv], env=env,
+                         capture_output=True, text=True, timeout=60)
+    lines = run.stderr.splitlines()
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    message = [line for line in lines if not line.startswith("import time:")]
+    assert run.returncode == 2 and len(message) == 1 and match in message[0], run.stderr[-2000:]
+    assert "argparse" in imported and not imported & {"torch", "f8dist"}, sorted(imported)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -291,30 +312,37 @@ def test_float8_linears_line_names_the_grouped_experts():
                          "layers.{0}.moe.experts | high precision: 1: layers.{1}.moe.experts"), text
 
 
+def test_recipe_names_have_one_list_that_train_reads_without_torch():
+    """train_flags.py reads Float8LinearRecipeName from f8dist/recipe_names.py as a file (before
+    torch); it is the enum f8dist.config and f8dist.recipes give, not a copy of it."""
+    import f8dist.recipe_names
+    from f8dist.config import Float8LinearRecipeName
+
+    assert Float8LinearRecipeName is f8dist.recipe_names.Float8LinearRecipeName
+    assert train_flags.RECIPES == train.RECIPES == ("none", *(r.value for r in Float8LinearRecipeName))
+
+
 def test_a_new_recipe_is_picked_up_with_what_its_config_allows(monkeypatch):
     """The recipe lists come from Float8LinearRecipeName and each recipe's config: a recipe
     added there is a --float8 choice, a block recipe if its casts are, a --float8-all-gather
     one if its config takes enable_fsdp_float8_all_gather."""
-    import enum
     import importlib
-    import f8dist.config
-    from f8dist.config import Float8LinearConfig, Float8LinearRecipeName
+    from f8dist.config import Float8LinearConfig
 
-    names = {r.name: r.value for r in Float8LinearRecipeName}
-    extended = enum.Enum("Float8LinearRecipeName", {**names, "NEW": "new"})
+    names = train_flags.RECIPES
     from_name = Float8LinearConfig.from_recipe_name
-    monkeypatch.setattr(f8dist.config, "Float8LinearRecipeName", extended)
+    monkeypatch.setattr(train_flags, "RECIPES", (*names, "new"))
     monkeypatch.setattr(Float8LinearConfig, "from_recipe_name", staticmethod(
         lambda r: from_name("mxfp8_square_weights" if str(getattr(r, "value", r)) == "new" else r)))
     try:
         new = importlib.reload(train)
-        assert new.RECIPES == ("none", *names.values(), "new")
+        assert new.RECIPES == (*names, "new")
         assert "new" in new.BLOCK_RECIPES and "new" in new.FLOAT8_ALL_GATHER
         assert new.parse_args(["--float8", "new"]).float8 == "new"
     finally:
         monkeypatch.undo()
         importlib.reload(train)
-    assert train.RECIPES == ("none", *names.values())
+    assert train.RECIPES == names
     assert train.BLOCK_RECIPES == ("mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights",
                                    "blockwise")
     assert train.FLOAT8_ALL_GATHER == ("tensorwise", "delayed", "mxfp8_square_weights",
