@@ -72,7 +72,7 @@ from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
 def _allows_float8_all_gather(recipe: str) -> bool:
     """Whether the recipe's config takes enable_fsdp_float8_all_gather (one float8 weight that
-    serves both of its gemms: the rule of Float8LinearConfig.__post_init__)."""
+    serves both of its gemms: config_rules.enable_fsdp_float8_all_gather)."""
     try:
         Float8LinearConfig.from_recipe_name(recipe).replace(enable_fsdp_float8_all_gather=True)
     except ValueError:
@@ -218,7 +218,7 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
         pad_inner_dim=args.pad_inner_dim)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
-        # pre-all-gather cast ([Note: first step] in f8dist/delayed.py)
+        # pre-all-gather cast ([Note: first step] in f8dist/delayed/scale.py)
         config = config.replace(enable_fsdp_float8_all_gather=True)
     return config
 
