@@ -2,7 +2,7 @@
 
 [Note: loading across recipes]
 Only a delayed-scaling linear adds state to its weight and bias ([Note: delayed checkpoints] in
-f8dist/delayed.py), and DCP's default planner refuses keys the checkpoint lacks, so a
+f8dist/delayed/hooks.py), and DCP's default planner refuses keys the checkpoint lacks, so a
 non-delayed checkpoint would not load into a delayed model. :class:`Float8LoadPlanner` leaves out
 the delayed state the checkpoint lacks, and :meth:`Float8LoadPlanner.restart_missing` restarts
 those linears' histories and names them. Keys the model does not ask for are not read

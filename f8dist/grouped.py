@@ -15,7 +15,7 @@ product), so that no block holds two experts' tokens: per expert, bit for bit a 
 ``Float8Linear`` ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py).
 
 [Note: delayed experts]
-Delayed scaling ([Note: delayed scaling] in f8dist/delayed.py) keeps one amax history per expert
+Delayed scaling ([Note: delayed scaling] in f8dist/delayed/) keeps one amax history per expert
 weight (``ExpertWeightScaling``, so the sync, checkpoints and telemetry treat it as a linear's)
 and operand, per tensor, not per expert: (1) a history predicts the next step's amax, and an
 expert's token group changes with the routing every step, while the layer's tokens do not;
@@ -133,7 +133,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         x, w, offsets = ctx.saved_tensors
         specs, scales = ctx.specs, ctx.scales
         grad_output = grad_output.contiguous()  # [M, N]
-        later = []  # [Note: record after the cast] in f8dist/delayed.py
+        later = []  # [Note: record after the cast] in f8dist/delayed/scale.py
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
             state, record = ctx.delayed
             scales = {**scales, **state.grad_output_scales(grad_output, record, later,
@@ -429,7 +429,7 @@ class Float8GroupedExperts(GroupedExperts):
         state, record, later, sharding = scaling.delayed, scaling.delayed.training(), [], scaling.sharding()
         scales = state.forward_scales(x, w, record, later, sharding)
         out = float8_grouped_mm(x, w, offsets, self.specs[name], scales, (state, record), sharding)
-        for amax_record in later:  # [Note: record after the cast] in f8dist/delayed.py
+        for amax_record in later:  # [Note: record after the cast] in f8dist/delayed/scale.py
             amax_record()
         return out
 

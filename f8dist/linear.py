@@ -191,7 +191,7 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.gather = None
             saved_input = gather(saved_input, shape, layout_2d)  # [M, K] float8
         grad_output = reduce_partial(grad_output)  # [Note: gradient placements under compile]
-        later = []  # [Note: record after the cast] in f8dist/delayed.py
+        later = []  # [Note: record after the cast] in f8dist/delayed/scale.py
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
             state, record = ctx.delayed
             scales = {**scales, **state.grad_output_scales(grad_output, record, later)}
@@ -345,8 +345,8 @@ class Float8Linear(nn.Linear):
         source = input  # what sibling linears share: [Note: one cast per input] in f8dist/cast.py
         input = autocast_input(input)  # [Note: autocast]
         scales = delayed = None
-        later = []  # [Note: record after the cast] in f8dist/delayed.py
-        if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed.py
+        later = []  # [Note: record after the cast] in f8dist/delayed/scale.py
+        if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed/
             delayed = (self.delayed, self.delayed.training())
             scales = self.delayed.forward_scales(input, self.weight, delayed[1], later)
         out = float8_linear_mm(input, self.weight, self.specs, scales, delayed, share_with=source,
@@ -361,7 +361,7 @@ class Float8Linear(nn.Linear):
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if self.delayed is not None:  # see [Note: delayed checkpoints] in f8dist/delayed.py
+        if self.delayed is not None:  # see [Note: delayed checkpoints] in f8dist/delayed/hooks.py
             load_delayed_state(self.delayed, state_dict, prefix, missing_keys)
         if self.config.enable_fsdp_float8_all_gather:  # assign=True put a plain weight in place
             wrap_weight_for_float8_all_gather(self)

@@ -23,9 +23,9 @@ Nothing is clamped into a finite number: the gemm output turns NaN (all of it fo
 scale, the affected rows or columns for an axiswise one), so a diverging run fails loudly, as it
 would in high precision, rather than training on silently clipped numbers. A delayed cast, whose
 scale comes from a history, takes the non-finite amax's scale too ([Note: out of range] in
-f8dist/delayed.py), or, where it keeps the history's scale, casts ``keep_non_finite``: each inf or
-NaN element to NaN, in the same pass (``x - x`` is 0 for a finite ``x``, NaN otherwise), so the
-output's rows and columns that touch it turn non-finite, as in high precision.
+f8dist/delayed/scale.py), or, where it keeps the history's scale, casts ``keep_non_finite``: each
+inf or NaN element to NaN, in the same pass (``x - x`` is 0 for a finite ``x``, NaN otherwise), so
+the output's rows and columns that touch it turn non-finite, as in high precision.
 
 [Note: a cast that waits for its amax]
 A dynamically scaled cast reads its tensor twice: once for the amax, and once for the cast, which
@@ -50,7 +50,7 @@ recompute, is now stored). Triton recomputes ``sigmoid`` rather than storing it,
 figures were taken before these views, so off the CPU the choice stays inductor's until measured
 there (``PARTS=bytes bash scripts/gpu_check.sh``). A delayed cast that does not re-scale needs no
 amax before it: its amax is recorded in the cast's own pass, and its tensor stays inlined
-([Note: record after the cast] in f8dist/delayed.py).
+([Note: record after the cast] in f8dist/delayed/scale.py).
 
 This module has no distributed imports. The reductions are plain torch ops, so when
 the tensor is a DTensor they yield a Partial(max) placement and the caller decides which mesh axes

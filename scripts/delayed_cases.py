@@ -357,7 +357,7 @@ def threshold_table() -> str:
 def case_data_parallel(rank, world):
     """FSDP2, different data per rank, against one device on the global batch (on the first step
     the ranks' micro-batches accumulated, each cast from its own amax: [Note: first step] in
-    f8dist/delayed.py)."""
+    f8dist/delayed/scale.py)."""
     from torch.distributed.fsdp import fully_shard
 
     out = {}

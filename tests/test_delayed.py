@@ -700,7 +700,7 @@ def test_a_forgotten_sync_warns_once_naming_the_fix():
     # issue 23 item 16: without the sync delayed scaling silently ran as dynamic scaling
     import warnings
 
-    from f8dist import delayed as delayed_module
+    from f8dist.delayed import missing_sync
 
     model = float8_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -721,7 +721,7 @@ def test_a_forgotten_sync_warns_once_naming_the_fix():
         for x, t in data:
             train_step(synced, opt, x, t)
     assert not [w for w in caught if "without sync" in str(w.message)]
-    assert synced[0].delayed not in delayed_module._pending
+    assert synced[0].delayed not in missing_sync._pending
 
 
 
@@ -729,3 +729,18 @@ def test_the_default_counts_out_of_range_steps_without_re_scaling():
     # issue 23 item 19: chosen by measurement ([Note: the price of re-scaling])
     assert DelayedScalingConfig().rescale_out_of_range is False
     assert COUNTED.delayed_scaling_config.rescale_out_of_range is False
+
+
+def test_the_names_of_the_split_module_stay_importable_from_f8dist_delayed():
+    # issue 34 item 8: f8dist/delayed.py became a package of one concept per module
+    import f8dist.delayed
+
+    names = ("DELAYED_BUFFER_PREFIXES", "KEPT_BINADES", "SATURATION", "MISSING_SYNC_STEPS",
+             "Records", "Scales", "Shardings", "DelayedScaling", "delayed_operands", "in_range",
+             "shared_scale", "delayed_buffers", "ignore_in_ddp", "set_amax_group",
+             "sync_float8_amax_and_scale_history", "delayed_scaling_counters",
+             "apply_to_delayed_module", "load_delayed_state", "strip_delayed_scaling_state")
+    assert [n for n in names if not hasattr(f8dist.delayed, n)] == []
+    assert set(f8dist.delayed.__all__) <= set(names)
+    sync = f8dist.delayed.sync_float8_amax_and_scale_history
+    assert f8dist.sync_float8_amax_and_scale_history is sync

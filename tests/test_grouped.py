@@ -163,7 +163,7 @@ def test_delayed_experts_keep_a_history_per_expert_weight_fqn():
 def test_delayed_experts_without_any_token_record_no_data():
     """An expert layer whose experts get no token at all (an empty batch; under expert
     parallelism, a rank whose experts got none) records no token amax ([Note: no data] in
-    f8dist/delayed.py): the next steps are those of a layer that skipped that step (its weights,
+    f8dist/delayed/state.py): the next steps are those of a layer that skipped that step (its weights,
     unchanged, record as always)."""
     config = Float8LinearConfig.from_recipe_name("delayed")
     model = convert_to_float8_training(nn.ModuleDict({"e": _experts()}), config=config)

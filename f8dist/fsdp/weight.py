@@ -176,7 +176,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if spec.scaling_type is ScalingType.DELAYED:
             # the module's synced amax history: no collective, the shard's amax is recorded for
             # the next sync (on the first step the history is filled from all shards, one
-            # all-reduce: [Note: first step] in f8dist/delayed.py)
+            # all-reduce: [Note: first step] in f8dist/delayed/scale.py)
             # a copy: the sync updates the buffer in place ([Note: eval forwards under FSDP2])
             return module.delayed.all_gather_scale(
                 self._tensor, *_sharding_of(self, module, mesh)

@@ -97,7 +97,7 @@ still cast before their all-gather. Eager mode sends float8 both ways.
 
 [Note: delayed casts in the float8 styles]
 With ``ScalingType.DELAYED`` the casts above take their scale from the amax history of the linear
-that consumes the tensor ([Note: delayed scaling] in f8dist/delayed.py), as the linear would:
+that consumes the tensor ([Note: delayed scaling] in f8dist/delayed/), as the linear would:
 the style records the amax of the rank's *shard* (forward: the input; backward, rowwise style:
 the sequence-sharded gradient) into the linear and casts with its scale. The linear reuses the
 float8 bytes and records nothing more, and the sync's one MAX all-reduce makes the shard amaxes

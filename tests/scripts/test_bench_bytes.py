@@ -89,7 +89,7 @@ def test_ffn_bytes_within_bounds(ffn):
 
 
 def test_delayed_casts_without_rescaling_move_fewer_bytes(ffn):
-    """[Note: the price of re-scaling] in f8dist/delayed.py: a delayed cast with the history's
+    """[Note: the price of re-scaling] in f8dist/delayed/scale.py: a delayed cast with the history's
     scale needs no amax before it, so it fuses into its producer (any torch version)."""
     counted, rescaled = (ffn[("ffn", "f8dist", r)].bytes for r in ("delayed", "delayed_rescaled"))
     tensorwise = ffn[("ffn", "f8dist", "tensorwise")].bytes
@@ -108,13 +108,13 @@ def test_casts_that_wait_for_their_amax_read_stored_tensors(ffn, monkeypatch):
     """[Note: a cast that waits for its amax] in f8dist/scaling.py: without the ``in_memory``
     views, inductor recomputes SwiGLU's gradients in every pass of their casts (any torch)."""
     import f8dist.cast
-    import f8dist.delayed
+    import f8dist.delayed.scale
 
     def inlined(x):
         return x
 
     monkeypatch.setattr(f8dist.cast, "in_memory", inlined)
-    monkeypatch.setattr(f8dist.delayed, "in_memory", inlined)
+    monkeypatch.setattr(f8dist.delayed.scale, "in_memory", inlined)
     _assert_fewer_bytes_than_patched(ffn, "tensorwise")
 
 
@@ -137,12 +137,12 @@ def test_backward_weight_casts_take_the_forward_amax(ffn, monkeypatch):
 
 
 def test_delayed_amax_records_follow_their_casts(ffn, monkeypatch):
-    """[Note: record after the cast] in f8dist/delayed.py: recorded before the cast, an amax that
-    the cast does not wait for is a second pass over its tensor."""
-    import f8dist.delayed
+    """[Note: record after the cast] in f8dist/delayed/scale.py: recorded before the cast, an amax
+    that the cast does not wait for is a second pass over its tensor."""
+    import f8dist.delayed.state
 
-    scale = f8dist.delayed._scale
-    monkeypatch.setattr(f8dist.delayed, "_scale",
+    scale = f8dist.delayed.state.cast_scale
+    monkeypatch.setattr(f8dist.delayed.state, "cast_scale",
                         lambda *args, later=None, **kwargs: scale(*args, **kwargs))
     _assert_fewer_bytes_than_patched(ffn, "delayed")
 

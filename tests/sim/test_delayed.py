@@ -1,4 +1,4 @@
-"""f8dist/delayed.py on 2 simulated ranks (threads): the sync across ranks that bring different
+"""f8dist/delayed/ on 2 simulated ranks (threads): the sync across ranks that bring different
 data."""
 
 import copy
