@@ -89,6 +89,9 @@ class Float8GemmConfig:
 
     use_fast_accum: bool = False
 
+    def __post_init__(self):
+        config_rules.check_field_types(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Float8LinearConfig:

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from f8dist import Float8LinearConfig
+from f8dist import Float8GemmConfig, Float8LinearConfig
 from f8dist.config_rules import RULES
 
 FIELDS = [f.name for f in dataclasses.fields(Float8LinearConfig)]
@@ -22,6 +22,11 @@ def test_every_field_is_type_checked_naming_the_field_and_the_value(name):
         return
     with pytest.raises(TypeError, match=rf"^Float8LinearConfig\.{name} must be a \w+, got 1$"):
         Float8LinearConfig(**{name: 1})
+
+
+def test_a_gemm_config_is_type_checked_too():
+    with pytest.raises(TypeError, match=r"^Float8GemmConfig\.use_fast_accum must be a bool, got 1$"):
+        Float8GemmConfig(use_fast_accum=1)
 
 
 def test_each_rule_is_named_after_the_option_it_checks():
