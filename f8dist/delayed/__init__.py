@@ -1,53 +1,33 @@
 """Delayed scaling: each cast uses a scale computed from an amax history of earlier iterations.
 
 [Note: delayed scaling]
-A Float8Linear whose config has ``ScalingType.DELAYED`` casts owns a :class:`DelayedScaling`
-(``linear.delayed``): the one place its delayed state lives and changes. Per delayed operand ``op``
-in ("input", "weight", "grad_output") it keeps torchao's three persistent buffers on the linear
-(so ``state_dict`` keys are torchao's) and one non-persistent counter buffer, all float32 whatever
-the module is cast to::
+A Float8Linear with ``ScalingType.DELAYED`` casts owns a :class:`DelayedScaling`
+(``linear.delayed``), the one place its delayed state lives and changes. Per delayed operand ``op``
+it keeps torchao's three persistent buffers (so ``state_dict`` keys are torchao's) and one
+non-persistent counter buffer, all float32::
 
     fp8_amax_{op}          []             max amax recorded since the last sync
     fp8_amax_history_{op}  [history_len]  amax of the latest steps, newest first
     fp8_scale_{op}         []             scale = amax_to_scale(max(history))
-    fp8_steps_{op}         [6]            this step: out of range (0/1), recorded (0: not at all,
-                                          0.5: by shared casts only, 1: by an own cast), amax and
-                                          out of range of shared casts; steps out
-                                          of range, steps with a non-finite amax (not in state_dict)
+    fp8_steps_{op}         [6]            this step: out of range, recorded (0 / 0.5: shared casts
+                                          only / 1), amax and out of range of shared casts; steps
+                                          out of range, steps with a non-finite amax
 
-One optimizer step::
+One optimizer step: each training cast records max(fp8_amax, amax of its tensor) and casts with
+fp8_scale (exceptions: [Note: first step], [Note: out of range]); then
+``sync_float8_amax_and_scale_history(model)`` all-reduces (MAX) every fp8_amax at once, rolls each
+history, puts the amax in front and recomputes fp8_scale.
 
-    forward(s), backward(s): each training cast records max(fp8_amax, amax of its tensor) and
-               casts with fp8_scale ([Note: first step], [Note: out of range] for the exceptions)
-    sync_float8_amax_and_scale_history(model):
-               all-reduce(MAX) every fp8_amax of the model at once (one collective), roll each
-               history, put the amax in front, fp8_scale = amax_to_scale(max(history)), fp8_amax = 0
+Recording a max makes gradient accumulation and activation-checkpoint recompute record the
+step's max. Only training casts record (not ``no_grad``, ``inference_mode`` or ``eval()``).
+Forward and backward change no Python state (compiled, checkpointed regions must not), so any
+number of forwards may run between two syncs. The record is the *local* tensor's amax, with no
+collective; the sync's MAX all-reduce makes it the logical tensor's over the global batch ([Note:
+amax] in f8dist/placement.py).
 
-Recording a max makes a step's amax the max over everything the step cast, whatever runs it:
-gradient accumulation (the max over its micro-batches: the history of one step on the whole
-batch), and activation checkpointing, whose recompute casts the same tensors with the same scale
-and records the same amax again (a no-op). Only training casts record: a forward with gradients
-disabled (``no_grad``, ``inference_mode``) or of a module in ``eval()`` casts with the history
-scale and leaves every buffer as it was. Nothing in forward or backward changes Python state (a
-compiled, checkpointed region must not), so any number of forwards may run between two syncs.
-
-The amax recorded is ``tensor_amax`` of the *local* tensor (an empty one records nothing:
-[Note: no data]): the record runs no collective. Under FSDP2 and TP (weight shards), SP (sequence
-shards) and data parallelism (micro-batches) it is a partial amax; the sync's MAX all-reduce makes
-it the amax of the logical tensor over the global batch, so after each sync every rank holds the
-histories and scales of one device that ran the global batch ([Note: amax] in
-f8dist/placement.py).
-
-The package, one concept per module:
-
-* ``state.py``: one module's delayed state (:class:`DelayedScaling`): its buffers, their lifecycle
-  and the records its casts make ([Note: no data]);
-* ``scale.py``: the scale of one delayed cast ([Note: first step], [Note: out of range], [Note:
-  the price of re-scaling], [Note: eval forwards under FSDP2], [Note: record after the cast]);
-* ``sync.py``: the model-wide sync, the group it runs over ([Note: the amax group]) and its
-  counters; ``missing_sync.py``: the warning when it is never called ([Note: a forgotten sync]);
-* ``hooks.py``: the buffers under ``nn.Module``'s machinery: ``state_dict`` loading and
-  stripping, ``_apply``, DDP's broadcasts ([Note: delayed checkpoints]).
+Modules: ``state.py`` (:class:`DelayedScaling`, [Note: no data]), ``scale.py`` (one cast's
+scale), ``sync.py`` ([Note: the amax group]), ``missing_sync.py`` ([Note: a forgotten sync]),
+``hooks.py`` (``state_dict``, ``_apply``, DDP: [Note: delayed checkpoints]).
 """
 
 from f8dist.delayed.hooks import (

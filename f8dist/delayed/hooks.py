@@ -2,23 +2,12 @@
 ``_apply`` (dtype, device, the meta device) and DDP's broadcasts.
 
 [Note: delayed checkpoints]
-The persistent buffers are in ``state_dict``: a checkpoint resumes with the same histories and
-scales, so the next step is bit-identical. The two other directions a torchao user expects also
-work:
-
-* a plain ``nn.Linear`` checkpoint (no ``fp8_*`` keys) loads into a float8 model with
-  ``strict=True``; the delayed buffers are reset and the next step is a first step. A DCP
-  checkpoint does so with ``f8dist.checkpoint.Float8LoadPlanner`` ([Note: loading across
-  recipes] in f8dist/checkpoint.py);
-* a float8 checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``, or with
-  ``load_state_dict(sd, strict=False)`` (the ``fp8_*`` keys then come back as unexpected keys).
-
-A model built on the meta device (torchtitan's build) gets its values from ``to_empty`` and an
-init (``reset_parameters``, ``init_weights``), which restart the delayed buffers, or from
-``load_state_dict(sd, assign=True)``, which takes ``sd``'s tensors: the delayed buffers ``sd``
-lacks (all of a plain checkpoint's, the non-persistent ``fp8_steps_*`` of any) come fresh on the
-weight's device (:func:`materialize`). The sync refuses buffers still on meta next
-to a weight with values, which would record nothing.
+The persistent buffers are in ``state_dict``, so a resumed step is bit-identical. A plain
+``nn.Linear`` checkpoint (no ``fp8_*`` keys) loads with ``strict=True`` and restarts the buffers
+(DCP: ``Float8LoadPlanner``, [Note: loading across recipes] in f8dist/checkpoint.py); a float8
+checkpoint loads into the plain model after ``strip_delayed_scaling_state(sd)``. On a model built
+on meta, ``to_empty`` plus an init restarts the buffers, and ``load_state_dict(sd, assign=True)``
+makes those ``sd`` lacks fresh (:func:`materialize`); the sync refuses buffers left on meta.
 """
 
 from __future__ import annotations
@@ -35,17 +24,15 @@ __all__ = ["delayed_buffers", "ignore_in_ddp", "apply_to_delayed_module", "load_
 
 
 def delayed_buffers(model: nn.Module) -> List[str]:
-    """The fully qualified names of every delayed-scaling buffer of ``model``: state that the sync
-    keeps equal across ranks, so DDP need not broadcast it ([Note: ranks that disagree] in
-    f8dist/agreement.py)."""
+    """The fully qualified names of every delayed-scaling buffer of ``model``."""
     return [f"{fqn}.{b}" if fqn else b for fqn, m in model.named_modules()
             if isinstance(getattr(m, "delayed", None), DelayedScaling) for b in m.delayed.buffer_names]
 
 
 def ignore_in_ddp(model: nn.Module) -> None:
-    """Keep the delayed buffers of ``model`` out of DDP's broadcasts (at construction and each
-    forward): the sync all-reduces them, and a rank whose buffers differ must reach the agreement
-    check instead of a mismatched broadcast. DDP reads the list from the module it wraps."""
+    """Keep the delayed buffers of ``model`` out of DDP's broadcasts: the sync all-reduces them,
+    and a rank that differs must reach the agreement check ([Note: ranks that disagree] in
+    f8dist/agreement.py)."""
     names = delayed_buffers(model)
     if names:
         known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
@@ -53,9 +40,8 @@ def ignore_in_ddp(model: nn.Module) -> None:
 
 
 def apply_to_delayed_module(delayed: Optional[DelayedScaling], fn, apply):
-    """``nn.Module._apply`` of a module that owns ``delayed`` (None: none): ``apply(fn)`` (the
-    module's super()._apply with ``recurse`` bound), the delayed buffers kept float32, restarted
-    when they leave the meta device (``to_empty``: garbage memory otherwise)."""
+    """``apply(fn)`` (the module's ``super()._apply``) with the delayed buffers kept float32 and
+    restarted when they leave the meta device."""
     if delayed is None:
         return apply(fn)
     from_meta = on_meta(delayed)
@@ -66,12 +52,8 @@ def apply_to_delayed_module(delayed: Optional[DelayedScaling], fn, apply):
 
 
 def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, missing_keys: list) -> None:
-    """Float8Linear._load_from_state_dict's delayed part ([Note: delayed checkpoints]).
-
-    A checkpoint without any delayed buffer (a plain nn.Linear one) is not an error: the buffers
-    are reset to fresh, and the next step is a first step ([Note: first step]). A
-    checkpoint with them resumes their history. One with only some of them keeps those in
-    ``missing_keys`` (an error under ``strict=True``).
+    """Float8Linear._load_from_state_dict's delayed part ([Note: delayed checkpoints]): without
+    any delayed key the buffers restart; with only some, the rest stay in ``missing_keys``.
     """
     names = [f"fp8_{kind}_{op}" for op in owner.operands for kind in ("amax", "amax_history", "scale")]
     keys = [prefix + n for n in names]
@@ -88,9 +70,8 @@ def load_delayed_state(owner: DelayedScaling, state_dict: dict, prefix: str, mis
 
 
 def strip_delayed_scaling_state(state_dict: dict) -> dict:
-    """A copy of ``state_dict`` without the delayed-scaling buffers (``fp8_amax_*``,
-    ``fp8_amax_history_*``, ``fp8_scale_*``), ready for ``load_state_dict`` of the plain
-    (non-float8) model with ``strict=True``.
+    """A copy of ``state_dict`` without the delayed-scaling buffers, for ``load_state_dict`` of
+    the plain model with ``strict=True``.
 
     Example::
 
@@ -104,9 +85,8 @@ def strip_delayed_scaling_state(state_dict: dict) -> dict:
 
 
 def materialize(owner: DelayedScaling) -> None:
-    """Fresh buffers on the weight's device in place of those still on the meta device once
-    the weight has values: ``load_state_dict(sd, assign=True)`` into a model built on meta
-    assigns only the tensors that ``sd`` holds ([Note: delayed checkpoints])."""
+    """Fresh buffers in place of those still on meta once the weight has values ([Note: delayed
+    checkpoints])."""
     device = owner.module.weight.device
     if device.type == "meta":
         return
@@ -120,8 +100,7 @@ def materialize(owner: DelayedScaling) -> None:
 
 
 def check_materialized(owner: DelayedScaling) -> None:
-    """Raise if the buffers are on the meta device while the weight has values: then no step
-    records (a weight set by hand on a model built on meta)."""
+    """Raise if the buffers are on meta while the weight has values (no step would record)."""
     if on_meta(owner) and not owner.module.weight.is_meta:
         raise RuntimeError(
             f"{owner.fqn()}: its delayed-scaling buffers (fp8_amax_*, fp8_amax_history_*, "
@@ -139,8 +118,7 @@ def on_meta(owner: DelayedScaling) -> bool:
 
 
 def float32_apply(owner: DelayedScaling, fn):
-    """``fn`` for ``nn.Module._apply`` that moves the delayed buffers with the module but keeps
-    them float32 (``model.half()`` would overflow a scale to inf)."""
+    """``fn`` that moves the delayed buffers but keeps them float32 (a half scale overflows)."""
     ids = {id(b) for name, b in owner.module._buffers.items() if name.startswith("fp8_")}
 
     def apply(t):

@@ -1,12 +1,9 @@
 """The warning when delayed scaling is never synced.
 
 [Note: a forgotten sync]
-Without sync_float8_amax_and_scale_history a delayed layer never leaves its first step: every
-cast follows its own amax, i.e. dynamic scaling, with an all-reduce per cast. Nothing in forward
-may count steps (Python state in a compiled region), so an optimizer step post-hook, registered
-for every optimizer once the first delayed layer exists, counts the steps over each delayed
-layer's weight, and after the second one without any sync warns once per process, naming the
-fix. The hook does nothing once every delayed layer alive has synced.
+Without sync_float8_amax_and_scale_history a delayed layer stays in its first step (dynamic
+scaling, an all-reduce per cast). Forward may not count steps (compiled regions), so an optimizer
+step post-hook counts them per delayed weight and warns once per process, naming the fix.
 """
 
 from __future__ import annotations

@@ -2,102 +2,49 @@
 re-scaled when out of range; its amax recorded now or after the cast.
 
 [Note: first step]
-Before the first sync there is no history. Until then, the casts of a training step (and casts
-whose bytes are communicated) follow the amax of the *logical* tensor: their local amax reduced
-over the mesh axes that shard it (a DTensor's placements; the FSDP2 all-gather's weight shard), one
-scalar all-reduce per sharded cast, as the dynamic recipes' casts do. A plain tensor is whole on
-its rank: a data-parallel micro-batch is its own tensor, so under DDP or FSDP2 step 0 casts as one
-device running each rank's micro-batches in turn (gradient accumulation) would, and the first
-sync's MAX all-reduce then gives every rank the histories of the global batch. No reduction spans
-ranks that need not run the same casts: a rank may run more micro-batches than another
-(``no_sync``), or a layer the others skip, exactly where the dynamic recipes allow it. With
-``enable_amax_init`` (the default) the scale comes from that amax and the first sync fills the
-whole history with the step's amax; with ``enable_amax_init=False`` the scale is 1.0, as in
-torchao, unless that amax is out of range for it ([Note: out of range]), and the first sync rolls
-the history as any other. An evaluation forward before the first sync casts from the amax of its
-own tensor.
+Before the first sync there is no history. Until then a training cast (and a cast whose bytes are
+communicated) follows the amax of the *logical* tensor: its local amax reduced over the mesh axes
+that shard it (a DTensor's placements; the FSDP2 all-gather's shard), as the dynamic recipes do.
+A plain tensor (a data-parallel micro-batch) is whole on its rank, so no reduction spans ranks that
+may run different casts (``no_sync``, a skipped layer). With ``enable_amax_init`` the scale comes
+from that amax and the first sync fills the whole history with it; without, the scale is 1.0
+(torchao's) unless that is out of range. An evaluation forward casts from its own tensor's amax.
 
 [Note: out of range]
-A history predicts the amax of the next step. A delayed cast whose current amax, times the
-history's scale, lands outside :func:`in_range` proves the prediction wrong:
-
-* above ``2 * fp8_max``: everything in the top half of the tensor's range would saturate;
-* below ``2**10`` times the format's smallest normal (e4m3: 16, e5m2: 2**-4): the top ten binades
-  of the tensor, values down to a thousandth of its max, would no longer all be normal float8
-  numbers, and the small ones flush to zero. Heavy-tailed tensors keep most of their elements that
-  far below their max.
-
-The sync counts such a step (``delayed_scaling_counters``, printed by the float8 stats logger)
-and restarts the history from its amax, so the next step is in range again. By default the cast
-itself keeps the history's scale (it saturates or flushes that step, as torchao's and Transformer
-Engine's delayed scaling do); with ``DelayedScalingConfig(rescale_out_of_range=True)`` it is
-re-scaled from its current amax for that step, like a dynamic cast ([Note: the price of
-re-scaling] says why that is not the default). An all-zero tensor is never out of
-range (it casts to exact zeros at any scale). A non-finite amax makes the cast use it too: its
-scale turns 0 or NaN and the output non-finite, as in high precision ([Note: non-finite values] in
-f8dist/scaling.py); the sync keeps that amax out of the history and counts the step. The rule is
-tensor ops (``torch.where``), so compiled graphs keep it. docs/numerics.md gives the figures
+A delayed cast whose current amax times the history's scale lands outside :func:`in_range` proves
+the history wrong: above ``SATURATION * fp8_max`` the top of the range saturates; below
+``2**KEPT_BINADES`` times the smallest normal, the tensor's top binades are no longer all normal
+(heavy-tailed tensors keep most elements that far below their max). The sync counts the step and
+restarts the history from its amax. The cast keeps the history's scale (torchao's and Transformer
+Engine's behaviour) unless ``rescale_out_of_range=True`` ([Note: the price of re-scaling]). An
+all-zero tensor is never out of range; a non-finite amax makes the output non-finite ([Note:
+non-finite values] in f8dist/scaling.py) and is kept out of the history. The rule is tensor ops
+(``torch.where``), so compiled graphs keep it. Figures: docs/numerics.md
 (``scripts/delayed_cases.py``).
 
 [Note: the price of re-scaling]
-A cast that may re-scale depends on the amax of its own tensor, so it reads the tensor twice: once
-for the amax, once for the cast, and a producer (SwiGLU, a norm) cannot fuse the cast into its own
-kernel: it writes the high-precision tensor for the cast to read back. A cast with the history's
-scale needs no amax before it; its amax is recorded in the same pass ([Note: record after the
-cast]). No graph expresses "a second pass only when out of range" without a host sync per cast
-(``torch.cond`` decides on the host, and its operands and outputs are materialized). So the choice
-is every step's bytes against one step's precision after a range jump, and it was measured
-(docs/numerics.md, [Re-scaling or not]):
-
-* every step: in a compiled LLaMA block re-scaling moves as many bytes as tensorwise, and
-  without it delayed moves the fewest of all recipes (``scripts/bench_bytes.py``, rows
-  ``delayed_rescaled`` and ``delayed``; docs/performance.md, Bytes a compiled step moves):
-  re-scaling takes away what delayed scaling is for;
-* a range jump (``scripts/delayed_cases.py``): a drop of 2**-8 costs nothing either way; a rise of
-  4x or a drop of 2**-20 makes the step of the jump saturate or flush without
-  re-scaling, and each layer that the jump reaches only through a flushed layer loses one more
-  step; after that the restarted history gives the clean figures again.
-
-Range jumps are rare (a loss spike, a bad batch; an optimizer step moves no weight out of range)
-and counted, every step is every step: ``rescale_out_of_range=False`` is the default, the casts
-of the FSDP2 float8 all-gather never re-scale anyway, and a non-finite value turns the output
-non-finite in both modes (a delayed cast maps it to NaN in the same pass, [Note: non-finite
-values] in f8dist/scaling.py). Set ``rescale_out_of_range=True`` where one step's precision after
-a jump matters more than the bytes.
-
-The decision is per rank, on the tensor the rank casts. Bytes that are then communicated must
-share one scale on every rank: the TP styles' casts before an all-gather decide on the logical
-amax of their sharded tensor (one scalar all-reduce per cast, the one collective delayed scaling
-adds in forward and backward after the first step); the FSDP2 float8 all-gather of a weight keeps
-the history's scale (deciding would cost an all-reduce per weight, and an optimizer step does not
-move a weight's amax out of range of the previous step's) and an out-of-range step there is only
-counted.
+A cast that may re-scale needs its own tensor's amax first: it reads the tensor twice and a
+producer cannot fuse the cast, every step; no graph expresses "a second pass only when out of
+range" without a host sync. It buys precision only in the step of a rare, counted range jump, so
+``rescale_out_of_range`` defaults to False (figures: docs/numerics.md, Re-scaling or not).
+The decision is per rank; bytes that are communicated must share one scale, so the TP styles'
+casts decide on the logical amax (one scalar all-reduce per cast) and the FSDP2 weight all-gather
+keeps the history's scale (an optimizer step does not move a weight out of range) and only counts.
 
 [Note: eval forwards under FSDP2]
-An evaluation forward (``eval()`` or no grad) casts with the history's scales and records
-nothing, so it never moves training state; with one exception, the FSDP2 float8 all-gather of a
-weight. FSDP2 skips the all-gather of parameters that are still unsharded: the root's after any
-forward without a backward (``reshard_after_forward`` applies to the other units only). The
-training forward after an evaluation one then computes with the weight the evaluation gathered,
-and records nothing for it: the weight's history would miss the step ([Note: no data] keeps it
-sane, not equal to one device's). So an evaluation all-gather records its shard's amax aside, as a
-shared cast does ([Note: delayed casts in the float8 styles] in f8dist/tp/style.py): the sync
-takes it only for a step in which no training all-gather recorded its own, i.e. when the training
-forward computed with the evaluation's weight, whose amax then is the step's. ``fp8_amax`` and
-every other ``state_dict`` buffer stay as they were. The all-gathered Float8Tensor keeps a copy of
-the scale, never the ``fp8_scale`` buffer itself, which the sync updates in place while the
-tensor may still be in use.
+An evaluation forward records nothing, except for the FSDP2 float8 all-gather: FSDP2 skips
+re-gathering a still-unsharded root after a forward without backward, so the next training
+forward computes with the weight the evaluation gathered and records nothing for it. So an
+evaluation all-gather records its amax aside, as a shared cast does, and the sync takes it only
+for a step in which no training all-gather recorded its own. The all-gathered Float8Tensor holds a
+copy of the scale, never the ``fp8_scale`` buffer, which the sync updates in place.
 
 [Note: record after the cast]
-A cast with the history's scale (after the first sync, without re-scaling) does not wait for its
-amax, but the amax still reads the whole tensor. Inductor's CPU backend fuses two independent
-passes over one tensor only in one order: a pointwise pass (the cast) followed by a reduction
-(the amax) share a loop, the reverse does not (``CppScheduling._why_fuse_nodes``), and a graph
-keeps the order in which the code ran. So Float8Linear's forward and backward collect such
-records in ``later`` and run them after their gemms: each weight, input and gradient is then read
-once for its cast and its amax (scripts/bench_bytes.py, row ``delayed``; before and after in
-docs/bench/history.md, Bytes). Eagerly the order changes nothing (the record is the same
-``max`` into ``fp8_amax``), and a cast whose amax is not recorded (evaluation) skips it.
+A cast with the history's scale does not wait for its amax, but the amax still reads the tensor.
+Inductor's CPU backend fuses a pointwise pass followed by a reduction over the same tensor, not
+the reverse (``CppScheduling._why_fuse_nodes``), and keeps program order; so Float8Linear collects
+such records in ``later`` and runs them after its gemms, reading each tensor once. Eagerly the
+order changes nothing.
 """
 
 from __future__ import annotations
@@ -148,18 +95,11 @@ def cast_scale(
     communicated: bool = False, later: Optional[Records] = None, own: bool = True,
     sharding=None,
 ) -> torch.Tensor:
-    """The scale of one delayed cast of ``hp`` (its local part is cast) made for ``owners``
-    (several when one cast feeds several linears), from ``owners[0]``'s history; the amax is
-    recorded into every owner when ``record`` (into ``owners[0]`` aside unless ``own``).
-
-    Until the first sync ([Note: first step]) a training cast and a cast whose bytes are
-    ``communicated`` follow the amax of the logical tensor: the scale comes from it (amax init), or it decides whether scale 1.0 is out of range. After it, the history's scale,
-    re-scaled when out of range ([Note: out of range]). Every rank must pick the same scale for
-    bytes it communicates: a communicated DTensor decides on its logical amax (a scalar
-    all-reduce over the axes sharding it), a communicated shard that is no DTensor (the FSDP2
-    all-gather's) keeps the history's scale. A tensor that already is float8 was recorded where it
-    was cast: its scale is the history's. ``sharding``: (mesh, placements) of a ``hp`` that is
-    the local shard of a sharded tensor without being a DTensor (the FSDP2 all-gather's).
+    """The scale of one delayed cast of ``hp``'s local part for ``owners`` (several when one cast
+    feeds several linears), from ``owners[0]``'s history ([Note: first step], [Note: out of
+    range]); the amax is recorded into every owner when ``record`` (into ``owners[0]`` aside
+    unless ``own``). A ``communicated`` DTensor decides on its logical amax; a float8 ``hp`` takes
+    the history's scale. ``sharding``: (mesh, placements) of a non-DTensor shard (FSDP2's).
     """
     first = owners[0]
     local = local_part(hp)
@@ -195,9 +135,8 @@ def cast_scale(
 
 
 def _logical_amax(amax: torch.Tensor, hp: torch.Tensor, sharding) -> torch.Tensor:
-    """``amax`` of this rank's part of ``hp`` made the amax of the logical tensor: reduced over
-    the mesh axes that shard it (a DTensor's placements, or ``sharding``), over none for a plain
-    tensor, which is whole on this rank ([Note: first step])."""
+    """``amax`` of this rank's part of ``hp`` reduced over the mesh axes that shard it ([Note:
+    first step])."""
     mesh, placements = (hp.device_mesh, hp.placements) if is_dtensor(hp) else sharding or (None, ())
     if not any(not p.is_replicate() for p in placements):
         return amax
@@ -206,11 +145,9 @@ def _logical_amax(amax: torch.Tensor, hp: torch.Tensor, sharding) -> torch.Tenso
 
 def shared_scale(owners: Sequence[DelayedScaling], op: Operand, hp: torch.Tensor,
                  record: Optional[bool] = None) -> torch.Tensor:
-    """The scale of a cast that the float8 TP styles make for linears outside their forward,
-    before its bytes are all-gathered ([Note: delayed casts in the float8 styles] in
-    f8dist/tp/style.py): ``hp``'s shard amax is recorded into every owner, the scale is
-    ``owners[0]``'s. ``record``: that of the forward whose gradient is cast (backward); None for
-    a forward cast, made now.
+    """The scale of a TP style's cast made outside the linears' forward ([Note: delayed casts in
+    the float8 styles] in f8dist/tp/style.py). ``record``: that of the forward whose gradient is
+    cast; None for a forward cast.
     """
     record = owners[0].training() if record is None else record
     return cast_scale(owners, op, hp, record, communicated=True)

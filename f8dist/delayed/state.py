@@ -1,22 +1,14 @@
-"""One module's delayed-scaling state: its amax histories and scales (torchao's buffers), fresh or
-restarted, and the records its casts make ([Note: delayed scaling] in f8dist/delayed/); what
-``nn.Module``'s machinery does to them (``state_dict``, ``_apply``, the meta device) is hooks.py's.
+"""One module's delayed-scaling state: its amax histories and scales (torchao's buffers) and the
+records its casts make ([Note: delayed scaling] in f8dist/delayed/).
 
 [Note: no data]
-A step may bring an operand no data: a sync before any forward, a layer that did not run in the
-step (a skipped branch), a weight whose FSDP2 all-gather was skipped
-(FSDP2 keeps the root's parameters unsharded after a forward without backward), an empty tensor
-(an empty batch, a rank whose experts got no tokens, the empty shard of an unevenly sharded
-weight). Its pending amax is then 0, which as a history entry would mean "the tensor was all
-zeros" and, once it is the history's max, give the scale of amax 0 (2**126 with power-of-2
-scales): every value saturates. So a cast of an empty tensor records nothing, each record marks
-the step as recorded (``fp8_steps_{op}``, own or shared), the sync sends an unrecorded amax as -1
-(a MAX all-reduce keeps any rank's data), and an operand no rank recorded keeps its history and
-scale. An operand stays in its first step until a sync sees data for it: per operand, as an empty
-batch brings none to the input and grad_output while the weight records. A compiled sync cannot
-read on the host which operands saw data and ends every first step: an operand without data then
-casts its next step with the initial scale 1.0 (out of range, [Note: out of range], unless its
-amax is 16 to 896 in e4m3). A genuine all-zero tensor is data (amax 0).
+A step may bring an operand no data (a layer that did not run, a skipped FSDP2 all-gather, an
+empty batch or shard). A pending amax of 0 in the history would give the scale of amax 0 and
+saturate every value. So an empty cast records nothing, each record marks the step as recorded
+(``fp8_steps_{op}``), the sync sends an unrecorded amax as -1 (the MAX keeps any rank's data), and
+an operand no rank recorded keeps its history and scale, and stays in its first step, per operand.
+A compiled sync cannot read this on the host and ends every first step: an operand without data
+then casts with scale 1.0. An all-zero tensor is data (amax 0).
 """
 
 from __future__ import annotations
@@ -43,11 +35,7 @@ Shardings = Dict[Operand, tuple]  # (mesh, placements) of an operand's local sha
 
 
 def delayed_operands(config: Float8LinearConfig) -> Dict[Operand, torch.dtype]:
-    """Operands cast with delayed scaling in at least one gemm, and their float8 dtype.
-
-    One history and one scale serve every delayed cast of an operand, so its delayed casts must
-    share a dtype.
-    """
+    """Operands cast with delayed scaling in at least one gemm, and their (one) float8 dtype."""
     out: Dict[Operand, torch.dtype] = {}
     for op in Operand:
         cells = [g for g in op.gemms if config.cast_config(g, op).scaling_type is ScalingType.DELAYED]
@@ -64,12 +52,9 @@ def delayed_operands(config: Float8LinearConfig) -> Dict[Operand, torch.dtype]:
 
 
 class DelayedScaling:
-    """The delayed-scaling state of one :class:`~f8dist.linear.Float8Linear` (or expert weight:
-    f8dist/grouped.py): its buffers and their lifecycle, and the calls of what casts with it
-    ([Note: delayed scaling]): the linear's forward and backward, the TP styles
-    (:func:`~f8dist.delayed.scale.shared_scale`), the FSDP2 float8 all-gather
-    (:meth:`all_gather_scale`). The scale of a cast is f8dist/delayed/scale.py's rule, the sync
-    f8dist/delayed/sync.py's.
+    """The delayed-scaling state of one :class:`~f8dist.linear.Float8Linear` (or expert weight):
+    its buffers, their lifecycle and the entry points of the casts that use it ([Note: delayed
+    scaling]).
 
     Example::
 
@@ -109,10 +94,8 @@ class DelayedScaling:
     @classmethod
     def attach(cls, module: nn.Module, dtype: Optional[torch.dtype] = None
                ) -> Optional["DelayedScaling"]:
-        """The state of ``module`` (a Float8Linear, or an expert weight's scaling: f8dist/grouped.py)
-        with its buffers registered, or None when its config has no delayed cast. ``dtype``: the
-        float8 dtype of every delayed cast, where the casts override the config's (e4m3 in
-        grouped gemms, [Note: grouped casts] in f8dist/specs.py)."""
+        """The state of ``module`` with its buffers registered, or None without a delayed cast.
+        ``dtype`` overrides the config's dtype ([Note: grouped casts] in f8dist/specs.py)."""
         operands = delayed_operands(module.config)
         if dtype is not None:
             operands = {op: dtype for op in operands}
@@ -120,9 +103,7 @@ class DelayedScaling:
 
     def reset(self) -> None:
         """Forget the history: until the next sync, casts are those of [Note: first step]."""
-        # Python state that changes in the sync only, never in forward or backward (a compiled
-        # checkpointed region must not change it). Per operand: a step may bring data to one
-        # operand and not to another (an empty batch: [Note: no data])
+        # changed by the sync only, never in forward or backward; per operand ([Note: no data])
         self.first_step = {op: True for op in self.operands}
 
     @property
@@ -135,17 +116,14 @@ class DelayedScaling:
         self.first_step = {op: not value for op in self.operands}
 
     def restart(self) -> None:
-        """Put every buffer back to its initial value and :meth:`reset`: the next step is a first
-        step ([Note: first step]); for a checkpoint that holds no delayed state (f8dist/checkpoint.py),
-        ``reset_parameters`` and ``to_empty`` from the meta device (whose memory is garbage)."""
+        """Put every buffer back to its initial value and :meth:`reset` ([Note: first step])."""
         for op in self.operands:
             for kind in _KINDS:
                 self.buffer(kind, op).fill_(_INITIAL[kind])
         self.reset()
 
     def buffer(self, kind: str, op: Operand) -> torch.Tensor:
-        """``fp8_{kind}_{op}`` as a plain tensor. ``parallelize_module`` makes buffers Replicate
-        DTensors; their local tensor is the whole buffer, and writing it writes the DTensor."""
+        """``fp8_{kind}_{op}`` as a plain tensor (a Replicate DTensor's local part is all of it)."""
         return local_part(getattr(self.module, f"fp8_{kind}_{op}"))
 
     def keeps(self, op: Operand) -> bool:
@@ -163,12 +141,9 @@ class DelayedScaling:
 
     def forward_scales(self, input: torch.Tensor, weight: torch.Tensor, record: bool,
                        later: Records, sharding: Optional[Shardings] = None) -> Scales:
-        """The scales of the forward's delayed casts of ``input`` and ``weight``, by (gemm,
-        operand), their amaxes recorded if ``record`` (``training()`` at the forward); records
-        that may wait until after the casts go to ``later`` ([Note: record after the cast]).
-        ``sharding``: (mesh, placements) by operand, for operands that are local shards of a
-        sharded tensor without being DTensors (an expert-parallel layer's weights and tokens:
-        [Note: delayed experts] in f8dist/grouped.py)."""
+        """The scales of the forward's delayed casts by (gemm, operand), recorded if ``record``
+        (deferred to ``later``: [Note: record after the cast]). ``sharding``: (mesh, placements)
+        of non-DTensor shards ([Note: delayed experts] in f8dist/grouped.py)."""
         scales: Scales = {}
         for op, t in ((Operand.INPUT, input), (Operand.WEIGHT, weight)):
             if op in self.operands:
@@ -188,13 +163,9 @@ class DelayedScaling:
         return self._cells(Operand.GRAD_OUTPUT, scale)
 
     def all_gather_scale(self, shard: torch.Tensor, mesh, placements) -> torch.Tensor:
-        """The weight scale of the FSDP2 float8 all-gather, which casts this rank's ``shard`` of
-        the weight sharded over ``mesh`` with ``placements`` before the forward (on the first step
-        from the amax of all shards).
-
-        FSDP2 all-gathers under ``no_grad``, so the amax is recorded in ``train()`` mode whatever
-        the grad mode; in ``eval()`` mode it is recorded aside, for a training forward that
-        computes with the weight this all-gather made ([Note: eval forwards under FSDP2])."""
+        """The weight scale of the FSDP2 float8 all-gather of this rank's ``shard``. FSDP2
+        all-gathers under ``no_grad``, so it records in ``train()`` whatever the grad mode, and
+        aside in ``eval()`` ([Note: eval forwards under FSDP2])."""
         return cast_scale([self], Operand.WEIGHT, shard, True, communicated=True,
                       own=self.module.training, sharding=(mesh, placements))
 
@@ -205,10 +176,9 @@ class DelayedScaling:
 
     def record_amax(self, op: Operand, amax: torch.Tensor, out_of_range: Optional[torch.Tensor],
                     own: bool = True) -> None:
-        """max(fp8_amax, ``amax``) and max(out-of-range flag, ``out_of_range``); NaN stays NaN
-        (the sync keeps it out of the history). A record that is not ``own`` (a shared input that
-        this linear may not consume: [Note: delayed casts in the float8 styles]) goes aside; the
-        sync takes it only if the linear made no own record in the step."""
+        """max(fp8_amax, ``amax``) and max(out-of-range flag, ``out_of_range``); NaN stays NaN. A
+        record not ``own`` goes aside, taken only if the step has no own record ([Note: delayed
+        casts in the float8 styles])."""
         steps = self.buffer("steps", op)  # [6]
         pending = self.buffer("amax", op) if own else steps[_SHARED_AMAX]
         pending.copy_(torch.maximum(pending, amax))

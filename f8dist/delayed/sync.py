@@ -1,14 +1,11 @@
-"""The model-wide sync of delayed scaling: one MAX all-reduce per optimizer step rolls every
-amax history of a model and recomputes its scales ([Note: delayed scaling] in f8dist/delayed/),
-over the group of [Note: the amax group]; and the counters it keeps.
+"""The model-wide sync of delayed scaling ([Note: delayed scaling] in f8dist/delayed/) and the
+counters it keeps.
 
 [Note: the amax group]
 The sync's all-reduce runs over the ranks that hold the same layers: all ranks by default; under
-pipeline parallelism each stage's data (and tensor) parallel group, given with
-:func:`set_amax_group` before the first step. The first sync checks that the ranks of the group
-hold the same delayed layers (a fixed-size all-reduce of the number of delayed operands and a
-fingerprint of their names, once per set of layers and group), and a mismatch raises an error
-naming the fix instead of hanging or mixing layers.
+pipeline parallelism each stage's group (:func:`set_amax_group`). The first sync over a group
+checks, with one fixed-size all-reduce of a fingerprint, that its ranks hold the same delayed
+layers, so a mismatch raises naming the fix instead of hanging or mixing layers.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ def _fingerprint(name: str) -> float:
 
 def set_amax_group(model: nn.Module, group) -> None:
     """Reduce the delayed amaxes of ``model`` over ``group`` (a process group or a device mesh;
-    None: all ranks) in the sync ([Note: the amax group]). Needed only
-    when ranks hold different layers (pipeline parallelism): call it before the first step.
+    None: all ranks) in the sync ([Note: the amax group]); call it before the first step.
 
     Example::
 
@@ -58,8 +54,7 @@ def set_amax_group(model: nn.Module, group) -> None:
 
 
 def _verify_layers(owners: List[DelayedScaling], entries, group) -> None:
-    """[Note: the amax group]: every rank of ``group`` syncs the same delayed operands, checked by
-    one fixed-size all-reduce the first time this set of layers syncs over ``group``."""
+    """Check [Note: the amax group] once per set of layers and group."""
     names = ";".join(f"{o.fqn()}:{op}" for o, op in entries)
     key = (group, len(entries), _fingerprint(names))
     if all(o.verified == key for o in owners):
@@ -80,13 +75,10 @@ def _verify_layers(owners: List[DelayedScaling], entries, group) -> None:
 def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
     """Roll every delayed amax history of ``model`` and recompute its scales.
 
-    Call once per optimizer step, after the step's last backward and before the next training
-    forward (e.g. just before ``optimizer.step()``). With torch.distributed initialized, the
-    amaxes of the whole model go through ONE all-reduce (MAX) over ``group`` (a process group or a
-    device mesh; None: the group given to :func:`set_amax_group`, by default all ranks), so every
-    rank ends with the histories and scales of one device that saw the global batch and the
-    logical (unsharded) tensors. The first call checks that the ranks hold the same delayed layers
-    ([Note: the amax group]). Can be wrapped in ``torch.compile``. See [Note: delayed scaling].
+    Call once per optimizer step, after the last backward (e.g. just before ``optimizer.step()``).
+    The whole model's amaxes go through ONE all-reduce (MAX) over ``group`` (None: the group of
+    :func:`set_amax_group`, by default all ranks; [Note: the amax group]). Can be wrapped in
+    ``torch.compile``. See [Note: delayed scaling].
 
     Example::
 
@@ -146,8 +138,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module, group=None) -> None:
 
 
 def _mark_synced(owners: List[DelayedScaling], entries, seen: torch.Tensor) -> None:
-    """[Note: no data]: an operand leaves its first step once a sync saw data for it. Read on the
-    host only while some operand has not (eagerly; a compiled sync marks every operand)."""
+    """[Note: no data]: an operand leaves its first step once a sync saw data for it."""
     if all(o.synced for o in owners) or torch.compiler.is_compiling():
         for o in owners:
             o.synced = True
@@ -158,9 +149,7 @@ def _mark_synced(owners: List[DelayedScaling], entries, seen: torch.Tensor) -> N
 
 def delayed_scaling_counters(model: nn.Module) -> Dict[str, Dict[str, Dict[str, int]]]:
     """``{fqn: {operand: {"out_of_range_steps": n, "nonfinite_steps": n}}}`` of every delayed
-    layer of ``model`` since it was built: steps in which a cast found its history scale out of
-    range ([Note: out of range]; on any rank of the group) and steps whose amax was non-finite
-    and kept out of the history. Counted by the sync; reading them syncs with the device.
+    layer of ``model`` since it was built ([Note: out of range]); reading them syncs the device.
 
     Example::
 

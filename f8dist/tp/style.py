@@ -1,117 +1,70 @@
 """Float8 tensor- and sequence-parallel styles: PyTorch's styles, communicating in float8.
 
 ``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput`` subclass
-``torch.distributed.tensor.parallel``'s ``ColwiseParallel``, ``RowwiseParallel`` and
-``PrepareModuleInput``: they take the same keyword arguments, shard the same way, and override
-only the hooks those styles are built from (``_apply``, ``_prepare_input_fn`` /
-``_prepare_input_arg``, ``_prepare_output_fn``). What changes:
+PyTorch's ``ColwiseParallel``, ``RowwiseParallel`` and ``PrepareModuleInput``, take the same
+keyword arguments and override only the hooks (``_apply``, ``_prepare_input_fn`` /
+``_prepare_input_arg``, ``_prepare_output_fn``).
 
 [Note: cast before communicating]
-An activation that must be redistributed before a float8 gemm (the sequence-parallel all-gather
-``Shard(1) -> Replicate``) is cast to float8 *first*, as the consuming linear's
-``(output, input)`` cast spec says, so the all-gather moves 1 byte per element ([Note: float8 on
-the wire] in f8dist/tensor.py) and the linear reuses the gathered bytes instead of casting again.
-The cast is ``cast_to_float8`` on the sharded DTensor, so its amax is the amax of the logical
-tensor ([Note: amax] in f8dist/placement.py): a tensorwise amax is all-reduced over tp, a per-token
-(axiswise) amax needs no collective because each token's row lives on one rank.
-
-Symmetrically, the gradient of a rowwise-parallel output that was reduce-scattered to sequence
-shards comes back sequence-sharded and is all-gathered in backward: it is cast to float8 (the
-``(grad_input, grad_output)`` cast) before that all-gather.
-
-The grad_weight gemm takes the same tensor scaled along the other axis, or in high precision:
-[Note: the grad_weight gemm under sequence parallelism] says how it still gets one device's
-operand. Layers whose input needs no redistribution are not cast here at all.
+An activation redistributed before a float8 gemm (the sequence-parallel all-gather ``Shard(1) ->
+Replicate``) is cast to float8 *first*, with the consuming linear's ``(output, input)`` spec, so
+the all-gather moves float8 ([Note: float8 on the wire] in f8dist/tensor.py) and the linear
+reuses the gathered bytes. The cast runs on the sharded DTensor, so its amax is the logical
+tensor's ([Note: amax] in f8dist/placement.py). Symmetrically, the rowwise style's gradient,
+all-gathered in backward, is cast with its ``(grad_input, grad_output)`` spec first. Layers whose
+input needs no redistribution are not cast here.
 
 [Note: the grad_weight gemm under sequence parallelism]
-The output gemm scales the SP input along K (per token, or 1 x K row blocks), but the grad_weight
-gemm contracts over the tokens: one device casts the high-precision input along the tokens, or
-reads it in high precision. Re-casting the gathered float8 would round twice (weight gradients
-far from one device's: tests/distributed/test_tp.py, figures in docs/numerics.md),
-so the style picks, per consuming linear's ``(grad_weight, input)`` spec and per forward (the
-token count is the batch's), with ``_grad_weight_cast``:
+The grad_weight gemm contracts over the tokens, so it needs the input scaled along the tokens
+(or in high precision); re-casting the gathered row-scaled float8 would round twice
+(tests/distributed/test_tp.py). ``_grad_weight_cast`` picks per consuming linear and per forward:
 
-* block scales along the tokens, shards holding whole token blocks (the rule of
-  ``blocks_split_by_shards``, [Note: token blocks of N-D activations] in f8dist/specs.py): the
-  local high-precision shard is cast twice, in row blocks and in token blocks, and the second
-  cast travels as the first's companion ([Note: two casts of one tensor] in f8dist/tensor.py):
-  the all-gather moves both, 2 x (1 byte + scales) per element, in forward; the linear keeps only
-  the token-block bytes for backward (1 byte per element, as before: memory unchanged). Every
-  gemm reads one device's bytes, no collective added.
-* a high-precision grad_weight gemm (mxfp8_wgrad_with_hp, rowwise_with_gw_hp), or token blocks
-  that the sequence shards split (1x128 blocks need 128 * tp tokens per sequence, 1x32 ones
-  32 * tp): the input is all-gathered in high precision (2 bytes per element in bf16, 4 in fp32)
-  and the linear casts after the gather, as one device does; it keeps the high-precision input
-  for backward, as one device does (2 bytes per element in bf16, where the gathered float8 kept
-  1). Exactness costs the bytes either way: the grad_weight gemm's operand cannot be derived from
-  the row-block bytes without a second rounding, so an exact path moves two float8 casts (1.03x
-  bf16's bytes with their scales) or high precision, never 0.52x.
-  ``Float8LinearConfig.sp_grad_weight`` trades otherwise ([Note: the grad_weight operand of a
-  gathered tensor] in f8dist/cells.py): with "recast" this rule answers None (the row blocks
-  only, re-cast in backward); with "backward_gather" the token-block cast stays on its rank
-  (``_cast_input``'s ``keep``: a ``KeptShard``) and the linears all-gather it in backward, once
-  per shared input (Transformer Engine's way): the same bytes, 1 / tp of them kept.
-* tensorwise (the same bytes serve both gemms) and rowwise (per-column scales over the tokens,
-  powers of 2, so re-scaling the gathered per-token bytes is exact but for e4m3 subnormals):
-  unchanged, the gathered float8 is reused or re-scaled.
+* block scales along the tokens, on shards holding whole token blocks (``blocks_split_by_shards``,
+  [Note: token blocks of N-D activations] in f8dist/specs.py): the local shard is also cast in
+  token blocks, which travel as the row-block cast's companion ([Note: two casts of one tensor]
+  in f8dist/tensor.py); the linear keeps only the token-block bytes for backward.
+* a high-precision grad_weight gemm, or token blocks that the sequence shards split: the input
+  is all-gathered in high precision and the linear casts after the gather, as one device does.
+* tensorwise and rowwise (power-of-2 scales: re-scaling is exact but for e4m3 subnormals): the
+  gathered float8 is reused or re-scaled.
 
-The rowwise style's gradient takes the same choice for its ``(grad_weight, grad_output)`` cast:
-cast with its token-block companion before the backward all-gather, or all-gathered in high
-precision. Under torch.compile neither is made ([Note: float8 gradients under compile]): the
-grad_weight gemm re-casts the gathered float8 input, as before.
+``Float8LinearConfig.sp_grad_weight`` trades exactness for bytes ([Note: the grad_weight operand
+of a gathered tensor] in f8dist/cells.py): "recast" re-casts the row blocks in backward;
+"backward_gather" keeps the token-block cast on its rank (a ``KeptShard``) for a backward
+all-gather. The rowwise style's gradient makes the same choice for its ``(grad_weight,
+grad_output)`` cast. Under torch.compile neither is made ([Note: float8 gradients under compile]).
 
 [Note: which redistributions carry float8]
-An axiswise cast is not made before a redistribution that shards its scaled-over dim on either
-side, e.g. a rowwise recipe's input (one scale per token, over K) going ``Replicate() ->
-Shard(-1)`` into ``Float8RowwiseParallel(input_layouts=Replicate())``. Float8 shards cannot be
-reassembled along the dim their scales span, and that redistribution is a local split that moves
-no bytes, so casting first would save nothing and would hand the grad_weight gemm (scaled over
-tokens, or in high precision for rowwise_with_gw_hp) a re-scaled or dequantized float8 copy where
-one device uses the high-precision input. The input is split in high precision and the linear
-casts its shard with the amax of the logical row (one ``[M, 1]`` all-reduce, [Note: amax]): one
-device's scales and bytes. A tensorwise cast is still made first: its scale is the replicated
-tensor's amax (no collective) and a split keeps it, giving one device's bytes.
+An axiswise cast is not made before a redistribution that shards its scaled-over dim (e.g. a
+rowwise recipe's input going ``Replicate() -> Shard(-1)``): float8 shards cannot be reassembled
+along the dim their scales span, the split moves no bytes anyway, and the grad_weight gemm would
+get a re-scaled copy. The linear casts its shard with the logical row's amax ([Note: amax]). A
+tensorwise cast is still made first: the split keeps its scale.
 
 [Note: block scales on tensor-parallel shards]
-Block-scaled recipes ([Note: block scales] in f8dist/cells.py) take the same styles and run no
-amax collective: a block's scale is its own. The 1 x K blocks of an activation or gradient are
-local to a token, so the sequence-parallel input (and the rowwise style's gradient) is cast in
-[B, S, K] row blocks before its all-gather and its scale grid travels with its shards ([Note:
-row blocks of N-D activations]): the gathered bytes and scales are those of a cast after the
-gather, bit for bit. Weights are sharded on block boundaries (colwise: out_features, rowwise:
-in_features) and cast shard by shard; a TP degree whose shards would split a block of any of the
-layer's casts (a weight's 1x32, 128x128 or 32x32 blocks, the sharded activation's or gradient's
-1 x K ones) raises when the style is applied, naming the fix, by the rule of f8dist/placement.py
-(``blocks_split_by_shards``). The grad_weight gemm blocks its operands along the tokens: its
-cast of the local shard travels with the row-block cast, or the tensor moves in high precision
-where sequence shards would split token blocks ([Note: the grad_weight gemm under sequence
-parallelism]).
+Block scales ([Note: block scales] in f8dist/cells.py) need no amax collective. Activation and
+gradient 1 x K blocks are local to a token, so they are cast before the all-gather and their scale
+grid travels with the shards ([Note: row blocks of N-D activations]). Weights are sharded on block
+boundaries; a TP degree whose shards would split a block of any of the layer's casts raises when
+the style is applied (``_check_blocks``, by ``blocks_split_by_shards``).
 
 [Note: float8 gradients under compile]
-The backward float8 all-gather makes a gradient change type on its way (a high-precision DTensor
-becomes a DTensor of Float8Tensors). torch.compile traces an autograd.Function's backward when it
-traces the forward, assuming a gradient of the forward output's type, so the linear's compiled
-backward would treat the float8 gradient as high precision (and fail on it). Under torch.compile
-the rowwise style therefore all-gathers the gradient in high precision; forward activations are
-still cast before their all-gather. Eager mode sends float8 both ways.
+torch.compile traces an autograd.Function's backward assuming a gradient of the forward output's
+type, so a gradient that becomes float8 on its way (the backward float8 all-gather) would fail in
+the linear's compiled backward. Under torch.compile the rowwise style all-gathers the gradient in
+high precision; forward activations are still cast first.
 
 [Note: delayed casts in the float8 styles]
-With ``ScalingType.DELAYED`` the casts above take their scale from the amax history of the linear
-that consumes the tensor ([Note: delayed scaling] in f8dist/delayed/), as the linear would:
-the style records the amax of the rank's *shard* (forward: the input; backward, rowwise style:
-the sequence-sharded gradient) into the linear and casts with its scale. The linear reuses the
-float8 bytes and records nothing more, and the sync's one MAX all-reduce makes the shard amaxes
-the logical tensor's, so every rank holds one device's histories. The bytes must share one scale
-on every rank, so whether the history's scale is out of range for this step ([Note: out of range])
-is decided on the logical amax: one scalar all-reduce per cast (on the first step, [Note: first
-step], over all ranks).
+With ``ScalingType.DELAYED`` a style's cast uses the consuming linear's amax history ([Note:
+delayed scaling] in f8dist/delayed/): it records the amax of the rank's shard into the linear,
+and the sync's MAX all-reduce makes it the logical tensor's. The bytes must share one scale on
+every rank, so the out-of-range decision ([Note: out of range]) is taken on the logical amax: one
+scalar all-reduce per cast (on the [Note: first step], over all ranks).
 
-A shared input (``PrepareFloat8ModuleInput`` with ``fwd_config_submodule_fqn``) is cast once with
-the named linear's scale and its amax is recorded into *every* delayed Float8Linear below the
-module: the linears consuming it (wq/wk/wv, w1/w3) thus hold the same histories, as on one device;
-for the others it is a tentative record, which the first cast of their own input in the step (wo,
-w2) replaces. Caveat: a delayed linear below the module that does not run in a step keeps the
-shared amax.
+A shared input (``PrepareFloat8ModuleInput(fwd_config_submodule_fqn=...)``) is cast with the named
+linear's scale and its amax recorded into *every* delayed Float8Linear below the module; for those
+that do not consume it, their own first cast of the step (wo, w2) replaces the record. Caveat: a
+delayed linear below the module that does not run in a step keeps the shared amax.
 """
 
 from __future__ import annotations
@@ -148,11 +101,9 @@ GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
 
 
 def _scale_for(spec: CastSpec, linears: Sequence[Float8Linear], x: torch.Tensor, record=None):
-    """The scale of a cast of ``x`` made for ``linears`` outside their forward: None (dynamic),
-    or, when they keep an amax history of the operand, the delayed scale after recording ``x``'s
-    amax into them ([Note: delayed casts in the float8 styles]). The operand is recorded even when
-    only another gemm's cast of it is delayed: the linears get float8 bytes and cannot record it.
-    ``record``: that of the forward whose gradient ``x`` is (see ``shared_scale``)."""
+    """The scale of a cast of ``x`` made for ``linears`` outside their forward: None (dynamic) or
+    the delayed scale, after recording ``x``'s amax ([Note: delayed casts in the float8 styles]).
+    It records even when only another gemm's cast is delayed: the linears only see float8 bytes."""
     if not linears or linears[0].delayed is None or not linears[0].delayed.keeps(spec.operand):
         return None
     scale = shared_scale([m.delayed for m in linears], spec.operand, x, record)
@@ -163,16 +114,10 @@ _HIGH_PRECISION = "high_precision"
 
 
 def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Operand):
-    """How the grad_weight gemm of the linear with ``specs`` gets one device's ``operand`` when
-    ``x`` is cast before it is communicated ([Note: the grad_weight gemm under sequence
-    parallelism]): None (it reads the communicated bytes, or re-scales them: tensorwise, rowwise,
-    and under torch.compile), its CastSpec (its own cast of ``x`` travels along as a companion,
-    or stays behind for a backward all-gather: block scales along the tokens) or
-    ``_HIGH_PRECISION`` (communicate ``x`` unscaled: a high-precision grad_weight gemm, or token
-    blocks that the sequence shards split). None too where no grad_weight gemm will read it (no
-    grad: eval, inference), there is nothing to round (an empty batch) or the linear puts bytes
-    first (``SPGradWeight.RECAST``: the gemm re-casts the communicated bytes; [Note: the
-    grad_weight operand of a gathered tensor] in f8dist/cells.py)."""
+    """How the grad_weight gemm gets one device's ``operand`` when ``x`` is cast before it is
+    communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reuses or
+    re-casts the communicated bytes; also without grad, for an empty batch or with
+    ``SPGradWeight.RECAST``), its CastSpec (a companion cast) or ``_HIGH_PRECISION``."""
     if (specs is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
             or x.numel() == 0 or specs.sp_grad_weight is SPGradWeight.RECAST
             or not specs.own_grad_weight_operand(operand)):
@@ -190,12 +135,9 @@ def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Oper
 def _cast_input(
     x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
 ) -> torch.Tensor:
-    """``x`` cast to float8 for ``linears`` (differentiable: gradients pass in high precision),
-    carrying the grad_weight gemm's cast when it needs one, or keeping it on this rank for a
-    backward all-gather ([Note: the grad_weight gemm under sequence parallelism]); or ``x``
-    itself when a redistribution to ``desired_layouts`` would shard the dim an axiswise cast
-    scales over ([Note: which redistributions carry float8]) or the grad_weight gemm needs it in
-    high precision."""
+    """``x`` cast to float8 for ``linears`` (gradients pass in high precision), with the
+    grad_weight gemm's cast as companion or kept shard ([Note: the grad_weight gemm under sequence
+    parallelism]); or ``x`` itself ([Note: which redistributions carry float8])."""
     # the dim its scales span: an axiswise cast's scaled-over dim, a block cast's inner dim
     axis = spec.axis % x.dim() if spec.axiswise or spec.blockwise else None
     layouts = (*getattr(x, "placements", ()), *desired_layouts)
@@ -211,10 +153,9 @@ def _cast_input(
 
 
 class _CastGradToFloat8(torch.autograd.Function):
-    """Identity in forward; in backward casts the gradient of ``mod``'s output as its
-    ``(grad_input, grad_output)`` spec says, so that what backward communicates next moves in
-    float8 (a delayed cast records into ``mod`` and uses its scale); ``other``: the grad_weight
-    gemm's cast, carried along ([Note: the grad_weight gemm under sequence parallelism])."""
+    """Identity in forward; in backward casts the gradient with ``mod``'s ``(grad_input,
+    grad_output)`` spec so it is communicated in float8, carrying ``other``: the grad_weight
+    gemm's cast ([Note: the grad_weight gemm under sequence parallelism])."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mod: Float8Linear, other: Optional[CastSpec] = None):
@@ -306,10 +247,9 @@ def _check_blocks(module: Float8Linear, tp: int, sharded: str, style: str) -> No
 
 
 def _replicate_in_place(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Make the delayed buffers of ``module`` Replicate DTensors of the values they hold: every
-    rank holds the same initial values, so ``distribute_module`` needs no broadcast per buffer,
-    and ranks that disagree on delayed scaling reach the agreement check instead of hanging in
-    one ([Note: ranks that disagree] in f8dist/agreement.py)."""
+    """Make ``module``'s delayed buffers Replicate DTensors in place: no broadcast per buffer, so
+    ranks that disagree reach the agreement check instead of hanging ([Note: ranks that
+    disagree] in f8dist/agreement.py)."""
     names = module.delayed.buffer_names if module.delayed is not None else ()
     for name in names:
         module._buffers[name] = _as_dtensor(module._buffers[name], mesh, [Replicate()] * mesh.ndim)
@@ -325,16 +265,14 @@ def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, layouts) -> DTensor:
 
 
 class _Float8LinearStyle:
-    """What :class:`Float8ColwiseParallel` and :class:`Float8RowwiseParallel` add to PyTorch's
-    style (the next base class): checks at ``_apply`` and the input cast of [Note: cast before
-    communicating]. Subclasses name the features they shard (``_sharded_features``)."""
+    """Checks at ``_apply`` and the input cast ([Note: cast before communicating]) that the
+    float8 colwise and rowwise styles add to PyTorch's (the next base class)."""
 
     _sharded_features: str  # "out" (colwise) or "in" (rowwise)
 
     def check_blocks(self, module: nn.Module, tp: int) -> None:
         """Raise, naming the fix, if sharding ``module`` over ``tp`` ranks would split a block of
-        its block-scaled casts: what ``_apply`` checks, callable before any process group exists
-        (a training script's flag check, on a model built on the meta device)."""
+        its block-scaled casts; needs no process group (works on a meta-device model)."""
         module = _float8_linear(module, type(self).__name__)
         _check_blocks(module, tp, self._sharded_features, type(self).__name__)
 
@@ -364,11 +302,9 @@ class _Float8LinearStyle:
 class Float8ColwiseParallel(_Float8LinearStyle, ColwiseParallel):
     """``ColwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
 
-    The weight is sharded on ``out_features`` (``Shard(0)``) and its float8 scale comes from the
-    amax of the whole weight (all-reduced over tp). An input that arrives in another layout than
-    ``Replicate()`` (sequence parallel: ``input_layouts=Shard(1)``) is cast to float8 with the
-    layer's input cast spec *before* the all-gather, so the all-gather moves 1 byte per element
-    (see [Note: cast before communicating]).
+    The weight is sharded on ``out_features`` (``Shard(0)``). An input in another layout than
+    ``Replicate()`` (sequence parallel: ``input_layouts=Shard(1)``) is cast to float8 before the
+    all-gather ([Note: cast before communicating]).
 
     Keyword Args:
         input_layouts (Placement, optional): layout of the module input; default ``Replicate()``.
@@ -393,12 +329,9 @@ class Float8ColwiseParallel(_Float8LinearStyle, ColwiseParallel):
 class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
     """``RowwiseParallel`` for a :class:`~f8dist.linear.Float8Linear`, communicating in float8.
 
-    The weight is sharded on ``in_features`` (``Shard(1)``); the output is a partial sum that is
-    all-reduced (``output_layouts=Replicate()``) or reduce-scattered (``Shard(1)``, sequence
-    parallel) in high precision. With a sharded output, the gradient that comes back is cast to
-    float8 before backward all-gathers it. An input that needs redistributing to ``Shard(-1)`` is
-    cast to float8 before it moves when its scales survive the split (tensorwise; see [Note: which
-    redistributions carry float8]).
+    The weight is sharded on ``in_features`` (``Shard(1)``); the partial-sum output is reduced in
+    high precision. With a sharded output the gradient is cast to float8 before backward
+    all-gathers it; see [Note: which redistributions carry float8] for the input.
 
     Keyword Args:
         input_layouts (Placement, optional): layout of the module input; default ``Shard(-1)``.
@@ -425,8 +358,7 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
             and mod.specs.gemm_in_float8(Gemm.GRAD_INPUT)
             and not torch.compiler.is_compiling()  # [Note: float8 gradients under compile]
         ):
-            # backward all-gathers the sharded gradient: cast it to float8 first, with the
-            # grad_weight gemm's own cast (the gradient has the output's shape and layout)
+            # backward all-gathers the sharded gradient: cast it to float8 first
             other = _grad_weight_cast(outputs, mod.specs, Operand.GRAD_OUTPUT)
             if other != _HIGH_PRECISION:
                 outputs = _CastGradToFloat8.apply(outputs, mod, other)
@@ -436,10 +368,9 @@ class Float8RowwiseParallel(_Float8LinearStyle, RowwiseParallel):
 class PrepareFloat8ModuleInput(PrepareModuleInput):
     """``PrepareModuleInput`` that casts the inputs it redistributes to float8 first.
 
-    Put it on a module whose float8 linears share one input (attention's wq/wk/wv, a SwiGLU FFN's
-    w1/w3): the input is cast once, with the input cast spec of the linear named by
-    ``fwd_config_submodule_fqn``, all-gathered once in float8, and every linear reuses the bytes.
-    Those linears then take ``Float8ColwiseParallel()`` (their input already is ``Replicate()``).
+    For a module whose float8 linears share one input (wq/wk/wv, w1/w3): the input is cast once
+    with the input spec of ``fwd_config_submodule_fqn``'s linear and all-gathered once in float8;
+    the linears take ``Float8ColwiseParallel()`` and reuse the bytes.
 
     Keyword Args:
         input_layouts, desired_input_layouts, input_kwarg_layouts, desired_input_kwarg_layouts,
@@ -498,8 +429,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
 
     def _cast_for(self, module: nn.Module):
-        """(spec, linears) of the shared input's cast: the named linear's input spec, recording
-        into every delayed linear below ``module`` ([Note: delayed casts in the float8 styles])."""
+        """(spec, linears) of the shared input's cast ([Note: delayed casts in the float8 styles])."""
         name = type(self).__name__
         delayed_linears = {
             n: m for n, m in module.named_modules()
