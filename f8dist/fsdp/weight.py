@@ -5,25 +5,17 @@ With ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` a Float8Linear's
 :class:`Float8AllGatherWeight`: it holds the high-precision weight (what the optimizer updates and
 checkpoints store) and implements FSDP2's all-gather extension hooks:
 
-* ``fsdp_pre_all_gather`` casts this rank's shard to float8 with the scale of the WHOLE weight
-  (its amax reduced over the mesh axes sharding it, ``[Note: amax]`` in f8dist/placement.py: dp
-  under FSDP2, dp and tp under 2-D; a precomputed or delayed scale when there is one), pads it to
-  FSDP2's padded shard size (uneven shards, empty ones included) and hands FSDP2 its bytes as
-  ``uint8``, so gloo and NCCL carry it: its wire tensors ([Note: the wire] in f8dist/tensor.py).
-  The scale rides along as metadata (the WireMeta): it is the same on every rank.
-* ``fsdp_post_all_gather`` views the gathered bytes as float8 (``Float8Tensor.from_wire``, one
-  post_all_gather for every weight kind) and returns a
-  :class:`~f8dist.tensor.Float8Tensor` (of ``param_dtype``, so a bf16 MixedPrecisionPolicy gives
-  bf16 gemm outputs) that ``_Float8Matmul`` takes as its weight without casting again. From the
-  second all-gather on FSDP2 passes ``out=``: the gathered bytes are already in ``out``'s buffer
-  and only the scale is updated.
+* ``fsdp_pre_all_gather`` casts this rank's shard with the scale of the WHOLE weight ([Note:
+  amax] in f8dist/placement.py; or a precomputed or delayed scale), pads it to FSDP2's padded
+  shard size and hands FSDP2 ``uint8`` wire tensors ([Note: the wire] in f8dist/tensor.py); the
+  scale, the same on every rank, rides along as metadata.
+* ``fsdp_post_all_gather`` views the gathered bytes as a
+  :class:`~f8dist.tensor.Float8Tensor` of ``param_dtype`` that the linear takes without casting
+  again; with FSDP2's ``out=`` only the scale is updated.
 
-The bytes each rank casts are exactly those a single device casts from the unsharded weight (same
-scale, same elementwise cast), so results match one device bit for bit.
-
-Outside the hooks the wrapper behaves like its high-precision tensor: view-like and allocation ops
-keep the wrapper (FSDP2 chunks, pads and narrows it), everything else returns plain tensors, and
-in-place ops (the optimizer) update the wrapped tensor.
+Each rank casts the bytes one device casts from the unsharded weight: one device's numbers, bit
+for bit. Outside the hooks view-like and allocation ops keep the wrapper (FSDP2 chunks and pads
+it), other ops return plain tensors and in-place ops update the wrapped tensor.
 """
 
 from __future__ import annotations
@@ -73,8 +65,8 @@ class Float8AllGatherWeight(torch.Tensor):
 
     _tensor: torch.Tensor
     _config: Float8LinearConfig
-    # (scale, version of _tensor it was computed at), set by precompute_float8_dynamic_scale_for_fsdp;
-    # dropped by any in-place op on the wrapper (which does not bump _tensor's version counter)
+    # (scale, _tensor's version), from precompute_float8_dynamic_scale_for_fsdp; dropped by any
+    # in-place op on the wrapper (which does not bump _tensor's version counter)
     _precomputed: Optional[Tuple[torch.Tensor, int]]
 
     @staticmethod
@@ -143,8 +135,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if spec.blockwise:
             return _block_pre_all_gather(self, outer_size, mesh, module, spec)
         scale = self._scale_for_all_gather(mesh, module, spec)
-        # the shard is cast as part of the logical weight, so that observers (f8dist.debug) reduce
-        # its statistics over the shards ([Note: statistics of the logical tensor])
+        # cast as part of the logical weight ([Note: statistics of the logical tensor])
         fp8 = local_part(cast_to_float8(like(_sharded_param(self, module), shard), spec, scale))
         padded_rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to chunk 0's size
         (data,), meta = _to_wire(fp8, 0)  # [rows, K] uint8
@@ -174,9 +165,6 @@ class Float8AllGatherWeight(torch.Tensor):
     def _scale_for_all_gather(self, mesh, module, spec) -> torch.Tensor:
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
         if spec.scaling_type is ScalingType.DELAYED:
-            # the module's synced amax history: no collective, the shard's amax is recorded for
-            # the next sync (on the first step the history is filled from all shards, one
-            # all-reduce: [Note: first step] in f8dist/delayed/scale.py)
             # a copy: the sync updates the buffer in place ([Note: eval forwards under FSDP2])
             return module.delayed.all_gather_scale(
                 self._tensor, *_sharding_of(self, module, mesh)
@@ -192,25 +180,17 @@ class Float8AllGatherWeight(torch.Tensor):
 
 
 # [Note: one-rank FSDP2 group]
-# On a one-rank FSDP2 group (one process; dp = 1 under TP or EP) torch's FSDP2 runs no collective
-# (FSDPParamGroup.unshard and wait_for_unshard, torch 2.13): it calls fsdp_pre_all_gather, copies
-# its FIRST input into the all-gather output and hands fsdp_post_all_gather that one output, with
-# the metadata. A weight may send more than one input (a block-scaled weight's scales, the
-# per-expert scales of experts FSDP2 shards on dim 0), so on a mesh of one rank (the group FSDP2
-# tests) pre_all_gather puts the inputs after the first in the metadata too, and post_all_gather
-# takes each output FSDP2 did not make from there: on one rank an all-gather returns its input.
-# One rule for every weight kind; with more ranks nothing more rides along. They are clones:
-# FSDP2 frees the storage of the tensors post_all_gather returns and re-allocates it.
+# On a one-rank group FSDP2 runs no collective (FSDPParamGroup.unshard, torch 2.13): it copies
+# only the FIRST all-gather input to the output. A weight with more inputs (block scales, per-expert
+# scales) so also puts the others in the metadata on one rank, and post_all_gather takes the
+# outputs FSDP2 did not make from there. Clones: FSDP2 frees and re-allocates the returned storage.
 
 
 # [Note: block-scaled all-gather]
-# A block-scaled weight ([Note: block scales] in f8dist/cells.py) is all-gathered as two
-# tensors, its float8 bytes and its grid of block scales (as uint8: 1 byte per block for e8m0, 4
-# for float32), cast by each rank from its shard with no collective: a block's scale depends on
-# its own elements. When FSDP2's shards (ceil(rows / world) rows each, the last ones padded)
-# start on block boundaries, every rank casts the blocks one device casts, bit for bit; a shard
-# that would split a block raises, naming the fix. Only square weight blocks are gathered in
-# float8 (the config says so): the one gathered copy serves the output and grad_input gemms.
+# A block-scaled weight ([Note: block scales] in f8dist/cells.py) travels as its float8 bytes and
+# its scale grid (uint8), cast per shard with no collective: a block's scale is its own. FSDP2's
+# shards must start on block boundaries (else this raises, naming the fix). Only square blocks
+# are gathered in float8 (config rule): one copy serves the output and grad_input gemms.
 
 
 def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
@@ -225,7 +205,7 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
             f"boundaries, got {split}: change the number of ranks or the layer's size, or set "
             "enable_fsdp_float8_all_gather=False"
         )
-    # cast as part of the logical weight (telemetry reduces its statistics over the shards)
+    # cast as part of the logical weight ([Note: statistics of the logical tensor])
     shard = weight._tensor  # [rows, K]
     fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
     (data, scale), meta = _to_wire(fp8, 0)  # [rows, K], [rows / br, scale bytes per block row]
@@ -235,35 +215,22 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
 
 
 # [Note: float8 all-gather of expert weights]
-# A Float8GroupedExperts' weights w1, w2, w3 ([experts, out, in], f8dist/grouped.py) are wrapped
-# like a Float8Linear's weight when its config sets enable_fsdp_float8_all_gather, which needs a
-# tensorwise weight cast: for experts, one scale per expert ([Note: grouped casts] in
-# f8dist/specs.py), one float8 copy serving the output and grad_input gemms; dynamic only
-# (``gathers_float8``: the experts' delayed and block-scaled weights, which the config allows
-# with the all-gather for linears, are gathered in high precision, and convert_to_float8_training
-# warns naming them: refusing the config would take the float8 gather from its linears too).
-# (Rowwise recipes scale the weight per row in the output gemm and per column in the grad_input
-# gemm, so one float8 copy cannot serve both: the config refuses the float8 all-gather for them.)
-# Each rank casts its shard as part of the logical weight: the per-expert
-# amax is the DTensor reduction over dims 1 and 2, made Replicate over the mesh axes that shard
-# those dims ([Note: amax] in f8dist/placement.py), so
+# A Float8GroupedExperts' w1, w2, w3 ([experts, out, in]) are wrapped like a Float8Linear's
+# weight, with one dynamic scale per expert ([Note: grouped casts] in f8dist/specs.py); the
+# experts' delayed and block-scaled weights are gathered in high precision (``gathers_float8``;
+# convert_to_float8_training warns, since refusing the config would also take the linears'
+# float8 gather). Each rank casts its shard as part of the logical weight ([Note: amax] in
+# f8dist/placement.py):
 #
-# * FSDP2 on dim 1 (EP x FSDP2, [Note: EP x FSDP2] in f8dist/models/moe_parallel.py): one
-#   all-reduce of the local experts' amaxes over dp_shard; the scales are then the same on every
-#   dp_shard rank and ride along as metadata, the all-gather carries 1 byte per element;
-# * FSDP2 on dim 0 (experts sharded by FSDP2 alone): each rank holds whole experts, whose scales
-#   need no collective and differ between ranks, so they are gathered with the bytes (a second
-#   all-gather input, 4 bytes per expert); FSDP2 then needs num_experts to be a multiple of its
-#   ranks (its uneven shards take inputs of the padded shard's size only), else this raises.
-#
-# Every rank thus casts the bytes one device casts from the whole weight: one device's numbers,
-# bit for bit (tests/distributed/test_fsdp_experts.py).
+# * FSDP2 on dim 1 ([Note: EP x FSDP2] in f8dist/models/moe_parallel.py): one all-reduce of the
+#   local experts' amaxes; the scales are then equal on every rank and ride as metadata;
+# * FSDP2 on dim 0: each rank holds whole experts, whose scales differ between ranks and are
+#   gathered with the bytes; FSDP2's uneven shards then need num_experts % ranks == 0.
 
 
 def gathers_float8(spec) -> bool:
-    """Whether FSDP2 all-gathers an expert weight whose output-gemm cast is ``spec`` in float8
-    ([Note: float8 all-gather of expert weights]): a dynamic per-expert (tensorwise) cast; the
-    experts' delayed and block-scaled casts are gathered in high precision."""
+    """Whether FSDP2 all-gathers an expert weight with output-gemm cast ``spec`` in float8: a
+    dynamic per-expert cast ([Note: float8 all-gather of expert weights])."""
     return (spec.enabled and not spec.axiswise and not spec.blockwise
             and spec.scaling_type is ScalingType.DYNAMIC)
 
@@ -282,25 +249,20 @@ def _experts_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, m
             "set enable_fsdp_float8_all_gather=False"
         )
     fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
-    # [E_local, N, K] bytes; on dim 1 the [E_local, 1, 1] scales are the same on every FSDP2
-    # rank, on dim 0 they travel as [E_local, 1, 4] uint8 ([Note: the wire] in f8dist/tensor.py)
+    # [E_local, N, K] bytes; the [E_local, 1, 1] scales travel on dim 0 only
     return _to_wire(fp8, fsdp_dim)
 
 
 def _to_wire(fp8: Float8Tensor, dim: int):
-    """The all-gather inputs of ``fp8``'s pieces along ``dim`` and its WireMeta, the metadata
-    post_all_gather rebuilds it with ([Note: the wire] in f8dist/tensor.py). A scale that stays
-    home is copied: FSDP2's ``out=`` writes the next all-gather's scale into the tensor
-    post_all_gather made around it."""
+    """``fp8``'s all-gather inputs along ``dim`` and its WireMeta ([Note: the wire] in
+    f8dist/tensor.py). A scale in the metadata is copied: FSDP2's ``out=`` overwrites it later."""
     wire, meta = fp8.to_wire(dim)
     return wire, meta if meta.scale is None else meta._replace(scale=meta.scale.clone())
 
 
 def _weight_spec(local: torch.Tensor, module, config: Float8LinearConfig):
-    """The output gemm's weight cast of the module owning the weight whose local tensor is
-    ``local``: a Float8Linear's, or the grouped cast of one of a Float8GroupedExperts' weights
-    (its ``specs`` hold one CastSpecs per weight name). FSDP2's 1-argument hook passes no module:
-    then the wrapper's config, unnamed."""
+    """The output gemm's weight cast for the weight whose local tensor is ``local`` (no module,
+    from FSDP2's 1-argument hook: the wrapper's config)."""
     specs = getattr(module, "specs", None)
     if isinstance(specs, dict):  # grouped experts: which of w1, w2, w3
         for name, p in module.named_parameters(recurse=False):
@@ -323,10 +285,8 @@ def _sharded_param(local: torch.Tensor, module):
 
 
 def _sharding_of(local: torch.Tensor, module, mesh):
-    """(mesh, placements) of the sharded DTensor parameter whose local tensor is ``local``.
-
-    Under 2-D FSDP x TP this is the 2-D mesh with dp and tp placements; without a module (the
-    1-argument hook) the FSDP mesh, sharded on every axis."""
+    """(mesh, placements) of the sharded DTensor parameter whose local tensor is ``local``;
+    without a module, ``mesh`` sharded on every axis."""
     param = _sharded_param(local, module)
     if param is not None:
         return param.device_mesh, param.placements
@@ -337,15 +297,9 @@ def _sharding_of(local: torch.Tensor, module, mesh):
 
 def wrap_weight_for_float8_all_gather(module: torch.nn.Module,
                                       names: Tuple[str, ...] = ("weight",)) -> None:
-    """Make each parameter ``names`` of ``module`` (a Float8Linear's weight, a
-    Float8GroupedExperts' w1, w2, w3) a :class:`Float8AllGatherWeight` parameter sharing its
-    storage, and keep the module's ``state_dict`` in plain high-precision tensors (the keys and
-    values of ``nn.Linear`` / ``GroupedExperts``), so checkpoints load into models with or
-    without float8.
-
-    The modules call it again after ``load_state_dict(sd, assign=True)``, which puts the
-    checkpoint's plain tensor in place of the wrapper (FSDP2 would then all-gather that weight in
-    high precision)."""
+    """Make each parameter ``names`` of ``module`` a :class:`Float8AllGatherWeight` sharing its
+    storage, keeping ``state_dict`` in plain tensors (checkpoints load with or without float8).
+    Called again after ``load_state_dict(sd, assign=True)``, which replaces the wrapper."""
     for name in names:
         weight = getattr(module, name)
         if isinstance(weight, Float8AllGatherWeight) or is_dtensor(weight):  # done, or sharded
