@@ -8,9 +8,7 @@
     grad_input    grad_output                     weight  (cast_config_weight_for_grad_input)
     grad_weight   grad_output (transposed)        input   (cast_config_*_for_grad_weight)
 
-(``[Note: gemms]`` in ``f8dist/linear.py``.) This module is the one place the table's names and
-axes live; f8dist/config.py is what users write (:class:`~f8dist.config.Float8LinearConfig`, a
-CastConfig per cell plus options), f8dist/specs.py its resolution (:class:`~f8dist.specs.CastSpec`).
+(``[Note: gemms]`` in ``f8dist/linear.py``.) The one place the table's names and axes live.
 """
 
 from __future__ import annotations
@@ -89,8 +87,8 @@ _GEMM_OPERANDS = {
     Gemm.GRAD_WEIGHT: (Operand.GRAD_OUTPUT, Operand.INPUT),
 }
 
-# The contraction dim of each operand in each gemm, in the operand's own [rows, cols] layout
-# (input [M, K], weight [N, K], grad_output [M, N]): an axiswise cast takes its amax over it.
+# each cell's contraction dim in the operand's layout (input [M, K], weight [N, K], grad_output
+# [M, N]): an axiswise cast takes its amax over it
 _CONTRACTION_AXIS = {
     (Gemm.OUTPUT, Operand.INPUT): -1,  # K
     (Gemm.OUTPUT, Operand.WEIGHT): -1,  # K
@@ -130,73 +128,47 @@ class ScaleRounding(_Name):
 
 
 # [Note: block scales]
-# A BLOCKWISE cast scales each block of ``CastConfig.block_size = (outer, inner)`` elements by its
-# own amax, ``inner`` along the gemm's contraction dim and ``outer`` across it, so the one config of
-# an operand serves both of its gemms: MXFP8's (1, 32) blocks run along K for the output gemm's
-# input and along the tokens M for the grad_weight gemm's input, each cast from the
-# high-precision tensor (never from float8 twice). Both operands of a gemm must agree on ``inner``
-# (the kernel multiplies block products by one scale pair). A square block, (32, 32) or (128, 128),
-# is the same block in both gemms of an operand, so one float8 weight serves forward and backward
-# (``CastSpecs.weight_same_bytes``): a weight that arrives in float8 needs no second cast. Scales are float32 (DeepSeek-V3) or ``float8_e8m0fnu`` (MX, a
-# power of 2 per byte, rounded as ``scale_rounding`` says). A block cut short by the tensor's edge
-# is zero-padded, which changes neither its amax nor any product: the token dim M may be anything;
-# the layer's own dims K and N must divide into blocks (or pad_inner_dim).
+# A BLOCKWISE cast scales each ``CastConfig.block_size = (outer, inner)`` block by its own amax,
+# ``inner`` along the gemm's contraction dim, so one config serves both gemms of an operand (e.g.
+# MXFP8's (1, 32) along K, then along M), each cast from high precision. Both operands of a gemm
+# must agree on ``inner`` (one scale pair per block product). A square block is the same in both
+# gemms, so one float8 weight serves forward and backward (``CastSpecs.weight_same_bytes``).
+# Scales are float32 or e8m0 ([Note: e8m0 rounding]). Edge blocks are zero-padded (amax and
+# products unchanged), so M may be anything; K and N must divide into blocks (or pad_inner_dim).
+#
 # [Note: the grad_weight operand of a gathered tensor]
-# A sequence-parallel style casts an activation shard before its all-gather in the output gemm's
-# row blocks (1 x K); the grad_weight gemm wants the same tensor in token blocks (or in high
-# precision), which cannot be derived from the row-block bytes without a second rounding.
-# ``Float8LinearConfig.sp_grad_weight`` (an :class:`SPGradWeight`) chooses how that gemm gets it,
-# for the input a style gathers in forward and the gradient the rowwise style gathers in backward
-# (the rule is ``_grad_weight_cast`` in f8dist/tp/style.py, [Note: the grad_weight gemm under
-# sequence parallelism]); tensorwise and rowwise recipes gather one float8 copy whatever it says,
-# so it applies to block recipes and high-precision grad_weight gemms only:
+# A sequence-parallel style gathers an activation in the output gemm's row blocks; the grad_weight
+# gemm wants token blocks (or high precision), which the row-block bytes cannot give without a
+# second rounding. ``Float8LinearConfig.sp_grad_weight`` chooses, for block recipes and
+# high-precision grad_weight gemms (rule: [Note: the grad_weight gemm under sequence parallelism]
+# in f8dist/tp/style.py):
 #
-#   FORWARD_GATHER (default)  both casts in the forward all-gather (the token-block one as the
-#                             row-block one's companion), or high precision: one device's numbers;
-#                             2 x (1 byte + scales) per element (1.03x bf16), the linear keeps the
-#                             gathered token-block cast (1 byte per gathered element)
-#   RECAST                    the row-block cast only (1 byte + scales: 0.52x bf16), in forward
-#                             and, for the gradient, in backward; the grad_weight gemm re-casts
-#                             the gathered float8 (a second rounding: weight gradients no longer
-#                             one device's, docs/numerics.md)
-#   BACKWARD_GATHER           forward gathers the row-block cast only and the style keeps the
-#                             local shard's token-block cast; the linear all-gathers it in
-#                             backward (Transformer Engine's way): the bytes of FORWARD_GATHER,
-#                             one device's numbers, 1 / tp of the token-block cast kept between
-#                             forward and backward, one more all-gather per linear in backward.
-#                             Token-block grad_weight gemms only (a high-precision one reads the
-#                             values: FORWARD_GATHER or RECAST); the gradient travels as in
-#                             FORWARD_GATHER (its all-gather is in backward already)
+#   FORWARD_GATHER (default)  both casts cross in the forward all-gather (or high precision):
+#                             exact, no extra collective; the linear keeps the token-block cast
+#   RECAST                    the row-block cast only; grad_weight re-casts it: fewer bytes, not
+#                             one device's weight gradients
+#   BACKWARD_GATHER           the style keeps the shard's token-block cast and the linear
+#                             all-gathers it in backward (Transformer Engine's way): exact, 1 / tp
+#                             of it kept; token-block grad_weight gemms only
 #
-# FORWARD_GATHER is the default because it is exact and costs no collective more (the step's
-# all-gathers are one per tensor); the others trade numerics for bytes, or a backward all-gather
-# for memory. Linears that read one shared input (``PrepareFloat8ModuleInput``) get the cast its
-# ``fwd_config_submodule_fqn`` linear's config makes: a linear whose config asks for one device's
-# grad_weight operand and finds none fitting on its float8 input raises, naming the fix.
+# Byte figures: docs/performance.md. Linears sharing one input (``PrepareFloat8ModuleInput``) get
+# its named linear's cast; one whose config finds no fitting grad_weight operand raises.
 #
 # [Note: e8m0 rounding]
-# RCEIL (default) picks the dequantizing scale 2**ceil(log2(amax / fp8_max)): the largest power of
-# 2 that maps the block's amax inside the format, so no element saturates. It is what NVIDIA's
-# hardware conversion (cvt.rp.satfinite.ue8m0), cuBLAS's MXFP8 recipe and Transformer Engine use,
-# and what torchao's MXFP8 training defaults to. FLOOR is the OCP MX v1.0 rule,
-# 2**(floor(log2(amax)) - emax): one power of 2 more resolution for blocks whose amax mantissa is
-# below fp8_max's, but elements above fp8_max * 2**(e) clamp (e4m3: amax in (448, 512) * 2**e).
-# scripts/sqnr_table.py compares the two.
+# RCEIL (default; NVIDIA's cvt.rp.satfinite.ue8m0, cuBLAS, Transformer Engine, torchao) picks
+# 2**ceil(log2(amax / fp8_max)), so no element saturates. FLOOR (OCP MX v1.0) is
+# 2**(floor(log2(amax)) - emax): one more power of 2 of resolution for some blocks, but the top
+# elements may clamp. scripts/sqnr_table.py compares the two.
 
 
 @dataclass(frozen=True, kw_only=True)
 class CastConfig:
-    """How one gemm operand is cast to float8.
-
-    ``target_dtype=None`` means the operand's default: e4m3 for input and weight, e5m2 for
-    grad_output (see :meth:`Float8LinearConfig.resolved_dtype`).
-    """
+    """How one gemm operand is cast to float8 (``target_dtype=None``: the operand's default)."""
 
     scaling_type: ScalingType = ScalingType.DYNAMIC
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
     target_dtype: Optional[torch.dtype] = None
-    # BLOCKWISE only ([Note: block scales]): (outer, inner) elements per block, inner along the
-    # gemm's contraction dim; the dtype scales are kept in; how e8m0 scales round
+    # BLOCKWISE only ([Note: block scales])
     block_size: Optional[Tuple[int, int]] = None
     scale_dtype: torch.dtype = torch.float32
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
@@ -288,14 +260,13 @@ class SPGradWeight(_Name):
     """How the grad_weight gemm gets a sequence-parallel operand that a tensor-parallel style
     all-gathers in float8 ([Note: the grad_weight operand of a gathered tensor])."""
 
-    FORWARD_GATHER = "forward_gather"  # both casts cross in forward: exact, 1.03x bf16
-    RECAST = "recast"  # the row-block cast only, re-cast for grad_weight: 0.52x bf16, not exact
+    FORWARD_GATHER = "forward_gather"  # both casts cross in forward: exact
+    RECAST = "recast"  # the row-block cast only, re-cast for grad_weight: not exact
     BACKWARD_GATHER = "backward_gather"  # token-block shard kept, gathered in backward: exact
 
 class SavedInput(_Name):
-    """What a linear keeps of its input for the grad_weight gemm: the one rule is
-    ``Float8LinearConfig._saved_input`` ([Note: what the matmul keeps for backward] in
-    f8dist/linear.py)."""
+    """What a linear keeps of its input for the grad_weight gemm ([Note: what the matmul keeps for
+    backward] in f8dist/linear.py)."""
 
     HIGH_PRECISION = "high_precision"  # the input; backward casts it, or its gemm reads it as is
     FORWARD_CAST = "forward_cast"  # the output gemm's float8 input (axiswise: re-scaled later)

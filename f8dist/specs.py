@@ -1,8 +1,6 @@
 """The resolved cast table: one frozen :class:`CastSpec` per cell of a linear's gemm x operand
-table (f8dist/cells.py), everything a cast needs (float8 dtype, granularity, contraction axis,
-power-of-2 rounding, gemm options, scaling type), and :class:`CastSpecs`, a linear's six with the
-flags derived from them. ``Float8LinearConfig.cast_spec(gemm, operand)`` and ``.cast_specs(fqn)``
-(f8dist/config.py) make them; ``f8dist.cast.cast_to_float8(t, spec)`` is the cast.
+table (f8dist/cells.py), everything a cast needs, and :class:`CastSpecs`, a linear's six with the
+flags derived from them.
 """
 
 from __future__ import annotations
@@ -21,52 +19,33 @@ from f8dist.cells import (
 __all__ = ["ScaledMMConfig", "CastSpec", "CastSite", "CastSpecs"]
 
 # [Note: any token count]
-# The grad_weight gemm contracts over M, the number of tokens: the batch decides it, not the layer,
-# and 3 x 5 tokens, or 8 per rank, must train. Zero-padding M to a multiple of 16 is exact (zero
-# products) and changes no scale: this gemm's axiswise casts reduce over M (one scale per column
-# of the layer) and zeros do not raise an amax. So its ScaledMMConfig has pad_k: the gemm pads M
-# in the copy that lays out its two transposed operands for the kernel, a copy it makes anyway
-# (compiled, the same kernels; with dynamic token counts the graph specializes on M % 16 == 0).
-# The layer's own dims K and N still need pad_inner_dim (a clear error says so).
+# The grad_weight gemm contracts over M, the token count, which the batch decides, so any M must
+# train. Zero-padding M to a multiple of 16 is exact and changes no scale (zeros raise no amax),
+# so its ScaledMMConfig has pad_k: the gemm pads M in the layout copy it makes anyway. The
+# layer's own K and N still need pad_inner_dim.
 
 # [Note: grouped casts]
-# An expert's gemms (f8dist/grouped.py) use the same table as a linear's, with
-# ``CastSpec.grouped``: the weight is 3-D, [experts, out, in], and the token operands (input,
-# grad_output, [M, C]) are jagged groups of rows, one per expert ([Note: token groups] in
-# f8dist/scaling.py). The cell's granularity and axis mean, per expert:
-#   * axiswise, contraction along the row (output and grad_input gemms): one scale per token, and
-#     one per expert and row (or column) of the weight, [E, N, 1] (or [E, 1, K]);
-#   * axiswise over the tokens (grad_weight): one scale per expert and column, over the expert's
-#     token group ([E, C]; stored per row as [M, C] so that the Float8Tensor dequantizes);
-#   * tensorwise: one scale per expert, for the weight ([E, 1, 1]) and for each token group;
-#   * blockwise ([Note: block scales] in f8dist/cells.py): the weight blocked per expert
-#     ([E, N/bn, K/bk] scales, [Note: blocks of expert weights] in f8dist/scaling.py); tokens
-#     blocked along the row (output, grad_input: 1 x inner blocks, local to a token) or, in grad_weight, along the
-#     tokens within each expert's group: the gemm pads every group to a multiple of the block
-#     first (zero rows, exact), so that no block holds tokens of two experts ([Note: block
-#     grouped gemms] in f8dist/grouped.py).
-# All are e4m3: torch._scaled_grouped_mm takes no e5m2 operand.
+# An expert's gemms (f8dist/grouped.py) use a linear's table with ``CastSpec.grouped``: the weight
+# is [experts, out, in] and the token operands are jagged groups of rows, one per expert ([Note:
+# token groups] in f8dist/scaling.py). Granularities mean, per expert: axiswise, one scale per
+# token and per expert row (or column) of the weight, or over the tokens of each group
+# (grad_weight); tensorwise, one per expert weight and per token group; blockwise, the weight
+# blocked per expert ([Note: blocks of expert weights] in f8dist/scaling.py) and tokens blocked
+# along the row or, in grad_weight, within each group padded to whole blocks ([Note: block
+# grouped gemms] in f8dist/grouped.py). All are e4m3: torch._scaled_grouped_mm takes no e5m2.
 
 # [Note: row blocks of N-D activations]
-# A 1 x inner block along the last dim is local to one token, so an N-D activation ([B, S, K],
-# what a sequence-parallel style casts before its all-gather) takes row blocks as its [B * S, K]
-# view does: ``_block = (1, inner)`` and scales [B, S, ceil(K / inner)]. They follow the data
-# through reshapes that keep the last dim and through splits, cats and all-gathers of the other
-# dims (f8dist/tensor.py), so a cast before the all-gather gives the bytes and scales of a cast
-# after it, bit for bit.
+# A 1 x inner block along the last dim is local to one token, so an N-D activation [B, S, K] takes
+# the row blocks of its [B * S, K] view, scales [B, S, ceil(K / inner)]. They follow the data
+# through reshapes keeping the last dim and through splits, cats and all-gathers of other dims, so
+# a cast before an all-gather equals one after it, bit for bit.
 #
 # [Note: token blocks of N-D activations]
-# The grad_weight gemm blocks its operands along the tokens: (inner, 1) blocks of the [M, K] view,
-# M = B * S tokens in row-major order, so on one device a block may hold the end of one sequence
-# and the start of the next. A sequence-parallel style casts the [B, S / tp, K] shard it holds
-# ([Note: two casts of one tensor] in f8dist/tensor.py), so an N-D operand in token blocks is
-# blocked along dim -2 (the sequence) within each sequence: ``block_shape`` (inner, 1) over its
-# last two dims, 1 along the others, scales [B, ceil(S / inner), K]. Those are the [M, K] view's
-# blocks, and a shard's blocks are the logical tensor's, exactly when every sequence holds whole
-# blocks (S % inner == 0; or B = 1) and every sequence shard does (S / tp % inner == 0): the rule
-# of ``blocks_split_by_shards`` (f8dist/placement.py), by which the style falls back to a
-# high-precision all-gather where it does not hold (e.g. 1x128 blocks need 128 * tp tokens per
-# sequence; MXFP8's 1x32, 32 * tp).
+# The grad_weight gemm blocks along the tokens: (inner, 1) blocks of the [M, K] view. A sequence
+# shard [B, S / tp, K] is blocked along dim -2 within each sequence, scales [B, ceil(S / inner),
+# K]; these are the [M, K] view's blocks, and the logical tensor's, exactly when every sequence
+# and every sequence shard holds whole blocks: ``blocks_split_by_shards`` (f8dist/placement.py),
+# by which the TP style falls back to a high-precision all-gather.
 
 @dataclass(frozen=True)
 class ScaledMMConfig:
@@ -82,12 +61,10 @@ class ScaledMMConfig:
 @dataclass(frozen=True, kw_only=True)
 class CastSpec:
     """Everything one cast to float8 needs: the resolved cell ``(gemm, operand)`` of a
-    :class:`Float8LinearConfig` for the linear ``fqn``. Made by ``Float8LinearConfig.cast_spec``;
-    ``f8dist.cast.cast_to_float8(t, spec)`` is the cast.
+    :class:`Float8LinearConfig` for the linear ``fqn`` (``Float8LinearConfig.cast_spec``).
 
-    ``axis`` is the gemm's contraction dim in the operand's own layout; an axiswise cast takes one
-    scale per slice along it (its amax reduces over it). ``scaling_type`` DISABLED: the operand
-    stays in high precision (the gemm does too).
+    ``axis``: the gemm's contraction dim in the operand's layout, which an axiswise amax reduces
+    over. ``scaling_type`` DISABLED: the operand and gemm stay in high precision.
 
     Example::
 
@@ -106,8 +83,7 @@ class CastSpec:
     gemm: Gemm = Gemm.OUTPUT
     operand: Operand = Operand.INPUT
     fqn: str = ""
-    # BLOCKWISE: (outer, inner) of [Note: block scales] in f8dist/cells.py, the scales' dtype and
-    # e8m0 rounding
+    # BLOCKWISE only: [Note: block scales] in f8dist/cells.py
     block_size: Optional[Tuple[int, int]] = None
     scale_dtype: torch.dtype = torch.float32
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
@@ -143,13 +119,10 @@ class CastSpec:
         return self.axis % ndim if self.axiswise else None
 
     def block_shape(self, ndim: int) -> Optional[Tuple[int, int]]:
-        """The block in the operand's own [rows, cols] layout (``block_size``'s inner along
-        ``axis``); None unless blockwise. Block scales are defined for 2-D operands, for the
-        3-D weights of grouped casts, blocked per expert in their last two dims ([Note: grouped
-        casts]), for N-D operands whose blocks are rows of the last dim (a [B, S, K]
-        activation in 1 x K blocks: [Note: row blocks of N-D activations]) and for N-D operands
-        of the grad_weight gemm, in token blocks along dim -2 ([Note: token blocks of N-D
-        activations])."""
+        """The block in the operand's own layout (``block_size``'s inner along ``axis``); None
+        unless blockwise. Defined for 2-D operands, grouped 3-D weights ([Note: grouped casts])
+        and N-D operands in row or token blocks ([Note: row blocks of N-D activations], [Note:
+        token blocks of N-D activations])."""
         if not self.blockwise:
             return None
         outer, inner = self.block_size
@@ -172,8 +145,8 @@ class CastSpec:
 
 @dataclass(frozen=True)
 class CastSite:
-    """Where a cast happens: module FQN, gemm and operand (what telemetry is keyed by). The
-    enums hash and compare like their strings: ``CastSite("0", "output", "input")`` finds it."""
+    """Where a cast happens: module FQN, gemm and operand (telemetry's key); the enums compare
+    like their strings."""
 
     fqn: str
     gemm: Gemm
@@ -189,27 +162,19 @@ class CastSpecs:
     computes once from its config. Hashable (compile-time constant of the float8 matmul)."""
 
     specs: Tuple[CastSpec, ...]
-    # what the forward keeps of the input for backward's grad_weight gemm (see [Note: what the
-    # matmul keeps for backward] in f8dist/linear.py)
+    # [Note: what the matmul keeps for backward] in f8dist/linear.py
     saved_input: SavedInput = SavedInput.HIGH_PRECISION
     # backward casts grad_output once for both of its gemms (tensorwise: the same bytes)
     cast_grad_output_once: bool = False
-    # backward's weight cast takes its amax from the forward's weight cast instead of reading the
-    # weight again (see [Note: what the matmul keeps for backward] in f8dist/linear.py)
+    # backward's weight cast reuses the forward's weight amax
     weight_amax_from_forward: bool = False
-    # the weight casts to the same float8 bytes for the output and grad_input gemms (tensorwise,
-    # or square blocks: [Note: block scales] in f8dist/cells.py), so a float8 weight serves both
-    # as it is
+    # the weight casts to the same bytes for the output and grad_input gemms (see _same_bytes)
     weight_same_bytes: bool = False
-    # the forward keeps its float8 weight for the grad_input gemm (weight_same_bytes, with
-    # Float8LinearConfig.float8_weight_for_backward): see [Note: what the matmul keeps for
-    # backward] in f8dist/linear.py
+    # the forward keeps its float8 weight for the grad_input gemm
     save_float8_weight: bool = False
-    # how the activations that produce this linear's input keep what their backward reads
-    # (SwiGLU's inputs before an FFN's w2, f8dist/swiglu.py); None: in high precision
+    # how the activations producing this input save for backward (f8dist/swiglu.py); None: hp
     activation: Optional[CastSpec] = None
-    # how the grad_weight gemm gets an operand a tensor-parallel style gathers in float8 ([Note:
-    # the grad_weight operand of a gathered tensor] in f8dist/cells.py)
+    # [Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py
     sp_grad_weight: SPGradWeight = SPGradWeight.FORWARD_GATHER
 
     def __getitem__(self, cell: Tuple[Gemm, Operand]) -> CastSpec:
@@ -225,12 +190,9 @@ class CastSpecs:
         return self[gemm, gemm.operands[0]].enabled
 
     def own_grad_weight_operand(self, operand: Operand) -> bool:
-        """Whether the grad_weight gemm reads ``operand`` (the input, or grad_output) otherwise
-        than the float8 cast a tensor-parallel style communicates of it (the output gemm's, or
-        the grad_input gemm's): in high precision, or in token blocks where that cast has row
-        blocks. Then it needs its own operand sent along, kept, or re-cast ([Note: the grad_weight
-        operand of a gathered tensor] in f8dist/cells.py); otherwise it reads or re-scales the
-        communicated bytes."""
+        """Whether the grad_weight gemm cannot read ``operand`` from the float8 cast a TP style
+        communicates (it wants high precision, or other blocks): [Note: the grad_weight operand of
+        a gathered tensor] in f8dist/cells.py."""
         sent = self[_COMMUNICATED[Operand(operand)], operand]
         gw = self[Gemm.GRAD_WEIGHT, operand]
         return sent.enabled and (not gw.enabled or (
@@ -244,18 +206,15 @@ _COMMUNICATED = {Operand.INPUT: Gemm.OUTPUT, Operand.GRAD_OUTPUT: Gemm.GRAD_INPU
 
 
 def _same_bytes(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
-    """Whether ``operand`` casts to the same float8 bytes in gemms ``a`` and ``b``: a tensorwise
-    cast, or a blockwise one whose block is the same in the operand's layout (square), with the
-    same dtype, scaling and rounding (only the gemm options may differ)."""
+    """Whether ``operand`` casts to the same float8 bytes in gemms ``a`` and ``b`` (tensorwise, or
+    square blocks; only the gemm options may differ)."""
     sa, sb = specs[a, operand], specs[b, operand]
     return sa.enabled and not sa.axiswise and sa.block_shape(2) == sb.block_shape(2) and (
         dataclasses.replace(sb, gemm=sa.gemm, axis=sa.axis, mm_config=sa.mm_config) == sa)
 
 
 def _amax_follows(specs: CastSpecs, operand: Operand, a: Gemm, b: Gemm) -> bool:
-    """Whether ``operand``'s amax in gemm ``b`` follows from its amax in gemm ``a`` (the same
-    tensor): both casts compute their amax, and ``b``'s is tensorwise, the max of ``a``'s amaxes
-    whatever ``a``'s granularity."""
+    """Whether ``operand``'s tensorwise amax in gemm ``b`` is the max of its amaxes in gemm ``a``."""
     sa, sb = specs[a, operand], specs[b, operand]
     return (sa.scaling_type is sb.scaling_type is ScalingType.DYNAMIC and not sb.axiswise
             and not sa.blockwise and not sb.blockwise)
