@@ -1,16 +1,10 @@
 """Configuration of float8 training: what users write.
 
-A :class:`Float8LinearConfig` is a table. Rows are the three gemms of a linear layer, columns
-their two operands (the table and its names: f8dist/cells.py), and each cell is a
-:class:`CastConfig`, plus options (memory, exactness, delayed scaling) checked against each other.
-
-The config is what users write (torchao's field names). What the code reads is its resolution:
-``config.cast_spec(gemm, operand)``, one frozen :class:`CastSpec` per cell (f8dist/specs.py).
-Recipes are named configs (f8dist/recipes.py, :meth:`Float8LinearConfig.from_recipe_name`).
-
-All configs are frozen and keyword-only; contradictions are rejected in ``__post_init__`` with a
-message that says what to change (the rules, each in one place: f8dist/config_rules.py). This module re-exports the names of cells.py, specs.py and
-recipes.py: ``from f8dist.config import X`` works for all of them.
+A :class:`Float8LinearConfig` is a gemm x operand table (f8dist/cells.py) of
+:class:`CastConfig` cells, with torchao's field names, plus options. The code reads its
+resolution, one frozen :class:`CastSpec` per cell (``config.cast_spec``, f8dist/specs.py). Configs
+are frozen and keyword-only; contradictions raise in ``__post_init__`` (f8dist/config_rules.py).
+Re-exports the names of cells.py, specs.py and recipes.py.
 """
 
 from __future__ import annotations
@@ -60,10 +54,8 @@ class DelayedScalingConfig:
 
     history_len: int = 16
     scale_fn_name: str = "max"  # how the history becomes one amax
-    # a cast whose current amax is out of range of the history scale keeps the history scale, the
-    # step counted and the history restarted by the sync (False, the default: one pass over the
-    # tensor per cast), or re-scales in its own step (True: a second pass per cast); chosen by
-    # measurement, [Note: the price of re-scaling] in f8dist/delayed/scale.py
+    # an out-of-range cast re-scales in its own step (a second pass per cast) instead of keeping
+    # the history's scale: [Note: the price of re-scaling] in f8dist/delayed/scale.py
     rescale_out_of_range: bool = False
 
     def __post_init__(self):
@@ -144,12 +136,10 @@ class Float8LinearConfig:
     # an RMSNorm's readers keep nothing of their input and recompute it from what the norm keeps
     # (gradients bit for bit): [Note: a norm output recomputed in backward] in models/norm.py
     recompute_norm_output: bool = False
-    # keep the forward's float8 weight for the grad_input gemm instead of re-casting it (+1 byte
-    # per weight element until backward); where one cast serves both gemms (tensorwise, square
-    # weight blocks)
+    # keep the forward's float8 weight for the grad_input gemm instead of re-casting it, where
+    # one cast serves both gemms (tensorwise, square weight blocks)
     float8_weight_for_backward: bool = False
 
-    # how the grad_weight gemm gets an operand a sequence-parallel style all-gathers in float8:
     # [Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py
     sp_grad_weight: SPGradWeight = SPGradWeight.FORWARD_GATHER
 
@@ -230,12 +220,9 @@ class Float8LinearConfig:
         return SavedInput.HIGH_PRECISION
 
     def activation_spec(self, fqn: str = "") -> Optional[CastSpec]:
-        """How an activation that backward reads only to compute gradients is kept, with
-        ``float8_activations_for_backward`` (SwiGLU's inputs, f8dist/swiglu.py); None when off.
-        e4m3, one dynamic scale per channel: the amax of ``[tokens, channels]`` over the tokens,
-        the grad_weight gemm's axis, so a tensor-parallel shard of the channels scales as one
-        device and no collective runs. A linear resolves it once (``CastSpecs.activation``, its
-        FQN + ".activation": no linear's, so telemetry leaves these casts out)."""
+        """How ``float8_activations_for_backward`` keeps an activation that backward reads only
+        for gradients (SwiGLU's inputs); None when off. One scale per channel, over the tokens, so
+        a tensor-parallel shard of the channels needs no collective."""
         if not self.float8_activations_for_backward:
             return None
         return CastSpec(
@@ -245,11 +232,9 @@ class Float8LinearConfig:
         )
 
     def grouped_cast_specs(self, fqn: str = "") -> CastSpecs:
-        """The six casts of the grouped (expert) gemm ``fqn``: this config's table with
-        ``grouped=True`` ([Note: grouped casts] in f8dist/specs.py). The flags a linear derives
-        from its options (``saved_input``, ``save_float8_weight``, ...) keep their defaults:
-        experts keep their own way, and refuse the options that would change it ([Note: options
-        of grouped experts] in f8dist/grouped.py).
+        """The six casts of the grouped (expert) gemm ``fqn`` ([Note: grouped casts] in
+        f8dist/specs.py); the linear-only flags keep their defaults ([Note: options of grouped
+        experts] in f8dist/grouped.py).
 
         Example::
 
@@ -299,9 +284,7 @@ class Float8LinearConfig:
     def from_recipe_name(
         recipe_name: Union[str, Float8LinearRecipeName]
     ) -> "Float8LinearConfig":
-        """A config by recipe name: a :class:`Float8LinearRecipeName` or its value
-        ("tensorwise", "rowwise", ...), the one list of recipes that the auto filter, the
-        torchtitan converters and scripts/train.py derive theirs from."""
+        """A config by recipe name: a :class:`Float8LinearRecipeName` or its value."""
         try:
             recipe_name = Float8LinearRecipeName(recipe_name)
         except ValueError:

@@ -1,10 +1,7 @@
 """The rules a :class:`~f8dist.config.Float8LinearConfig` is checked against, each in one place.
 
-``check(config)`` runs, in order: one type check of every field from the dataclass's own field
-types (:func:`check_field_types`), the rules of the cast table (:func:`check_gemm`: a gemm casts
-both operands or neither, block-scaled gemms agree along the contraction dim), and ``RULES``: one
-function per option that needs the table or another option, named after that option. Each rule
-raises with the field, the value, the rule and the fix.
+``check(config)`` runs the field types (:func:`check_field_types`), the cast table
+(:func:`check_gemm`), then ``RULES``, one function per option; each raises naming the fix.
 """
 
 from __future__ import annotations
@@ -59,9 +56,8 @@ def check_field_types(config) -> None:
 
 
 def check_gemm(gemm: Gemm, a: CastConfig, b: CastConfig) -> None:
-    """A gemm runs in float8 only if both of its operands are cast (half-cast gemms do not
-    exist); a block-scaled one needs both operands blockwise, with one contraction block and one
-    scale dtype ([Note: block scales] in f8dist/cells.py)."""
+    """A gemm casts both operands or neither; a block-scaled one agrees on the contraction block
+    and scale dtype ([Note: block scales] in f8dist/cells.py)."""
     left, right = gemm.operands
     if a.enabled != b.enabled:
         on, off = (left, right) if a.enabled else (right, left)

@@ -1,7 +1,5 @@
-"""The recipe names, torch-free: f8dist/recipes.py gives each its Float8LinearConfig fields, and
-scripts/train.py reads this file before it imports torch, so that a refused flag ends a job at
-once ([Note: flags before torch] in scripts/train_flags.py). Imports nothing but the standard
-library."""
+"""The recipe names, torch-free: scripts/train.py reads them before importing torch ([Note: flags
+before torch] in scripts/train_flags.py). Standard library only."""
 
 from __future__ import annotations
 

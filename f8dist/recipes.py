@@ -1,6 +1,5 @@
 """The recipes: named Float8LinearConfigs (``Float8LinearConfig.from_recipe_name``), the one
-list of recipes that the auto filter, the torchtitan converters and scripts/train.py derive theirs
-from."""
+list that the auto filter, torchtitan converters and scripts/train.py derive theirs from."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def _deepseek(block_size: Tuple[int, int]) -> CastConfig:
 
 
 def recipe_fields(recipe_name: str) -> Dict[str, object]:
-    """The Float8LinearConfig fields of the recipe ``recipe_name`` (a Float8LinearRecipeName
-    value; the other fields keep their defaults)."""
+    """The Float8LinearConfig fields (beyond the defaults) of the recipe ``recipe_name``."""
     recipe_name = Float8LinearRecipeName(recipe_name)
     if recipe_name is Float8LinearRecipeName.TENSORWISE:
         return {}
@@ -45,10 +43,8 @@ def recipe_fields(recipe_name: str) -> Dict[str, object]:
         )
 
     if recipe_name is Float8LinearRecipeName.ROWWISE_WITH_GW_HP:
-        # output and grad_input in rowwise float8; grad_weight (the gemm most sensitive to
-        # precision: it sums over all tokens) in high precision. grad_output in e4m3 as in
-        # "rowwise". The weight of the grad_input gemm is scaled tensorwise, as torchao does: its columns
-        # would need a second pass over the weight, and the result is torchao's bit for bit.
+        # grad_weight (it sums over all tokens) in high precision; the grad_input gemm's weight
+        # tensorwise, as torchao does (its columns would need a second pass over the weight)
         axiswise = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)
         disabled = CastConfig(scaling_type=ScalingType.DISABLED)
         return dict(
