@@ -1,38 +1,27 @@
 """Expert parallelism's collectives: token dispatch to the experts' ranks and combine back,
-all-to-all. The parallel style that runs them around an experts module is
-:class:`~f8dist.ep.Float8ExpertParallel` (f8dist/ep/style.py).
+all-to-all (run around an experts module by :class:`~f8dist.ep.Float8ExpertParallel`).
 
 [Note: expert parallelism]
-With ``E`` experts over an EP group of ``W`` ranks, rank ``r`` holds experts
-``[r * E / W, (r + 1) * E / W)`` (the experts' weights are DTensors sharded on dim 0). Each rank
-routes its own tokens and sorts its assignments by expert ([Note: routing] in
-f8dist/models/moe.py), so the tokens for rank ``r``'s experts are one contiguous chunk:
+With ``E`` experts over ``W`` ranks, rank ``r`` holds experts ``[r * E / W, (r + 1) * E / W)``
+(weights sharded on dim 0). Each rank sorts its assignments by expert ([Note: routing] in
+f8dist/models/moe.py), so each rank's tokens are one contiguous chunk:
 
-1. the token counts per expert are exchanged (an all-to-all of ``E`` int64 per rank) and the
-   chunk sizes are read on the host (one sync per layer, as every EP implementation has);
-2. dispatch: an all-to-all sends each chunk to its rank; what arrives is ordered by source rank,
-   then by local expert, and is permuted to expert-major order (each local expert's group holds
-   the tokens of rank 0, then rank 1, ...: the order of one device running the concatenated
-   batches);
-3. the local experts run their grouped gemms over those groups (given their local offsets, or
-   their local token counts);
-4. combine: the inverse permutation and the reverse all-to-all bring each output back to the
-   rank and position of its assignment.
+1. the per-expert token counts are exchanged (all-to-all) and read on the host (one sync per
+   layer, as in every EP implementation);
+2. dispatch: an all-to-all sends each chunk to its rank, and the arrivals are permuted to
+   expert-major order (within an expert, by source rank: one device's order);
+3. the local experts run their grouped gemms;
+4. combine: the inverse permutation and the reverse all-to-all.
 
-Backward runs the same all-to-alls in the other direction, in high precision.
+Backward runs the same all-to-alls the other way, in high precision.
 
 [Note: float8 dispatch]
-When the experts' up projections cast their tokens per token (rowwise: ``token_spec`` of
-:class:`~f8dist.grouped.Float8GroupedExperts`), the tokens are cast on the source rank, before the
-dispatch, and the all-to-all carries their float8 bytes (as uint8: gloo carries no float8 dtype)
-and their float32 scales, ``dim + 4`` bytes per token instead of ``2 * dim`` in bf16 (0.5 + 2/dim
-of bf16). With block scales along a token's row (the block recipes' 1 x 32 e8m0 or 1 x 128
-float32 tokens) a token's scales travel with it as uint8 rows: ``dim + dim / 32`` bytes either way
-(0.516 of bf16). A per-token scale, or a scale of a block inside one token, depends on the token
-alone, so casting before the dispatch gives the bytes casting after it would, bit for bit, and the
-grouped gemm takes them without re-casting.
-The combine runs in high precision (the experts' outputs are summed with the router's weights),
-and so does backward's dispatch of the gradients.
+When the experts cast their tokens per token, or in blocks along a token's row (``token_spec``
+of :class:`~f8dist.grouped.Float8GroupedExperts`), the tokens are cast on the source rank and
+the all-to-all carries the float8 bytes and scales as uint8 (gloo has no float8). Such a scale
+depends on the token alone, so this equals casting after the dispatch, bit for bit, and the
+grouped gemm takes the bytes as they are. The combine (summed with router weights) and backward
+run in high precision.
 """
 
 from __future__ import annotations
@@ -53,8 +42,7 @@ __all__ = ["expert_parallel", "all_to_all", "dispatch", "combine", "Plan"]
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
     """Rows ``x [sum(send), C]`` to the ranks of ``group`` (``send[r]`` rows to rank ``r``) ->
-    ``[sum(recv), C]``. Float8 travels as uint8 ([Note: float8 dispatch]). A functional
-    collective, which per-op SAC can save (f8dist/sac.py)."""
+    ``[sum(recv), C]``; functional, so per-op SAC can save it (f8dist/sac.py)."""
     out = funcol.all_to_all_single(as_wire(x).contiguous(), recv, send, group)  # [sum(recv), C]
     return funcol.wait_tensor(out).view(x.dtype)
 
@@ -80,10 +68,8 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 
 class _Dispatch(torch.autograd.Function):
-    """Steps 2 of [Note: expert parallelism]: rows to their experts' ranks, expert-major; cast
-    per token first when ``spec`` is given ([Note: float8 dispatch]). The cast happens inside, so
-    that no float8 tensor that needs a gradient leaves a compiled graph at the dispatch's graph
-    break (its gradient is a high-precision tensor)."""
+    """Step 2 of [Note: expert parallelism], cast first with ``spec`` ([Note: float8 dispatch]).
+    The cast is inside so no float8 tensor needing a gradient crosses the graph break."""
 
     @staticmethod
     def forward(ctx, x, perm, send, recv, group, spec: Optional[CastSpec]):
@@ -151,8 +137,7 @@ def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group,
              spec: Optional[CastSpec] = None) -> Tuple[torch.Tensor, Plan]:
     """Steps 1 and 2: ``tokens`` [M, dim] sorted by expert, ``counts`` [E] per expert ->
     (this rank's experts' tokens [M_recv, dim], expert-major; the plan :func:`combine` takes).
-    ``spec``: the per-token cast the experts' up projections take, done before the dispatch
-    ([Note: float8 dispatch]); None dispatches ``tokens`` as they are."""
+    ``spec``: the cast made before the dispatch ([Note: float8 dispatch]), or None."""
     plan = _plan(counts, group)
     return _Dispatch.apply(tokens, plan.perm, plan.send, plan.recv, group, spec), plan
 
@@ -165,10 +150,8 @@ def combine(out: torch.Tensor, plan: Plan, group) -> torch.Tensor:
 
 def expert_parallel(experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor,
                     group, spec: Optional[CastSpec] = None) -> torch.Tensor:
-    """The outputs of ``experts`` (sharded on dim 0 over ``group``, taking ``(tokens,
-    offsets)``) for ``tokens`` [M, dim], sorted by expert with ``counts`` [E] per expert:
-    dispatch, local grouped gemms, combine ([Note: expert parallelism]), as a function.
-    :class:`~f8dist.ep.Float8ExpertParallel` runs the same steps as an experts module's hooks.
+    """The outputs of ``experts`` (sharded on dim 0 over ``group``) for ``tokens`` [M, dim]
+    sorted by expert, ``counts`` [E] per expert ([Note: expert parallelism]), as a function.
 
     Example::
 

@@ -3,27 +3,16 @@ the token dispatch and combine as the experts module's input and output hooks.
 
 [Note: the expert-parallel style]
 ``parallelize_module(experts, ep_mesh, Float8ExpertParallel())`` shards every parameter of the
-experts module on dim 0 (``Shard(0)`` DTensors over the 1-D ``ep_mesh``: rank ``r`` holds experts
-``[r * E / W, (r + 1) * E / W)``) and wraps its forward, as torchtitan's ``ExpertParallel`` does:
+experts module on dim 0 over the 1-D ``ep_mesh`` and, as torchtitan's ``ExpertParallel``, wraps
+its forward: the input hook dispatches the caller's ``(tokens sorted by expert, group sizes
+[E])`` ([Note: expert parallelism] in f8dist/ep/dispatch.py) and hands the module its local
+tokens and group sizes; the output hook combines. Group sizes are offsets (int32, f8dist's
+:class:`~f8dist.grouped.GroupedExperts`) or token counts (e.g. torchtitan's experts), returned
+in the same kind, so the caller's code is one device's.
 
-* the input hook takes the caller's ``(tokens [M, dim] sorted by expert, group sizes [E])``,
-  plans and dispatches them ([Note: expert parallelism] in f8dist/ep/dispatch.py; float8 bytes
-  and scales where the experts cast per token: [Note: float8 dispatch]) and hands the module its
-  local tokens, expert-major, and its local group sizes [E / W];
-* the output hook brings the local outputs back to the caller's rows (the combine).
-
-The group sizes are offsets (cumulative, int32: f8dist's :class:`~f8dist.grouped.GroupedExperts`)
-or token counts (anything else, e.g. torchtitan's experts, ``forward(x, num_tokens_per_expert)``),
-and the module gets back the same kind. The caller's code is one device's: no branch on expert
-parallelism.
-
-The plan (split sizes and the permutation) passes from the input hook to the output hook of the
-same call through a slot of the module's hooks (not the module, not the style: one style may be
-applied to many modules). The input hook fills it and the output hook empties it, and nothing
-runs the module in between, so each forward reads its own plan: also activation checkpointing's
-recompute, which re-runs both hooks (a recompute stopped early leaves a plan that the next input
-hook replaces). The autograd functions keep what backward needs in their contexts, never in the
-slot.
+The plan passes from input to output hook through a slot bound to the module's hooks (one style
+may serve many modules). Nothing runs in between, so each forward, recompute included, reads its
+own plan; backward's state lives in the autograd contexts, never in the slot.
 """
 
 from __future__ import annotations
@@ -45,14 +34,12 @@ __all__ = ["Float8ExpertParallel"]
 
 class Float8ExpertParallel(ParallelStyle):
     """Expert parallelism for an experts module ``forward(tokens, group_sizes)`` whose parameters
-    are stacked per expert on dim 0 ([Note: the expert-parallel style]): its weights are sharded
-    over the 1-D mesh on dim 0, its tokens dispatched to their experts' ranks before forward and
-    combined back after. Apply it after converting to float8, before FSDP2.
+    are stacked per expert on dim 0 ([Note: the expert-parallel style]). Apply it after
+    converting to float8, before FSDP2.
 
     Keyword Args:
-        float8_dispatch (bool, optional): when the experts cast their tokens per token, cast them
-            before the dispatch and send float8 bytes and scales ([Note: float8 dispatch] in
-            f8dist/ep/dispatch.py); False sends them as they come. Default True.
+        float8_dispatch (bool, optional): dispatch float8 tokens where the experts cast per
+            token ([Note: float8 dispatch] in f8dist/ep/dispatch.py). Default True.
 
     Example::
 
