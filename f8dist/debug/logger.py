@@ -16,15 +16,11 @@ __all__ = ["Float8StatsLogger"]
 
 
 class Float8StatsLogger:
-    """Records the casts of every ``every``-th step, prints their table on rank 0 and, on
-    rank 0 with ``out_dir``, appends them to ``out_dir/float8_stats.jsonl`` (one line per step and
-    site); ``close()`` writes the last table to ``float8_stats.txt`` and, if matplotlib is
-    installed, the plot ``float8_stats.png``. Delayed-scaling layers add their counters (steps
-    out of range, steps with a non-finite amax: ``f8dist.delayed.delayed_scaling_counters``) to
-    their sites' lines, and the printed table names those that are not 0.
-
-    Wrap each step's forward and backward in ``logger.step(i)``; steps not recorded cost nothing
-    (the recorder is not entered).
+    """Records the casts of every ``every``-th step, prints their table on rank 0 and, with
+    ``out_dir``, appends them to ``out_dir/float8_stats.jsonl``; ``close()`` writes the last table
+    (``float8_stats.txt``) and, with matplotlib, the plot (``float8_stats.png``). Delayed layers
+    add their ``delayed_scaling_counters``. Wrap each step in ``logger.step(i)``; unrecorded steps
+    cost nothing.
 
     Example::
 
@@ -90,8 +86,7 @@ class Float8StatsLogger:
                     f.write(json.dumps(line) + "\n")
 
     def close(self) -> List[str]:
-        """Write the last table and the plot (rank 0, with ``out_dir``); returns the files that
-        hold the stats (with the per-step ``.jsonl``), for a line that says where they are."""
+        """Write the last table and the plot (rank 0, with ``out_dir``); returns the stats files."""
         if self.out_dir is None or not is_rank0() or not self.recorder.steps:
             return []
         with open(self._path("txt"), "w") as f:

@@ -49,9 +49,7 @@ def _row(site: CastSite, s: CastStats):
 
 def format_table(stats: Mapping[CastSite, CastStats], *, title: str = "float8 casts") -> str:
     """One row per module / gemm / operand: amax, scale (``min..max`` for axiswise scales),
-    saturated % (of all elements), underflow % (of the nonzero ones) and SQNR of the cast; with
-    block-scaled casts also the share of blocks that saturate or underflow and the spread of
-    the block amaxes.
+    saturated % (of all elements), underflow % (of nonzero ones), SQNR, and block columns.
 
     Example::
 
@@ -81,9 +79,7 @@ def format_table(stats: Mapping[CastSite, CastStats], *, title: str = "float8 ca
 
 def plot_history(history: Dict[int, Mapping[CastSite, CastStats]], path: str) -> str:
     """Plot, per layer and over steps, the worst SQNR, saturated % and underflow % of its casts
-    (``worst_per_layer``) into a PNG at ``path``; the per-cast figures are in the table.
-
-    Needs matplotlib (``pip install f8dist[plot]``); returns ``path``.
+    into a PNG at ``path`` (needs matplotlib: ``pip install f8dist[plot]``); returns ``path``.
     """
     try:
         import matplotlib

@@ -1,10 +1,10 @@
 """Suggest which linears to keep in high precision, from recorded cast statistics.
 
 [Note: SQNR hides outliers]
-The SQNR of a tensorwise cast is dominated by its largest values: a weight with one outlier of
-1e4 among values of 0.1 gets a scale that flushes a sixth of the weight to zero, yet its SQNR is
-above 80 dB, because the outlier's energy dwarfs the error. So a layer is judged by three figures
-of its worst cast: SQNR, saturated fraction and underflow fraction.
+The SQNR of a tensorwise cast is dominated by its largest values: one large outlier gets a scale
+that flushes many small elements to zero while its energy keeps the SQNR high
+(tests/test_debug_report.py). So a layer is judged by its worst cast's SQNR, saturated fraction
+and underflow fraction.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ def suggest_module_filter(
     nonzero elements to zero (at most ``max_layers`` of them, in :func:`rank_layers` order).
     ``None`` disables a criterion. The chosen FQNs are in ``fn.high_precision_fqns``.
 
-    The FQNs are those the Float8Linears were converted with, so pass the filter to the same
-    (unconverted) model root. e5m2 casts (gradients) sit ~6 dB below e4m3 ones on the same data.
-    See [Note: SQNR hides outliers].
+    Pass the filter to the same (unconverted) model root the FQNs come from. e5m2 casts
+    (gradients) have one mantissa bit less than e4m3 ones. See [Note: SQNR hides outliers].
 
     Example::
 

@@ -1,21 +1,12 @@
 """The files torchtitan's llama3 debug model config reads from a torchtitan checkout, made anywhere.
 
 [Note: torchtitan assets]
-``torchtitan.models.llama3.config_registry.llama3_debugmodel`` points at a torchtitan checkout's
-``./tests/assets/tokenizer`` (``hf_assets_path``) and ``tests/assets/c4_test`` (the dataset
-``c4_test``), and writes to ``./outputs``: run from anywhere else, the Trainer fails on a missing
-file, and run from a checkout of f8dist it leaves an untracked ``outputs/``. The config functions of
-f8dist.integrations.torchtitan therefore use files made here, once, under :func:`assets_dir`:
-
-* ``tokenizer/``: a byte-level tokenizer (256 byte tokens, no merges, plus
-  ``<|begin_of_text|>`` and ``<|end_of_text|>``): ``tokenizer.json`` and
-  ``tokenizer_config.json``, read by torchtitan's ``HuggingFaceTokenizer``; 258 ids fit the
-  debug model's vocabulary;
-* ``c4_test/train.jsonl``: one ``{"text": ...}`` document per Python file of the standard library
-  (the corpus of f8dist.models.data), read as the ``c4_test`` dataset (``load_dataset(path)``);
-* ``outputs/``: the Trainer's ``dump_folder``.
-
-No file of torchtitan's checkout, and no download, is needed.
+torchtitan's ``llama3_debugmodel`` reads a torchtitan checkout's ``tests/assets/tokenizer`` and
+``tests/assets/c4_test`` and writes ``./outputs``, so it fails anywhere else. The config
+functions of f8dist.integrations.torchtitan use files made here once, under :func:`assets_dir`,
+with no download: ``tokenizer/`` (byte-level, 256 byte tokens plus begin/end of text: fits the
+debug vocabulary), ``c4_test/train.jsonl`` (the standard library's Python files, the corpus of
+f8dist.models.data) and ``outputs/`` (the Trainer's ``dump_folder``).
 """
 
 from __future__ import annotations
