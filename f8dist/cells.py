@@ -135,7 +135,6 @@ class ScaleRounding(_Name):
 # gemms, so one float8 weight serves forward and backward (``CastSpecs.weight_same_bytes``).
 # Scales are float32 or e8m0 ([Note: e8m0 rounding]). Edge blocks are zero-padded (amax and
 # products unchanged), so M may be anything; K and N must divide into blocks (or pad_inner_dim).
-#
 # [Note: the grad_weight operand of a gathered tensor]
 # A sequence-parallel style gathers an activation in the output gemm's row blocks; the grad_weight
 # gemm wants token blocks (or high precision), which the row-block bytes cannot give without a

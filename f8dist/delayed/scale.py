@@ -2,13 +2,12 @@
 re-scaled when out of range; its amax recorded now or after the cast.
 
 [Note: first step]
-Before the first sync there is no history. Until then a training cast (and a cast whose bytes are
-communicated) follows the amax of the *logical* tensor: its local amax reduced over the mesh axes
-that shard it (a DTensor's placements; the FSDP2 all-gather's shard), as the dynamic recipes do.
-A plain tensor (a data-parallel micro-batch) is whole on its rank, so no reduction spans ranks that
-may run different casts (``no_sync``, a skipped layer). With ``enable_amax_init`` the scale comes
-from that amax and the first sync fills the whole history with it; without, the scale is 1.0
-(torchao's) unless that is out of range. An evaluation forward casts from its own tensor's amax.
+Before the first sync there is no history. Until then a training cast, or one whose bytes are
+communicated, follows the amax of the *logical* tensor (an evaluation cast: its own): its local
+amax reduced over the mesh axes that shard it, as the dynamic recipes do.
+A plain tensor (a micro-batch) is whole on its rank, so no reduction spans ranks that may run
+different casts. With ``enable_amax_init`` the scale comes from that amax and the first sync fills
+the history with it; without, the scale is 1.0 (torchao's) unless out of range.
 
 [Note: out of range]
 A delayed cast whose current amax times the history's scale lands outside :func:`in_range` proves
@@ -40,11 +39,9 @@ for a step in which no training all-gather recorded its own. The all-gathered Fl
 copy of the scale, never the ``fp8_scale`` buffer, which the sync updates in place.
 
 [Note: record after the cast]
-A cast with the history's scale does not wait for its amax, but the amax still reads the tensor.
-Inductor's CPU backend fuses a pointwise pass followed by a reduction over the same tensor, not
-the reverse (``CppScheduling._why_fuse_nodes``), and keeps program order; so Float8Linear collects
-such records in ``later`` and runs them after its gemms, reading each tensor once. Eagerly the
-order changes nothing.
+Inductor's CPU backend fuses a cast followed by an amax over the same tensor, not the reverse
+(``CppScheduling._why_fuse_nodes``), so a cast with the history's scale has its amax record
+deferred to ``later``, after the gemms: each tensor is read once. Eagerly nothing changes.
 """
 
 from __future__ import annotations

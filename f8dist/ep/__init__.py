@@ -1,7 +1,5 @@
 """Float8 expert parallelism: a parallel style whose hooks dispatch an experts module's tokens
-to their experts' ranks (in float8 where the experts cast per token) and combine them back.
-
-A ready plan for the MoE model lives next to it: ``f8dist.models.moe_parallel.parallelize_moe``.
+to their experts' ranks and combine them back (a ready plan: ``f8dist.models.moe_parallel``).
 """
 
 from f8dist.ep.dispatch import all_to_all, expert_parallel

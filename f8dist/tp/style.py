@@ -1,38 +1,29 @@
 """Float8 tensor- and sequence-parallel styles: PyTorch's styles, communicating in float8.
 
-``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput`` subclass
-PyTorch's ``ColwiseParallel``, ``RowwiseParallel`` and ``PrepareModuleInput``, take the same
-keyword arguments and override only the hooks (``_apply``, ``_prepare_input_fn`` /
-``_prepare_input_arg``, ``_prepare_output_fn``).
+The styles subclass PyTorch's, take the same keyword arguments and override only their hooks.
 
 [Note: cast before communicating]
-An activation redistributed before a float8 gemm (the sequence-parallel all-gather ``Shard(1) ->
-Replicate``) is cast to float8 *first*, with the consuming linear's ``(output, input)`` spec, so
-the all-gather moves float8 ([Note: float8 on the wire] in f8dist/tensor.py) and the linear
-reuses the gathered bytes. The cast runs on the sharded DTensor, so its amax is the logical
-tensor's ([Note: amax] in f8dist/placement.py). Symmetrically, the rowwise style's gradient,
-all-gathered in backward, is cast with its ``(grad_input, grad_output)`` spec first. Layers whose
-input needs no redistribution are not cast here.
+An activation redistributed before a float8 gemm (the sequence-parallel all-gather) is cast
+*first*, with the consuming linear's spec, so the all-gather moves float8 ([Note: float8 on the
+wire] in f8dist/tensor.py) and the linear reuses the bytes; cast as a DTensor, its amax is the
+logical tensor's ([Note: amax] in f8dist/placement.py). So is the rowwise style's gradient before
+its backward all-gather.
 
 [Note: the grad_weight gemm under sequence parallelism]
 The grad_weight gemm contracts over the tokens, so it needs the input scaled along the tokens
 (or in high precision); re-casting the gathered row-scaled float8 would round twice
 (tests/distributed/test_tp.py). ``_grad_weight_cast`` picks per consuming linear and per forward:
 
-* block scales along the tokens, on shards holding whole token blocks (``blocks_split_by_shards``,
-  [Note: token blocks of N-D activations] in f8dist/specs.py): the local shard is also cast in
-  token blocks, which travel as the row-block cast's companion ([Note: two casts of one tensor]
-  in f8dist/tensor.py); the linear keeps only the token-block bytes for backward.
-* a high-precision grad_weight gemm, or token blocks that the sequence shards split: the input
-  is all-gathered in high precision and the linear casts after the gather, as one device does.
-* tensorwise and rowwise (power-of-2 scales: re-scaling is exact but for e4m3 subnormals): the
-  gathered float8 is reused or re-scaled.
+* token blocks on shards holding whole blocks ([Note: token blocks of N-D activations] in
+  f8dist/specs.py): the shard's token-block cast travels as the row-block cast's companion
+  ([Note: two casts of one tensor] in f8dist/tensor.py);
+* a high-precision grad_weight gemm, or split token blocks: the input travels in high precision;
+* tensorwise and rowwise (power-of-2 scales, exact but for e4m3 subnormals): the gathered float8
+  is reused or re-scaled.
 
-``Float8LinearConfig.sp_grad_weight`` trades exactness for bytes ([Note: the grad_weight operand
-of a gathered tensor] in f8dist/cells.py): "recast" re-casts the row blocks in backward;
-"backward_gather" keeps the token-block cast on its rank (a ``KeptShard``) for a backward
-all-gather. The rowwise style's gradient makes the same choice for its ``(grad_weight,
-grad_output)`` cast. Under torch.compile neither is made ([Note: float8 gradients under compile]).
+``sp_grad_weight`` may trade this otherwise ([Note: the grad_weight operand of a gathered
+tensor] in f8dist/cells.py). The rowwise style's gradient makes the same choice; under
+torch.compile neither is made ([Note: float8 gradients under compile]).
 
 [Note: which redistributions carry float8]
 An axiswise cast is not made before a redistribution that shards its scaled-over dim (e.g. a
@@ -61,10 +52,9 @@ and the sync's MAX all-reduce makes it the logical tensor's. The bytes must shar
 every rank, so the out-of-range decision ([Note: out of range]) is taken on the logical amax: one
 scalar all-reduce per cast (on the [Note: first step], over all ranks).
 
-A shared input (``PrepareFloat8ModuleInput(fwd_config_submodule_fqn=...)``) is cast with the named
-linear's scale and its amax recorded into *every* delayed Float8Linear below the module; for those
-that do not consume it, their own first cast of the step (wo, w2) replaces the record. Caveat: a
-delayed linear below the module that does not run in a step keeps the shared amax.
+A shared input (``PrepareFloat8ModuleInput``) is cast with the named linear's scale and recorded
+into it, and aside into every other delayed linear below the module (their own record replaces it).
+Caveat: a delayed linear below the module that does not run in a step keeps the shared amax.
 """
 
 from __future__ import annotations
