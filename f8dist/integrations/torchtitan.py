@@ -39,13 +39,17 @@ from typing import Callable, List, Literal, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 try:
+    import spmd_types as spmd
     from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.distributed.parallel_dims import MeshAxisName
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.protocols.module import Module
+    from torchtitan.protocols.sharding import ShardingConfig
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "f8dist.integrations.torchtitan needs torchtitan 0.3.0: install f8dist with its extra, "
@@ -144,6 +148,41 @@ class Float8Linear(f8dist.Float8Linear, Module):
         if config.enable_fsdp_float8_all_gather:
             fsdp.wrap_weight_for_float8_all_gather(self)
 
+    # (mesh, placements) of the TP region under spmd_types: [Note: float8 casts under spmd_types]
+    _tp_region: Optional[tuple] = None
+
+    def parallelize(self, parallel_dims) -> None:
+        Module.parallelize(self, parallel_dims)
+        if (parallel_dims.spmd_backend == "spmd_types" and parallel_dims.tp_enabled
+                and self._sharding_config is not None):
+            self._tp_region = _tp_region(self._sharding_config,
+                                         parallel_dims.get_dense_tp_mesh())
+
+    def _distribute_states(self, parallel_dims) -> None:
+        # [Note: delayed buffers under torchtitan's parallelize]
+        # Module._distribute_states raises for a buffer its ShardingConfig has no placement for,
+        # and torchtitan's model sharding (decoder_sharding.py) declares the weight and bias only.
+        # The amax histories stay plain tensors on every rank, whole, as under f8dist's own TP
+        # styles: each rank records the amax of what it casts, and the sync before the optimizer
+        # step (one MAX all-reduce over all ranks) gives every rank the logical tensors' amaxes.
+        kept = {name: self._buffers.pop(name) for name in _delayed_buffers(self)}
+        try:
+            Module._distribute_states(self, parallel_dims)
+        finally:
+            self._buffers.update(kept)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._tp_region is None:
+            return f8dist.Float8Linear.forward(self, input)
+        mesh, (x, grad_x), (w, b), (out, grad_out) = (
+            _normalized(self._tp_region, input.dim()))
+        input = DTensor.from_local(input, mesh, (x,), run_check=False, grad_placements=(grad_x,))
+        weight = DTensor.from_local(self.weight, mesh, (w,), run_check=False)
+        bias = (None if self.bias is None
+                else DTensor.from_local(self.bias, mesh, (b,), run_check=False))
+        output = self.forward_with(input, weight, bias)
+        return output.to_local(grad_placements=(grad_out,))
+
     def _init_self_buffers(self, *, buffer_device=None) -> None:
         # Buffers built on meta hold nothing after to_empty(): make the delayed-scaling ones anew,
         # as Float8Linear.from_float does for a linear that was on meta.
@@ -152,6 +191,50 @@ class Float8Linear(f8dist.Float8Linear, Module):
             if buffer_device is not None:
                 for name, buf in self._buffers.items():
                     self._buffers[name] = buf.to(buffer_device)
+
+
+def _delayed_buffers(linear: f8dist.Float8Linear) -> List[str]:
+    """The names of ``linear``'s delayed-scaling buffers (amaxes, histories, scales, steps)."""
+    return [] if linear.delayed is None else [
+        name for name in linear._buffers if name.startswith("fp8_")]
+
+
+def _tp_region(sharding: ShardingConfig, mesh) -> Optional[tuple]:
+    """``(mesh, (input, its grad), (weight, bias), (output, its grad))``: the TP placements of a
+    linear's local tensors under torchtitan's spmd_types backend, read from its weight's TP type
+    ([Note: float8 casts under spmd_types]); None when the weight is not TP-sharded.
+
+    [Note: float8 casts under spmd_types]
+    Under ``spmd_backend="spmd_types"`` (torchtitan 0.3.0's default) a module's forward gets plain
+    local tensors: the weight's TP shard and the activation's. A float8 cast of a shard would
+    take the shard's amax (tensorwise: each rank its own scale, not one device's). So the layer
+    wraps its local tensors as DTensors on the TP mesh, with the placements its ShardingConfig
+    gives them, and casts as under the full_dtensor backend or f8dist's own TP styles: the amax
+    of the logical tensor ([Note: amax] in f8dist/placement.py). The placements follow the
+    weight's: colwise (S(0)) takes a replicated input, whose gradient is partial (spmd_types'
+    R -> P), and gives a sharded output; rowwise (S(1)) takes a sharded input and gives a partial
+    output, whose gradient is replicated (P -> R). torchtitan's redistributions around the
+    layer are unchanged.
+    """
+    layouts = sharding.state_shardings
+    weight = layouts["weight"].per_axis_spmd_types().get(MeshAxisName.TP)
+    if not isinstance(weight, spmd.Shard):
+        return None
+    bias_layout = layouts.get("bias")
+    bias = (Replicate() if bias_layout is None
+            else spmd.spmd_type_to_dtensor_placement(
+                bias_layout.per_axis_spmd_types()[MeshAxisName.TP]))
+    if weight.dim % 2 == 0:  # colwise: the 2-D weight [out, in] sharded on out
+        return mesh, (Replicate(), Partial()), (Shard(0), bias), (Shard(-1), Shard(-1))
+    return mesh, (Shard(-1), Shard(-1)), (Shard(1), bias), (Partial(), Replicate())
+
+
+def _normalized(placements, ndim: int):
+    """``placements`` (nested tuples) with ``Shard(-1)`` as the last dim of an ``ndim``-D
+    activation: DTensor's gradient placements take non-negative dims only."""
+    if isinstance(placements, tuple):
+        return tuple(_normalized(p, ndim) for p in placements)
+    return Shard(ndim - 1) if placements == Shard(-1) else placements
 
 
 # converter options every converted layer's Config carries
