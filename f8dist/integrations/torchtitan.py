@@ -45,11 +45,13 @@ try:
     import spmd_types as spmd
     from torchtitan.components.quantization import QuantizationConverter
     from torchtitan.distributed.parallel_dims import MeshAxisName
+    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention
+    from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.protocols.module import Module
-    from torchtitan.protocols.sharding import ShardingConfig
+    from torchtitan.protocols.sharding import ShardingConfig, resolve_placements
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "f8dist.integrations.torchtitan needs torchtitan 0.3.0: install f8dist with its extra, "
@@ -60,6 +62,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # every public callable of it as a config function when --config names none.
 import f8dist
 from f8dist import delayed, filters, fsdp, gemm, grouped, placement
+from f8dist.tp import style as tp_style
 from f8dist.integrations import torchtitan_assets
 
 __all__ = [
@@ -176,7 +179,9 @@ class Float8Linear(f8dist.Float8Linear, Module):
             return f8dist.Float8Linear.forward(self, input)
         mesh, (x, grad_x), (w, b), (out, grad_out) = (
             _normalized(self._tp_region, input.dim()))
-        input = DTensor.from_local(input, mesh, (x,), run_check=False, grad_placements=(grad_x,))
+        if not isinstance(input, DTensor):  # a DTensor: gathered in float8 by its module
+            input = DTensor.from_local(input, mesh, (x,), run_check=False,
+                                       grad_placements=(grad_x,))
         weight = DTensor.from_local(self.weight, mesh, (w,), run_check=False)
         bias = (None if self.bias is None
                 else DTensor.from_local(self.bias, mesh, (b,), run_check=False))
@@ -195,8 +200,7 @@ class Float8Linear(f8dist.Float8Linear, Module):
 
 def _delayed_buffers(linear: f8dist.Float8Linear) -> List[str]:
     """The names of ``linear``'s delayed-scaling buffers (amaxes, histories, scales, steps)."""
-    return [] if linear.delayed is None else [
-        name for name in linear._buffers if name.startswith("fp8_")]
+    return [] if linear.delayed is None else list(linear.delayed.buffer_names)
 
 
 def _tp_region(sharding: ShardingConfig, mesh) -> Optional[tuple]:
@@ -235,6 +239,119 @@ def _normalized(placements, ndim: int):
     if isinstance(placements, tuple):
         return tuple(_normalized(p, ndim) for p in placements)
     return Shard(ndim - 1) if placements == Shard(-1) else placements
+
+
+class _Float8Gather:
+    """A torchtitan module (FeedForward, GQAttention) whose input arrives sequence-sharded and is
+    all-gathered in float8, in its forward, for the Float8Linears that read it.
+
+    [Note: float8 sequence-parallel all-gathers under torchtitan]
+    torchtitan declares the sequence-parallel all-gather (tp ``S(1) -> R``) on the module whose
+    linears read the activation: ``in_src/in_dst_shardings`` of FeedForward's ``x`` and
+    GQAttention's ``x_BLD`` (models/common/decoder_sharding.py), run by ``Module.parallelize``'s
+    wrapper before the forward, on the high-precision tensor. These modules' Configs build a
+    subclass (the converter swaps the Config, every field kept) that takes the gather over when
+    every linear reading the input is a Float8Linear: its build drops the boundary's gather
+    (``in_dst`` = ``in_src``), and its forward casts the sequence shard as the first reader's
+    ``(output, input)`` spec says (the amax of the logical tensor; a delayed cast records into
+    every reader, [Note: delayed casts in the float8 styles] in f8dist/tp/style.py) and
+    all-gathers the float8 bytes (DTensor ``redistribute``): 1 byte per element on the wire, one
+    cast for all readers, which reuse the gathered bytes. Its backward reduce-scatters the
+    readers' partial gradients, as torchtitan's redistribution does. Readers in high precision,
+    or a sharding config without this gather (tp off, sequence parallel off), leave the module
+    as torchtitan's.
+    """
+
+    # (argument name, its sharding after the gather, the Float8Linears that read it)
+    _float8_gather: Optional[tuple] = None
+    _gather_mesh = None
+
+    def _readers(self) -> List[nn.Module]:
+        raise NotImplementedError
+
+    def _take_gather(self, arg: str) -> None:
+        sharding = self._sharding_config
+        readers = self._readers()
+        if sharding is None or not all(isinstance(m, Float8Linear) for m in readers):
+            return
+        src = (sharding.in_src_shardings or {}).get(arg)
+        dst = (sharding.in_dst_shardings or {}).get(arg)
+        if src is None or dst is None:
+            return
+        tp_src, tp_dst = (layout.per_axis_spmd_types().get(MeshAxisName.TP) for layout in (src, dst))
+        if not (isinstance(tp_src, spmd.Shard) and tp_dst is spmd.R):
+            return
+        self._sharding_config = dataclasses.replace(
+            sharding, in_dst_shardings={**sharding.in_dst_shardings, arg: src})
+        self._float8_gather = (arg, dst, readers)
+
+    def parallelize(self, parallel_dims) -> None:
+        Module.parallelize(self, parallel_dims)
+        if self._float8_gather is not None and parallel_dims.tp_enabled:
+            self._gather_mesh = parallel_dims.get_dense_tp_mesh()
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s sequence shard, cast to float8 and all-gathered: a DTensor whose local tensor
+        is the whole sequence's float8 bytes."""
+        if self._gather_mesh is None:
+            return x
+        _, dst, readers = self._float8_gather
+        if isinstance(x, DTensor):  # full_dtensor: on the dense mesh
+            mesh, desired = x.device_mesh, resolve_placements(dst, x.device_mesh)
+        else:  # spmd_types: the local shard, on the tp mesh
+            mesh, desired = self._gather_mesh, (Replicate(),)
+            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        spec = readers[0].specs[tp_style.OUTPUT_INPUT]
+        x = tp_style._cast_input(x, spec, readers, desired)
+        return x.redistribute(mesh, desired)
+
+
+def _build_taking_gather(base: type, arg: str) -> Callable:
+    """A Config's ``build``: ``base``'s (its ``sharding_config`` attached), then the module takes
+    the gather of its input ``arg`` over (slots dataclasses have no zero-argument ``super()``)."""
+    def build(self, **kwargs):
+        instance = base.build(self, **kwargs)
+        instance._take_gather(arg)
+        return instance
+
+    return build
+
+
+class Float8FeedForward(_Float8Gather, FeedForward):
+    """torchtitan's ``FeedForward`` whose sequence-parallel input all-gather moves float8 when
+    ``w1`` and ``w3`` are Float8Linears ([Note: float8 sequence-parallel all-gathers under
+    torchtitan])."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FeedForward.Config):
+        build = _build_taking_gather(FeedForward.Config, "x")
+
+    def _readers(self) -> List[nn.Module]:
+        return [self.w1, self.w3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FeedForward.forward(self, self._gather(x))
+
+
+class Float8GQAttention(_Float8Gather, GQAttention):
+    """torchtitan's ``GQAttention`` whose sequence-parallel input all-gather moves float8 when
+    its Q/K/V projections are Float8Linears ([Note: float8 sequence-parallel all-gathers under
+    torchtitan])."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GQAttention.Config):
+        build = _build_taking_gather(GQAttention.Config, "x_BLD")
+
+    def _readers(self) -> List[nn.Module]:
+        qkv = self.qkv_linear
+        return [qkv.wqkv] if isinstance(qkv, FusedQKVLinear) else [qkv.wq, qkv.wkv]
+
+    def forward(self, x_BLD, attention_masks, positions=None):
+        return GQAttention.forward(self, self._gather(x_BLD), attention_masks, positions)
+
+
+# the module configs whose input the converter lets gather in float8, by their float8 subclass
+_GATHERS = {FeedForward.Config: Float8FeedForward.Config, GQAttention.Config: Float8GQAttention.Config}
 
 
 # converter options every converted layer's Config carries
@@ -327,6 +444,11 @@ class Float8LinearConverter(QuantizationConverter):
             )
             model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
+        for config_type, float8_type in _GATHERS.items():
+            for _, module, parent, attr in list(model_config.traverse(config_type)):
+                if type(module) is config_type:
+                    model_config = _put(model_config, parent, attr, float8_type(
+                        **{f.name: getattr(module, f.name) for f in dataclasses.fields(module)}))
         logger.info("f8dist: %d linear(s) converted to float8 (%s recipe)", len(converted),
                     cfg.recipe_name)
         if kept:

@@ -22,12 +22,18 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.distributed.spmd_types import annotate_input_spmd_types  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
+from torchtitan.models.common.linear import Linear  # noqa: E402
+from torchtitan.tools.utils import set_default_dtype  # noqa: E402
+from torch.distributed.tensor import distribute_tensor  # noqa: E402
+
 import f8dist  # noqa: E402
 import f8dist.integrations.torchtitan as tt  # noqa: E402
 from f8dist.numerics import sqnr  # noqa: E402
+from f8dist.testing import count_collectives  # noqa: E402
 from tests.sim.threads import run_threads  # noqa: E402
 
 TP = 2
+BATCH, SEQ, DIM, BLOCKS = 2, 32, 256, 2
 BACKENDS = ["spmd_types", "full_dtensor"]
 # one device's float8 numbers up to the order of TP's sums: bf16 (no float8) runs the same model
 # at about 146 dB from one device; a tensorwise cast of each rank's shard with its own amax (what
@@ -45,7 +51,10 @@ def cpu_mesh(monkeypatch):
 
 
 def _model_config(recipe, backend):
-    config = _sdpa(model_registry("debugmodel", converters=[_converter(recipe)]).model)
+    """The llama3 debug model's config, two blocks, its linears but ``lm_head`` converted
+    (``recipe`` "bf16": none), sharded by torchtitan for tp 2 with sequence parallelism."""
+    converters = [] if recipe == "bf16" else [_converter(recipe)]
+    config = _sdpa(model_registry("debugmodel", converters=converters).model)
     config.layers = config.layers[:2]
     parallelism = ParallelismConfig(tensor_parallel_degree=TP, enable_sequence_parallel=True,
                                     spmd_backend=backend)
@@ -75,17 +84,19 @@ def _same_amaxes(buffer, one_device):
     return torch.allclose(buffer, one_device, rtol=1e-5, atol=0)
 
 
-def run_tp(recipe, backend):
-    """Per rank: (logits SQNR, min weight-gradient SQNR over the float8 linears, the delayed
-    buffers that differ from one device's after the sync) against one device."""
+def run_tp(recipe, backend, dtype=torch.float32):
+    """Per rank: (logits SQNR, min weight-gradient SQNR over the linears but ``lm_head``, the
+    delayed buffers that differ from one device's after the sync, the forward's all-gathers as
+    ``CollectiveStats``) against one device, the model built in ``dtype``."""
     torch.manual_seed(0)
-    reference = _model_config(recipe, backend).build()
+    with torch.device("cpu"), set_default_dtype(dtype):
+        reference = _model_config(recipe, backend).build()
     with torch.no_grad():
         reference.init_weights(buffer_device=None)
     models = [copy.deepcopy(reference) for _ in range(TP)]
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 2048, (2, 32), generator=gen)
-    grad_logits = torch.randn(2, 32, 2048, generator=gen)
+    tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=gen)
+    grad_logits = torch.randn(BATCH, SEQ, 2048, generator=gen, dtype=dtype)
     logits = reference(tokens)
     logits.backward(grad_logits)
     f8dist.sync_float8_amax_and_scale_history(reference)
@@ -100,15 +111,15 @@ def run_tp(recipe, backend):
             annotate = (annotate_input_spmd_types if backend == "spmd_types"
                         else full_dtensor.parallelize_inputs)
             inputs, _, _ = annotate(dims, tokens.clone(), tokens.clone(), {})
-            out = model(inputs)
+            with count_collectives() as forward:
+                out = model(inputs)
             grad = (grad_logits.chunk(TP, -1)[rank] if backend == "spmd_types"
-                    else torch.distributed.tensor.distribute_tensor(
-                        grad_logits, out.device_mesh, out.placements))
+                    else distribute_tensor(grad_logits, out.device_mesh, out.placements))
             out.backward(grad)
         f8dist.sync_float8_amax_and_scale_history(model)
         grads, other_buffers = [], []
         for name, linear in model.named_modules():
-            if not isinstance(linear, tt.Float8Linear):
+            if not isinstance(linear, (Linear, tt.Float8Linear)) or name == "lm_head":
                 continue
             one = reference.get_submodule(name)
             dim = _weight_dim(linear)
@@ -117,15 +128,57 @@ def run_tp(recipe, backend):
             other_buffers += [f"{name}.{n}: {b.tolist()} != {one.get_buffer(n).tolist()}"
                               for n, b in linear.named_buffers()
                               if not _same_amaxes(b, one.get_buffer(n))]
-        return sqnr(logits, _full(out, -1)), min(grads), other_buffers
+        return sqnr(logits, _full(out, -1)), min(grads), other_buffers, forward["all_gather"]
 
     return run_threads(TP, rank_main)
 
 
+def _gathers(recipe, dtype):
+    """One rank's forward all-gathers (calls, bytes): per block, attention's and the FFN's input
+    (float8: 1 byte per element, and rowwise's fp32 scale per token in a gather of its own), then
+    the final norm's output before ``lm_head`` (``dtype``)."""
+    tokens = BATCH * SEQ // TP  # in one rank's sequence shard
+    if recipe == "bf16":
+        per_input = (1, tokens * DIM * dtype.itemsize)
+    elif recipe == "rowwise":
+        per_input = (2, tokens * DIM + tokens * 4)
+    else:
+        per_input = (1, tokens * DIM)
+    inputs = BLOCKS * 2
+    return inputs * per_input[0] + 1, inputs * per_input[1] + tokens * DIM * dtype.itemsize
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_torchtitan_tp_gives_one_device_float8_numbers(cpu_mesh, recipe, backend):
-    for logits_db, grad_db, other_buffers in run_tp(recipe, backend):
+    for logits_db, grad_db, other_buffers, gathers in run_tp(recipe, backend):
         assert logits_db > FLOOR_DB, (recipe, backend, logits_db)
         assert grad_db > FLOOR_DB, (recipe, backend, grad_db)
         assert not other_buffers, other_buffers[:4]
+        assert (gathers.calls, gathers.input_bytes) == _gathers(recipe, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torchtitan_tp_keeps_high_precision_models_as_they_are(cpu_mesh, backend):
+    for logits_db, grad_db, _, gathers in run_tp("bf16", backend):
+        assert logits_db > FLOOR_DB and grad_db > FLOOR_DB
+        assert (gathers.calls, gathers.input_bytes) == _gathers("bf16", torch.float32)
+
+
+def main():
+    """The table of docs/torchtitan.md: each backend and recipe in bf16, tp 2, one rank's
+    figures (the ranks' agree)."""
+    parallel_dims_module.device_type = "cpu"
+    print("| backend | recipe | logits SQNR vs one device (dB) | min weight-grad SQNR (dB) | "
+          "forward all-gathers | bytes per rank |")
+    print("|---|---|---|---|---|---|")
+    for backend in BACKENDS:
+        for recipe in ["bf16", "tensorwise", "rowwise", "delayed"]:
+            logits_db, grad_db, _, gathers = run_tp(recipe, backend, torch.bfloat16)[0]
+            assert (gathers.calls, gathers.input_bytes) == _gathers(recipe, torch.bfloat16)
+            print(f"| {backend} | {recipe} | {logits_db:.1f} | {grad_db:.1f} | {gathers.calls} | "
+                  f"{gathers.input_bytes:,} |")
+
+
+if __name__ == "__main__":
+    main()
