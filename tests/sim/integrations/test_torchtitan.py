@@ -13,14 +13,14 @@ import types
 import pytest
 import torch
 
-from tests.integrations.test_torchtitan import _converter, _sdpa  # skips without torchtitan
+from tests.integrations.test_torchtitan import _sdpa  # skips without torchtitan
 
 import torchtitan.distributed.parallel_dims as parallel_dims_module  # noqa: E402
 from torchtitan.config import ParallelismConfig  # noqa: E402
 from torchtitan.distributed import ParallelDims, full_dtensor  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.distributed.spmd_types import annotate_input_spmd_types  # noqa: E402
-from torchtitan.models.llama3 import model_registry  # noqa: E402
+from torchtitan.models import deepseek_v3, llama3  # noqa: E402
 
 from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
@@ -39,6 +39,9 @@ BACKENDS = ["spmd_types", "full_dtensor"]
 # at about 146 dB from one device; a tensorwise cast of each rank's shard with its own amax (what
 # spmd_types gave before the layer cast on DTensors) is about 55 dB away
 FLOOR_DB = 100
+# deepseek_v3's weight gradients under tp (MoE block): below one device's, open (docs/torchtitan.md);
+# a linear whose tp-partial gradient is cast as it is (wkv_a converted) is about 20 dB away
+DEEPSEEK_GRAD_FLOOR_DB = 40
 
 
 @pytest.fixture
@@ -50,12 +53,18 @@ def cpu_mesh(monkeypatch):
     dist_utils.set_spmd_backend("spmd_types")
 
 
-def _model_config(recipe, backend):
-    """The llama3 debug model's config, two blocks, its linears but ``lm_head`` converted
-    (``recipe`` "bf16": none), sharded by torchtitan for tp 2 with sequence parallelism."""
-    converters = [] if recipe == "bf16" else [_converter(recipe)]
-    config = _sdpa(model_registry("debugmodel", converters=converters).model)
-    config.layers = config.layers[:2]
+def _model_config(recipe, backend, model="llama3"):
+    """The debug model's config of torchtitan's ``model`` ("llama3", "deepseek_v3"), two blocks
+    (deepseek_v3: a dense one, then a MoE one, its routed experts in high precision), its linears
+    but ``lm_head`` (and deepseek_v3's ``wkv_a``) converted (``recipe`` "bf16": none), sharded by
+    torchtitan for tp 2 with sequence parallelism."""
+    registry = {"llama3": llama3.model_registry, "deepseek_v3": deepseek_v3.model_registry}[model]
+    # deepseek_v3's wkv_a: replicated over tp, so its gradient arrives tp-partial (docs/torchtitan.md)
+    keep = ["lm_head"] + (["wkv_a"] if model == "deepseek_v3" else [])
+    converters = [] if recipe == "bf16" else [
+        tt.Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=keep)]
+    config = _sdpa(registry("debugmodel", converters=converters).model)
+    config.layers = config.layers[:BLOCKS]
     parallelism = ParallelismConfig(tensor_parallel_degree=TP, enable_sequence_parallel=True,
                                     spmd_backend=backend)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
@@ -63,9 +72,15 @@ def _model_config(recipe, backend):
 
 
 def _full(t, dim):
-    """The whole tensor of a rank's ``t``: a DTensor's, or a plain shard gathered on ``dim``."""
+    """The whole tensor of a rank's ``t``: a DTensor's, a plain shard gathered on ``dim``, or
+    (``dim`` None) the sum of a replicated weight's partial gradients (spmd_types leaves their tp
+    sum to FSDP's reduction)."""
     if hasattr(t, "full_tensor"):
         return t.full_tensor()
+    if dim is None:
+        t = t.clone()
+        torch.distributed.all_reduce(t)
+        return t
     parts = [torch.empty_like(t) for _ in range(TP)]
     torch.distributed.all_gather(parts, t.contiguous())
     return torch.cat(parts, dim)
@@ -84,13 +99,13 @@ def _same_amaxes(buffer, one_device):
     return torch.allclose(buffer, one_device, rtol=1e-5, atol=0)
 
 
-def run_tp(recipe, backend, dtype=torch.float32):
+def run_tp(recipe, backend, dtype=torch.float32, model="llama3"):
     """Per rank: (logits SQNR, min weight-gradient SQNR over the linears but ``lm_head``, the
     delayed buffers that differ from one device's after the sync, the forward's all-gathers as
     ``CollectiveStats``) against one device, the model built in ``dtype``."""
     torch.manual_seed(0)
     with torch.device("cpu"), set_default_dtype(dtype):
-        reference = _model_config(recipe, backend).build()
+        reference = _model_config(recipe, backend, model).build()
     with torch.no_grad():
         reference.init_weights(buffer_device=None)
     models = [copy.deepcopy(reference) for _ in range(TP)]
@@ -123,8 +138,7 @@ def run_tp(recipe, backend, dtype=torch.float32):
                 continue
             one = reference.get_submodule(name)
             dim = _weight_dim(linear)
-            grads.append(sqnr(one.weight.grad, linear.weight.grad if dim is None
-                              else _full(linear.weight.grad, dim)))
+            grads.append(sqnr(one.weight.grad, _full(linear.weight.grad, dim)))
             other_buffers += [f"{name}.{n}: {b.tolist()} != {one.get_buffer(n).tolist()}"
                               for n, b in linear.named_buffers()
                               if not _same_amaxes(b, one.get_buffer(n))]
@@ -156,6 +170,19 @@ def test_torchtitan_tp_gives_one_device_float8_numbers(cpu_mesh, recipe, backend
         assert grad_db > FLOOR_DB, (recipe, backend, grad_db)
         assert not other_buffers, other_buffers[:4]
         assert (gathers.calls, gathers.input_bytes) == _gathers(recipe, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torchtitan_tp_deepseek_v3(cpu_mesh, backend):
+    """Its dense block's FFN input is all-gathered in float8; its MLA attention's and the MoE
+    block's input in high precision (f8dist converts neither module: docs/torchtitan.md). Its
+    logits are one device's; its weight gradients are not yet (an open item, docs/torchtitan.md):
+    checked against a floor far below one device's and far above a wrong sharding's."""
+    tokens = BATCH * SEQ // TP
+    float8, high = tokens * DIM, tokens * DIM * torch.float32.itemsize
+    for logits_db, grad_db, _, gathers in run_tp("tensorwise", backend, model="deepseek_v3"):
+        assert logits_db > FLOOR_DB and grad_db > DEEPSEEK_GRAD_FLOOR_DB, (logits_db, grad_db)
+        assert (gathers.calls, gathers.input_bytes) == (5, float8 + 4 * high)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
