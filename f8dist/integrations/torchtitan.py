@@ -19,14 +19,21 @@ compile, FSDP2), moves it with ``to_empty`` and initializes it with ``init_weigh
   the same module and parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), whose three grouped gemms
   run through f8dist's float8 grouped gemms, cast by the recipe's table per expert
   ([Note: grouped gemms] in f8dist/grouped.py); routers, dispatch and combine are untouched;
+* under torchtitan's tensor parallelism (``Module.parallelize`` from each config's
+  ``ShardingConfig``), :class:`Float8Linear` casts its local shards with the logical tensors'
+  amaxes ([Note: float8 casts under spmd_types]) and keeps its delayed buffers whole ([Note:
+  delayed buffers under torchtitan's parallelize]); the converter swaps ``FeedForward`` and
+  ``GQAttention`` configs for :class:`Float8FeedForward` and :class:`Float8GQAttention`, which
+  all-gather their sequence-parallel input in float8 ([Note: float8 sequence-parallel
+  all-gathers under torchtitan]);
 * :func:`post_optimizer_build_fn` registers what f8dist needs around the optimizer step: the
   delayed-scaling sync before it, the FSDP scale precompute after it; :func:`with_float8_hooks`
   chains it after the ``post_optimizer_build_fn`` a ``ModelSpec`` already has;
 * the ``llama3_debugmodel_float8_*`` functions are torchtitan config functions:
   ``python -m torchtitan.train --module f8dist.integrations.torchtitan --config NAME``.
 
-torchtitan 0.3.0 has no hook for float8 tensor-parallel styles or float8 sequence-parallel
-all-gathers under its ShardingConfig path: see docs/torchtitan.md.
+What stays high precision under torchtitan (MLA and MoE inputs, the expert-parallel dispatch):
+docs/torchtitan.md.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ __all__ = [
     "Float8LinearConverter",
     "Float8GroupedExperts",
     "Float8GroupedExpertsConverter",
+    "Float8FeedForward",
+    "Float8GQAttention",
     "post_optimizer_build_fn",
     "with_float8_hooks",
     "llama3_debugmodel_float8_tensorwise",
@@ -381,7 +390,10 @@ class Float8LinearConverter(QuantizationConverter):
       instead of keeping those linears in high precision.
 
     Only plain ``Linear.Config``\\ s are converted; subclasses (e.g. ``ScaledBiasRowwiseLinear``)
-    have their own forward and stay as they are.
+    have their own forward and stay as they are. Plain ``FeedForward.Config``\\ s and
+    ``GQAttention.Config``\\ s become :class:`Float8FeedForward` / :class:`Float8GQAttention`
+    (the same module, every field kept), which all-gather a sequence-parallel input in float8
+    when the linears reading it are Float8Linears.
 
     Example::
 
