@@ -18,7 +18,9 @@ compile, FSDP2), moves it with ``to_empty`` and initializes it with ``init_weigh
   experts of torchtitan's MoE models, e.g. deepseek_v3) with a :class:`Float8GroupedExperts.Config`:
   the same module and parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), whose three grouped gemms
   run through f8dist's float8 grouped gemms, cast by the recipe's table per expert
-  ([Note: grouped gemms] in f8dist/grouped.py); routers, dispatch and combine are untouched;
+  ([Note: grouped gemms] in f8dist/grouped.py), and their ``AllToAllTokenDispatcher.Config`` with
+  a :class:`Float8AllToAllTokenDispatcher.Config`, whose expert-parallel dispatch sends float8
+  tokens; routers and combine are untouched;
 * under torchtitan's tensor parallelism (``Module.parallelize`` from each config's
   ``ShardingConfig``), :class:`Float8Linear` casts its local shards with the logical tensors'
   amaxes ([Note: float8 casts under spmd_types]) and keeps its delayed buffers whole ([Note:
@@ -55,7 +57,8 @@ try:
     from torchtitan.models.common.attention import FusedQKVLinear, GQAttention
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.protocols.module import Module
     from torchtitan.protocols.sharding import ShardingConfig, resolve_placements
@@ -69,6 +72,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # every public callable of it as a config function when --config names none.
 import f8dist
 from f8dist import delayed, filters, fsdp, gemm, grouped, placement
+from f8dist.ep import dispatch as ep_dispatch
+from f8dist.tensor import Float8Tensor
 from f8dist.tp import style as tp_style
 from f8dist.integrations import torchtitan_assets
 
@@ -78,6 +83,7 @@ __all__ = [
     "Float8LinearConverter",
     "Float8GroupedExperts",
     "Float8GroupedExpertsConverter",
+    "Float8AllToAllTokenDispatcher",
     "Float8FeedForward",
     "Float8GQAttention",
     "post_optimizer_build_fn",
@@ -106,6 +112,19 @@ def _float8_config(recipe_name: str, enable_fsdp_float8_all_gather: bool,
     return f8dist.Float8LinearConfig.from_recipe_name(recipe_name).replace(
         enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, pad_inner_dim=pad_inner_dim
     )
+
+
+def _as(config_type: type, config, **extra):
+    """A ``config_type`` (a subclass of ``config``'s type) holding every field of ``config``, and
+    ``extra``."""
+    return config_type(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                       **extra)
+
+
+def _experts_specs(config) -> dict:
+    """The grouped gemms' cast specs of the experts a config with ``recipe_name`` and ``fqn``
+    names."""
+    return grouped.grouped_specs(_float8_config(config.recipe_name, False, False), config.fqn)
 
 
 def _put(root, parent, attr, new):
@@ -287,7 +306,8 @@ class _Float8Gather:
         dst = (sharding.in_dst_shardings or {}).get(arg)
         if src is None or dst is None:
             return
-        tp_src, tp_dst = (layout.per_axis_spmd_types().get(MeshAxisName.TP) for layout in (src, dst))
+        tp_src, tp_dst = (layout.per_axis_spmd_types().get(MeshAxisName.TP)
+                          for layout in (src, dst))
         if not (isinstance(tp_src, spmd.Shard) and tp_dst is spmd.R):
             return
         self._sharding_config = dataclasses.replace(
@@ -360,7 +380,8 @@ class Float8GQAttention(_Float8Gather, GQAttention):
 
 
 # the module configs whose input the converter lets gather in float8, by their float8 subclass
-_GATHERS = {FeedForward.Config: Float8FeedForward.Config, GQAttention.Config: Float8GQAttention.Config}
+_GATHERS = {FeedForward.Config: Float8FeedForward.Config,
+            GQAttention.Config: Float8GQAttention.Config}
 
 
 # converter options every converted layer's Config carries
@@ -449,18 +470,14 @@ class Float8LinearConverter(QuantizationConverter):
                 kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features}: "
                             f"{', '.join(problems)})")
                 continue
-            new = Float8Linear.Config(
-                **{f.name: getattr(linear, f.name) for f in dataclasses.fields(linear)},
-                **{name: getattr(cfg, name) for name in _LAYER_OPTIONS},
-                fqn=fqn,
-            )
+            new = _as(Float8Linear.Config, linear, fqn=fqn,
+                      **{name: getattr(cfg, name) for name in _LAYER_OPTIONS})
             model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
         for config_type, float8_type in _GATHERS.items():
             for _, module, parent, attr in list(model_config.traverse(config_type)):
                 if type(module) is config_type:
-                    model_config = _put(model_config, parent, attr, float8_type(
-                        **{f.name: getattr(module, f.name) for f in dataclasses.fields(module)}))
+                    model_config = _put(model_config, parent, attr, _as(float8_type, module))
         logger.info("f8dist: %d linear(s) converted to float8 (%s recipe)", len(converted),
                     cfg.recipe_name)
         if kept:
@@ -492,18 +509,77 @@ class Float8GroupedExperts(GroupedExperts):
     def __init__(self, config: Config):
         super().__init__(config)
         self.fqn = config.fqn
-        self.specs = grouped.grouped_specs(_float8_config(config.recipe_name, False, False),
-                                           config.fqn)
+        self.specs = _experts_specs(config)
 
     def forward(self, x_RD, num_tokens_per_expert_E):
         weights = (placement.local_part(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        x_RD_bf16 = grouped.cast_tokens(x_RD.bfloat16(), self.specs)  # as torchtitan's, in bf16
+        if isinstance(x_RD, Float8Tensor):  # cast in bf16 before the dispatch, per token
+            # the tokens' dtype was that of the weights (FSDP's param_dtype, or the model's)
+            dtype, x_RD_bf16 = self.w1_EFD.dtype, x_RD
+        else:
+            dtype, x_RD_bf16 = x_RD.dtype, grouped.cast_tokens(x_RD.bfloat16(), self.specs)
 
         def mm(name, a, w, offs):
             return grouped.float8_grouped_mm(a, w.bfloat16(), offs, self.specs[name])
 
-        return grouped.swiglu_experts(x_RD_bf16, *weights, offsets_E, mm).type_as(x_RD)
+        return grouped.swiglu_experts(x_RD_bf16, *weights, offsets_E, mm).to(dtype)
+
+
+class Float8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
+    """torchtitan's expert-parallel ``AllToAllTokenDispatcher`` whose dispatch all-to-all sends
+    float8 tokens, when the experts cast their tokens per token (rowwise, the 1 x K block
+    recipes): each token cast on its source rank, as bf16 before the dispatch and the experts'
+    cast would give it ([Note: float8 dispatch] in f8dist/ep/dispatch.py), its bytes and scales
+    on the wire, which the experts' grouped gemms take as they are. The count exchange, the
+    combine and backward stay as torchtitan's (high precision).
+    :class:`Float8GroupedExpertsConverter` puts it in place of a ``RoutedExperts``'s
+    ``AllToAllTokenDispatcher.Config``, with the experts' recipe and FQN."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(AllToAllTokenDispatcher.Config):
+        recipe_name: RecipeName = "rowwise"
+        fqn: str = ""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.token_spec = grouped.token_spec(_experts_specs(config))  # None: tokens as they are
+
+    def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+        if self.token_spec is None:
+            return AllToAllTokenDispatcher._dispatch_token_exchange(
+                self, routed_input_ND, pg, output_splits, input_splits)
+        # the rows in arrival order: torchtitan's _permute orders them by expert next
+        arrival = torch.arange(sum(output_splits), device=routed_input_ND.device)
+        # cast from bf16, as Float8GroupedExperts casts the tokens it gets
+        return ep_dispatch._Dispatch.apply(routed_input_ND.bfloat16(), arrival, input_splits,
+                                           output_splits, pg, self.token_spec)  # [R, D] float8
+
+    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+        if not isinstance(routed_input_RD, Float8Tensor):
+            return AllToAllTokenDispatcher._permute(
+                self, routed_input_RD, num_global_tokens_per_local_expert_E)
+        # torchtitan's permutation, read off a one-column stand-in for the rows
+        rows = torch.empty(routed_input_RD.shape[0], 0, device=routed_input_RD.device)
+        _, _, permuted, counts_e = AllToAllTokenDispatcher._permute(
+            self, rows, num_global_tokens_per_local_expert_E)
+        return routed_input_RD.shape, _Rows.apply(routed_input_RD, permuted), permuted, counts_e
+
+
+class _Rows(torch.autograd.Function):
+    """``x[index]`` for per-token float8 rows (bytes and scales); the gradient, high precision,
+    goes back to the rows it came from."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.index, ctx.rows = index, x.shape[0]
+        return ep_dispatch._rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.rows, *grad.shape[1:])
+        out[ctx.index] = grad
+        return out, None
 
 
 class Float8GroupedExpertsConverter(QuantizationConverter):
@@ -516,7 +592,9 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
     * ``filter_fqns``: experts whose FQN contains one of these stay high precision.
 
     Experts whose dims are not multiples of 16 (or of the recipe's blocks) stay high precision,
-    with a log note.
+    with a log note. A converted module's plain ``AllToAllTokenDispatcher.Config`` becomes a
+    :class:`Float8AllToAllTokenDispatcher.Config` (float8 tokens on the expert-parallel dispatch
+    when the recipe casts them per token).
 
     Example::
 
@@ -555,12 +633,15 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                 kept.append(f"{fqn} ({experts.dim} <-> {experts.hidden_dim}: "
                             f"{', '.join(problems)})")
                 continue
-            new = Float8GroupedExperts.Config(
-                **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)},
-                recipe_name=self.config.recipe_name, fqn=fqn,
-            )
+            new = _as(Float8GroupedExperts.Config, experts, recipe_name=self.config.recipe_name,
+                      fqn=fqn)
             model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
+            dispatcher = getattr(parent, "token_dispatcher", None)
+            if (isinstance(parent, RoutedExperts.Config)
+                    and type(dispatcher) is AllToAllTokenDispatcher.Config):
+                parent.token_dispatcher = _as(Float8AllToAllTokenDispatcher.Config, dispatcher,
+                                              recipe_name=self.config.recipe_name, fqn=fqn)
         logger.info("f8dist: %d grouped experts converted to float8 (%s recipe)", len(converted),
                     self.config.recipe_name)
         if kept:

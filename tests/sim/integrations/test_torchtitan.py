@@ -24,7 +24,8 @@ from torchtitan.models import deepseek_v3, llama3  # noqa: E402
 
 from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
-from torch.distributed.tensor import distribute_tensor  # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
 import f8dist  # noqa: E402
 import f8dist.integrations.torchtitan as tt  # noqa: E402
@@ -34,6 +35,7 @@ from tests.sim.threads import run_threads  # noqa: E402
 
 TP = 2
 BATCH, SEQ, DIM, BLOCKS = 2, 32, 256, 2
+EP, TOP_K = 2, 3  # deepseek_v3's debug model routes each token to 3 of its 8 experts
 BACKENDS = ["spmd_types", "full_dtensor"]
 # one device's float8 numbers up to the order of TP's sums: bf16 (no float8) runs the same model
 # at about 146 dB from one device; a tensorwise cast of each rank's shard with its own amax (what
@@ -59,7 +61,7 @@ def _model_config(recipe, backend, model="llama3"):
     but ``lm_head`` (and deepseek_v3's ``wkv_a``) converted (``recipe`` "bf16": none), sharded by
     torchtitan for tp 2 with sequence parallelism."""
     registry = {"llama3": llama3.model_registry, "deepseek_v3": deepseek_v3.model_registry}[model]
-    # deepseek_v3's wkv_a: replicated over tp, so its gradient arrives tp-partial (docs/torchtitan.md)
+    # deepseek_v3's wkv_a: replicated over tp, its gradient arrives tp-partial (docs/torchtitan.md)
     keep = ["lm_head"] + (["wkv_a"] if model == "deepseek_v3" else [])
     converters = [] if recipe == "bf16" else [
         tt.Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=keep)]
@@ -194,6 +196,76 @@ def test_torchtitan_tp_keeps_high_precision_models_as_they_are(cpu_mesh, backend
         assert (gathers.calls, gathers.input_bytes) == _gathers("bf16", torch.float32)
 
 
+def run_ep(recipe, backend, dtype=torch.float32):
+    """deepseek_v3's debug model (two blocks), its routed experts converted (``recipe`` "bf16":
+    none), on ep 2 (dp_shard 2, each rank its own batch) with torchtitan's own expert
+    parallelism. Per rank: (whether its logits are one device's bit for bit, the min SQNR of its
+    experts' weight gradients against one device's slice of them, the forward's all-to-alls as
+    ``CollectiveStats``), the model built in ``dtype``."""
+    converters = [] if recipe == "bf16" else [
+        tt.Float8GroupedExpertsConverter.Config(recipe_name=recipe)]
+    config = _sdpa(deepseek_v3.model_registry("debugmodel", converters=converters).model)
+    config.layers = config.layers[:BLOCKS]
+    parallelism = ParallelismConfig(data_parallel_shard_degree=EP, expert_parallel_degree=EP,
+                                    spmd_backend=backend)
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    torch.manual_seed(0)
+    with torch.device("cpu"), set_default_dtype(dtype):
+        reference = config.build()
+    with torch.no_grad():
+        reference.init_weights(buffer_device=None)
+    models = [copy.deepcopy(reference) for _ in range(EP)]
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 2048, (EP * BATCH, SEQ), generator=gen)
+    grad_logits = torch.randn(EP * BATCH, SEQ, 2048, generator=gen, dtype=dtype)
+    logits = reference(tokens)
+    logits.backward(grad_logits)
+    dist_utils.set_spmd_backend(backend)
+
+    def rank_main(rank):
+        model, mine = models[rank], slice(rank * BATCH, (rank + 1) * BATCH)
+        dims = ParallelDims(dp_replicate=1, dp_shard=EP, cp=1, tp=1, pp=1, ep=EP, world_size=EP,
+                            spmd_backend=backend)
+        model.parallelize(dims)
+        with dist_utils.get_spmd_context(parallel_dims=dims)():
+            annotate = (annotate_input_spmd_types if backend == "spmd_types"
+                        else full_dtensor.parallelize_inputs)
+            inputs, _, _ = annotate(dims, tokens[mine].clone(), tokens[mine].clone(), {})
+            with count_collectives() as forward:
+                out = model(inputs)
+            grad = grad_logits[mine]
+            if isinstance(out, DTensor):
+                grad = DTensor.from_local(grad, out.device_mesh, out.placements)
+            out.backward(grad)
+        local = out.to_local() if isinstance(out, DTensor) else out
+        grads = []
+        for name, experts in model.named_modules():
+            if not isinstance(experts, GroupedExperts):
+                continue
+            one = reference.get_submodule(name)
+            for pname, param in experts.named_parameters():
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                one_grad = one.get_parameter(pname).grad.chunk(EP)[rank]
+                grads.append(sqnr(one_grad, grad))
+        return torch.equal(local, logits[mine]), min(grads), forward["all_to_all"]
+
+    return run_threads(EP, rank_main)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torchtitan_ep_dispatches_float8_tokens(cpu_mesh, backend):
+    """Float8AllToAllTokenDispatcher: rowwise experts take their tokens cast before torchtitan's
+    dispatch all-to-all, one device's bytes: bit-identical logits and expert weight gradients
+    (each rank's slice of them); the dispatch moves D + 4
+    bytes per routed token (bytes, then its fp32 scale: two all-to-alls) where it moved 4 D."""
+    tokens = BATCH * SEQ * TOP_K  # routed tokens each rank sends
+    high = run_ep("bf16", backend)
+    for (same, grad_db, gathers), (_, _, high_gathers) in zip(run_ep("rowwise", backend), high):
+        assert same and grad_db == float("inf"), grad_db  # one device's, bit for bit
+        assert gathers.calls == high_gathers.calls + 1
+        assert gathers.input_bytes == high_gathers.input_bytes - tokens * (4 * DIM - DIM - 4)
+
+
 def main():
     """The table of docs/torchtitan.md: llama3, each backend and recipe, tp 2, one rank's figures
     (the ranks' agree): against one device in fp32 and in bf16, and the bf16 model's forward
@@ -210,6 +282,15 @@ def main():
             assert (gathers.calls, gathers.input_bytes) == _gathers(recipe, torch.bfloat16)
             print(f"| {backend} | {recipe} | {fp32[0]:.1f} / {fp32[1]:.1f} | {bf16[0]:.1f} / "
                   f"{bf16[1]:.1f} | {gathers.calls} | {gathers.input_bytes:,} |")
+    print()
+    print("| backend | routed experts | logits one device's (fp32 / bf16) | min experts' "
+          "weight-grad SQNR, fp32 (dB) | forward all-to-alls (bf16) | their bytes, rank 0 |")
+    print("|---|---|---|---|---|---|")
+    for backend in BACKENDS:
+        for recipe in ["bf16", "rowwise"]:
+            fp32, bf16 = run_ep(recipe, backend)[0], run_ep(recipe, backend, torch.bfloat16)[0]
+            print(f"| {backend} | {recipe} | {fp32[0]} / {bf16[0]} | {fp32[1]:.1f} | "
+                  f"{bf16[2].calls} | {bf16[2].input_bytes:,} |")
 
 
 if __name__ == "__main__":
