@@ -337,6 +337,12 @@ class Float8Linear(nn.Linear):
     def forward(self, input: torch.Tensor, *, recompute: Recompute = None) -> torch.Tensor:
         """``recompute``: ``(fn, tensors)`` giving the input again in backward ([Note: a
         recomputed input])."""
+        return self.forward_with(input, self.weight, self.bias, recompute=recompute)
+
+    def forward_with(self, input: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor], *, recompute: Recompute = None) -> torch.Tensor:
+        """The forward with ``weight`` and ``bias`` in place of the layer's own, e.g. its local
+        shards wrapped as DTensors (f8dist/integrations/torchtitan.py)."""
         if not input.is_floating_point():  # nn.Linear raises too; a float8 cast would not
             raise TypeError(
                 f"Float8Linear {self.fqn or '<root>'}: input must be a floating-point tensor, got "
@@ -348,13 +354,13 @@ class Float8Linear(nn.Linear):
         later = []  # [Note: record after the cast] in f8dist/delayed/scale.py
         if self.delayed is not None:  # [Note: delayed scaling] in f8dist/delayed/
             delayed = (self.delayed, self.delayed.training())
-            scales = self.delayed.forward_scales(input, self.weight, delayed[1], later)
-        out = float8_linear_mm(input, self.weight, self.specs, scales, delayed, share_with=source,
+            scales = self.delayed.forward_scales(input, weight, delayed[1], later)
+        out = float8_linear_mm(input, weight, self.specs, scales, delayed, share_with=source,
                                recompute=recompute)
         for amax_record in later:
             amax_record()
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

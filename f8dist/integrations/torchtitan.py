@@ -18,15 +18,24 @@ compile, FSDP2), moves it with ``to_empty`` and initializes it with ``init_weigh
   experts of torchtitan's MoE models, e.g. deepseek_v3) with a :class:`Float8GroupedExperts.Config`:
   the same module and parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), whose three grouped gemms
   run through f8dist's float8 grouped gemms, cast by the recipe's table per expert
-  ([Note: grouped gemms] in f8dist/grouped.py); routers, dispatch and combine are untouched;
+  ([Note: grouped gemms] in f8dist/grouped.py), and their ``AllToAllTokenDispatcher.Config`` with
+  a :class:`Float8AllToAllTokenDispatcher.Config`, whose expert-parallel dispatch sends float8
+  tokens; routers and combine are untouched;
+* under torchtitan's tensor parallelism (``Module.parallelize`` from each config's
+  ``ShardingConfig``), :class:`Float8Linear` casts its local shards with the logical tensors'
+  amaxes ([Note: float8 casts under spmd_types]) and keeps its delayed buffers whole ([Note:
+  delayed buffers under torchtitan's parallelize]); the converter swaps ``FeedForward`` and
+  ``GQAttention`` configs for :class:`Float8FeedForward` and :class:`Float8GQAttention`, which
+  all-gather their sequence-parallel input in float8 ([Note: float8 sequence-parallel
+  all-gathers under torchtitan]);
 * :func:`post_optimizer_build_fn` registers what f8dist needs around the optimizer step: the
   delayed-scaling sync before it, the FSDP scale precompute after it; :func:`with_float8_hooks`
   chains it after the ``post_optimizer_build_fn`` a ``ModelSpec`` already has;
 * the ``llama3_debugmodel_float8_*`` functions are torchtitan config functions:
   ``python -m torchtitan.train --module f8dist.integrations.torchtitan --config NAME``.
 
-torchtitan 0.3.0 has no hook for float8 tensor-parallel styles or float8 sequence-parallel
-all-gathers under its ShardingConfig path: see docs/torchtitan.md.
+What stays high precision under torchtitan (MLA and MoE inputs, the expert-parallel dispatch):
+docs/torchtitan.md.
 """
 
 from __future__ import annotations
@@ -39,13 +48,20 @@ from typing import Callable, List, Literal, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 try:
+    import spmd_types as spmd
     from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+    from torchtitan.models.common.attention import FusedQKVLinear, GQAttention
+    from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.protocols.module import Module
+    from torchtitan.protocols.sharding import ShardingConfig, resolve_placements
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "f8dist.integrations.torchtitan needs torchtitan 0.3.0: install f8dist with its extra, "
@@ -56,6 +72,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # every public callable of it as a config function when --config names none.
 import f8dist
 from f8dist import delayed, filters, fsdp, gemm, grouped, placement
+from f8dist.ep import dispatch as ep_dispatch
+from f8dist.tensor import Float8Tensor
+from f8dist.tp import style as tp_style
 from f8dist.integrations import torchtitan_assets
 
 __all__ = [
@@ -64,6 +83,9 @@ __all__ = [
     "Float8LinearConverter",
     "Float8GroupedExperts",
     "Float8GroupedExpertsConverter",
+    "Float8AllToAllTokenDispatcher",
+    "Float8FeedForward",
+    "Float8GQAttention",
     "post_optimizer_build_fn",
     "with_float8_hooks",
     "llama3_debugmodel_float8_tensorwise",
@@ -90,6 +112,19 @@ def _float8_config(recipe_name: str, enable_fsdp_float8_all_gather: bool,
     return f8dist.Float8LinearConfig.from_recipe_name(recipe_name).replace(
         enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, pad_inner_dim=pad_inner_dim
     )
+
+
+def _as(config_type: type, config, **extra):
+    """A ``config_type`` (a subclass of ``config``'s type) holding every field of ``config``, and
+    ``extra``."""
+    return config_type(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                       **extra)
+
+
+def _experts_specs(config) -> dict:
+    """The grouped gemms' cast specs of the experts a config with ``recipe_name`` and ``fqn``
+    names."""
+    return grouped.grouped_specs(_float8_config(config.recipe_name, False, False), config.fqn)
 
 
 def _put(root, parent, attr, new):
@@ -144,6 +179,43 @@ class Float8Linear(f8dist.Float8Linear, Module):
         if config.enable_fsdp_float8_all_gather:
             fsdp.wrap_weight_for_float8_all_gather(self)
 
+    # (mesh, placements) of the TP region under spmd_types: [Note: float8 casts under spmd_types]
+    _tp_region: Optional[tuple] = None
+
+    def parallelize(self, parallel_dims) -> None:
+        Module.parallelize(self, parallel_dims)
+        if (parallel_dims.spmd_backend == "spmd_types" and parallel_dims.tp_enabled
+                and self._sharding_config is not None):
+            self._tp_region = _tp_region(self._sharding_config,
+                                         parallel_dims.get_dense_tp_mesh())
+
+    def _distribute_states(self, parallel_dims) -> None:
+        # [Note: delayed buffers under torchtitan's parallelize]
+        # Module._distribute_states raises for a buffer its ShardingConfig has no placement for,
+        # and torchtitan's model sharding (decoder_sharding.py) declares the weight and bias only.
+        # The amax histories stay plain tensors on every rank, whole, as under f8dist's own TP
+        # styles: each rank records the amax of what it casts, and the sync before the optimizer
+        # step (one MAX all-reduce over all ranks) gives every rank the logical tensors' amaxes.
+        kept = {name: self._buffers.pop(name) for name in _delayed_buffers(self)}
+        try:
+            Module._distribute_states(self, parallel_dims)
+        finally:
+            self._buffers.update(kept)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._tp_region is None:
+            return f8dist.Float8Linear.forward(self, input)
+        mesh, (x, grad_x), (w, b), (out, grad_out) = (
+            _normalized(self._tp_region, input.dim()))
+        if not isinstance(input, DTensor):  # a DTensor: gathered in float8 by its module
+            input = DTensor.from_local(input, mesh, (x,), run_check=False,
+                                       grad_placements=(grad_x,))
+        weight = DTensor.from_local(self.weight, mesh, (w,), run_check=False)
+        bias = (None if self.bias is None
+                else DTensor.from_local(self.bias, mesh, (b,), run_check=False))
+        output = self.forward_with(input, weight, bias)
+        return output.to_local(grad_placements=(grad_out,))
+
     def _init_self_buffers(self, *, buffer_device=None) -> None:
         # Buffers built on meta hold nothing after to_empty(): make the delayed-scaling ones anew,
         # as Float8Linear.from_float does for a linear that was on meta.
@@ -152,6 +224,164 @@ class Float8Linear(f8dist.Float8Linear, Module):
             if buffer_device is not None:
                 for name, buf in self._buffers.items():
                     self._buffers[name] = buf.to(buffer_device)
+
+
+def _delayed_buffers(linear: f8dist.Float8Linear) -> List[str]:
+    """The names of ``linear``'s delayed-scaling buffers (amaxes, histories, scales, steps)."""
+    return [] if linear.delayed is None else list(linear.delayed.buffer_names)
+
+
+def _tp_region(sharding: ShardingConfig, mesh) -> Optional[tuple]:
+    """``(mesh, (input, its grad), (weight, bias), (output, its grad))``: the TP placements of a
+    linear's local tensors under torchtitan's spmd_types backend, read from its weight's TP type
+    ([Note: float8 casts under spmd_types]); None when the weight is not TP-sharded.
+
+    [Note: float8 casts under spmd_types]
+    Under ``spmd_backend="spmd_types"`` (torchtitan 0.3.0's default) a module's forward gets plain
+    local tensors: the weight's TP shard and the activation's. A float8 cast of a shard would
+    take the shard's amax (tensorwise: each rank its own scale, not one device's). So the layer
+    wraps its local tensors as DTensors on the TP mesh, with the placements its ShardingConfig
+    gives them, and casts as under the full_dtensor backend or f8dist's own TP styles: the amax
+    of the logical tensor ([Note: amax] in f8dist/placement.py). The placements follow the
+    weight's: colwise (S(0)) takes a replicated input, whose gradient is partial (spmd_types'
+    R -> P), and gives a sharded output; rowwise (S(1)) takes a sharded input and gives a partial
+    output, whose gradient is replicated (P -> R). torchtitan's redistributions around the
+    layer are unchanged.
+    """
+    layouts = sharding.state_shardings
+    weight = layouts["weight"].per_axis_spmd_types().get(MeshAxisName.TP)
+    if not isinstance(weight, spmd.Shard):
+        return None
+    bias_layout = layouts.get("bias")
+    bias = (Replicate() if bias_layout is None
+            else spmd.spmd_type_to_dtensor_placement(
+                bias_layout.per_axis_spmd_types()[MeshAxisName.TP]))
+    if weight.dim % 2 == 0:  # colwise: the 2-D weight [out, in] sharded on out
+        return mesh, (Replicate(), Partial()), (Shard(0), bias), (Shard(-1), Shard(-1))
+    return mesh, (Shard(-1), Shard(-1)), (Shard(1), bias), (Partial(), Replicate())
+
+
+def _normalized(placements, ndim: int):
+    """``placements`` (nested tuples) with ``Shard(-1)`` as the last dim of an ``ndim``-D
+    activation: DTensor's gradient placements take non-negative dims only."""
+    if isinstance(placements, tuple):
+        return tuple(_normalized(p, ndim) for p in placements)
+    return Shard(ndim - 1) if placements == Shard(-1) else placements
+
+
+class _Float8Gather:
+    """A torchtitan module (FeedForward, GQAttention) whose input arrives sequence-sharded and is
+    all-gathered in float8, in its forward, for the Float8Linears that read it.
+
+    [Note: float8 sequence-parallel all-gathers under torchtitan]
+    torchtitan declares the sequence-parallel all-gather (tp ``S(1) -> R``) on the module whose
+    linears read the activation: ``in_src/in_dst_shardings`` of FeedForward's ``x`` and
+    GQAttention's ``x_BLD`` (models/common/decoder_sharding.py), run by ``Module.parallelize``'s
+    wrapper before the forward, on the high-precision tensor. These modules' Configs build a
+    subclass (the converter swaps the Config, every field kept) that takes the gather over when
+    every linear reading the input is a Float8Linear: its build drops the boundary's gather
+    (``in_dst`` = ``in_src``), and its forward casts the sequence shard as the first reader's
+    ``(output, input)`` spec says (the amax of the logical tensor; a delayed cast records into
+    every reader, [Note: delayed casts in the float8 styles] in f8dist/tp/style.py) and
+    all-gathers the float8 bytes (DTensor ``redistribute``): 1 byte per element on the wire, one
+    cast for all readers, which reuse the gathered bytes. Its backward reduce-scatters the
+    readers' partial gradients, as torchtitan's redistribution does. Readers in high precision,
+    or a sharding config without this gather (tp off, sequence parallel off), leave the module
+    as torchtitan's.
+    """
+
+    # (argument name, its sharding after the gather, the Float8Linears that read it)
+    _float8_gather: Optional[tuple] = None
+    _gather_mesh = None
+
+    def _readers(self) -> List[nn.Module]:
+        raise NotImplementedError
+
+    def _take_gather(self, arg: str) -> None:
+        sharding = self._sharding_config
+        readers = self._readers()
+        if sharding is None or not all(isinstance(m, Float8Linear) for m in readers):
+            return
+        src = (sharding.in_src_shardings or {}).get(arg)
+        dst = (sharding.in_dst_shardings or {}).get(arg)
+        if src is None or dst is None:
+            return
+        tp_src, tp_dst = (layout.per_axis_spmd_types().get(MeshAxisName.TP)
+                          for layout in (src, dst))
+        if not (isinstance(tp_src, spmd.Shard) and tp_dst is spmd.R):
+            return
+        self._sharding_config = dataclasses.replace(
+            sharding, in_dst_shardings={**sharding.in_dst_shardings, arg: src})
+        self._float8_gather = (arg, dst, readers)
+
+    def parallelize(self, parallel_dims) -> None:
+        Module.parallelize(self, parallel_dims)
+        if self._float8_gather is not None and parallel_dims.tp_enabled:
+            self._gather_mesh = parallel_dims.get_dense_tp_mesh()
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s sequence shard, cast to float8 and all-gathered: a DTensor whose local tensor
+        is the whole sequence's float8 bytes."""
+        if self._gather_mesh is None:
+            return x
+        _, dst, readers = self._float8_gather
+        if isinstance(x, DTensor):  # full_dtensor: on the dense mesh
+            mesh, desired = x.device_mesh, resolve_placements(dst, x.device_mesh)
+        else:  # spmd_types: the local shard, on the tp mesh
+            mesh, desired = self._gather_mesh, (Replicate(),)
+            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        spec = readers[0].specs[tp_style.OUTPUT_INPUT]
+        x = tp_style._cast_input(x, spec, readers, desired)
+        return x.redistribute(mesh, desired)
+
+
+def _build_taking_gather(base: type, arg: str) -> Callable:
+    """A Config's ``build``: ``base``'s (its ``sharding_config`` attached), then the module takes
+    the gather of its input ``arg`` over (slots dataclasses have no zero-argument ``super()``)."""
+    def build(self, **kwargs):
+        instance = base.build(self, **kwargs)
+        instance._take_gather(arg)
+        return instance
+
+    return build
+
+
+class Float8FeedForward(_Float8Gather, FeedForward):
+    """torchtitan's ``FeedForward`` whose sequence-parallel input all-gather moves float8 when
+    ``w1`` and ``w3`` are Float8Linears ([Note: float8 sequence-parallel all-gathers under
+    torchtitan])."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FeedForward.Config):
+        build = _build_taking_gather(FeedForward.Config, "x")
+
+    def _readers(self) -> List[nn.Module]:
+        return [self.w1, self.w3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FeedForward.forward(self, self._gather(x))
+
+
+class Float8GQAttention(_Float8Gather, GQAttention):
+    """torchtitan's ``GQAttention`` whose sequence-parallel input all-gather moves float8 when
+    its Q/K/V projections are Float8Linears ([Note: float8 sequence-parallel all-gathers under
+    torchtitan])."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GQAttention.Config):
+        build = _build_taking_gather(GQAttention.Config, "x_BLD")
+
+    def _readers(self) -> List[nn.Module]:
+        qkv = self.qkv_linear
+        return [qkv.wqkv] if isinstance(qkv, FusedQKVLinear) else [qkv.wq, qkv.wkv]
+
+    def forward(self, x_BLD, attention_masks, positions=None):
+        return GQAttention.forward(self, self._gather(x_BLD), attention_masks, positions)
+
+
+# the module configs whose input the converter lets gather in float8, by their float8 subclass
+_GATHERS = {FeedForward.Config: Float8FeedForward.Config,
+            GQAttention.Config: Float8GQAttention.Config}
 
 
 # converter options every converted layer's Config carries
@@ -181,7 +411,10 @@ class Float8LinearConverter(QuantizationConverter):
       instead of keeping those linears in high precision.
 
     Only plain ``Linear.Config``\\ s are converted; subclasses (e.g. ``ScaledBiasRowwiseLinear``)
-    have their own forward and stay as they are.
+    have their own forward and stay as they are. Plain ``FeedForward.Config``\\ s and
+    ``GQAttention.Config``\\ s become :class:`Float8FeedForward` / :class:`Float8GQAttention`
+    (the same module, every field kept), which all-gather a sequence-parallel input in float8
+    when the linears reading it are Float8Linears.
 
     Example::
 
@@ -237,13 +470,14 @@ class Float8LinearConverter(QuantizationConverter):
                 kept.append(f"{fqn} ({linear.in_features} -> {linear.out_features}: "
                             f"{', '.join(problems)})")
                 continue
-            new = Float8Linear.Config(
-                **{f.name: getattr(linear, f.name) for f in dataclasses.fields(linear)},
-                **{name: getattr(cfg, name) for name in _LAYER_OPTIONS},
-                fqn=fqn,
-            )
+            new = _as(Float8Linear.Config, linear, fqn=fqn,
+                      **{name: getattr(cfg, name) for name in _LAYER_OPTIONS})
             model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
+        for config_type, float8_type in _GATHERS.items():
+            for _, module, parent, attr in list(model_config.traverse(config_type)):
+                if type(module) is config_type:
+                    model_config = _put(model_config, parent, attr, _as(float8_type, module))
         logger.info("f8dist: %d linear(s) converted to float8 (%s recipe)", len(converted),
                     cfg.recipe_name)
         if kept:
@@ -275,18 +509,77 @@ class Float8GroupedExperts(GroupedExperts):
     def __init__(self, config: Config):
         super().__init__(config)
         self.fqn = config.fqn
-        self.specs = grouped.grouped_specs(_float8_config(config.recipe_name, False, False),
-                                           config.fqn)
+        self.specs = _experts_specs(config)
 
     def forward(self, x_RD, num_tokens_per_expert_E):
         weights = (placement.local_part(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        x_RD_bf16 = grouped.cast_tokens(x_RD.bfloat16(), self.specs)  # as torchtitan's, in bf16
+        if isinstance(x_RD, Float8Tensor):  # cast in bf16 before the dispatch, per token
+            # the tokens' dtype was that of the weights (FSDP's param_dtype, or the model's)
+            dtype, x_RD_bf16 = self.w1_EFD.dtype, x_RD
+        else:
+            dtype, x_RD_bf16 = x_RD.dtype, grouped.cast_tokens(x_RD.bfloat16(), self.specs)
 
         def mm(name, a, w, offs):
             return grouped.float8_grouped_mm(a, w.bfloat16(), offs, self.specs[name])
 
-        return grouped.swiglu_experts(x_RD_bf16, *weights, offsets_E, mm).type_as(x_RD)
+        return grouped.swiglu_experts(x_RD_bf16, *weights, offsets_E, mm).to(dtype)
+
+
+class Float8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
+    """torchtitan's expert-parallel ``AllToAllTokenDispatcher`` whose dispatch all-to-all sends
+    float8 tokens, when the experts cast their tokens per token (rowwise, the 1 x K block
+    recipes): each token cast on its source rank, as bf16 before the dispatch and the experts'
+    cast would give it ([Note: float8 dispatch] in f8dist/ep/dispatch.py), its bytes and scales
+    on the wire, which the experts' grouped gemms take as they are. The count exchange, the
+    combine and backward stay as torchtitan's (high precision).
+    :class:`Float8GroupedExpertsConverter` puts it in place of a ``RoutedExperts``'s
+    ``AllToAllTokenDispatcher.Config``, with the experts' recipe and FQN."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(AllToAllTokenDispatcher.Config):
+        recipe_name: RecipeName = "rowwise"
+        fqn: str = ""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.token_spec = grouped.token_spec(_experts_specs(config))  # None: tokens as they are
+
+    def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+        if self.token_spec is None:
+            return AllToAllTokenDispatcher._dispatch_token_exchange(
+                self, routed_input_ND, pg, output_splits, input_splits)
+        # the rows in arrival order: torchtitan's _permute orders them by expert next
+        arrival = torch.arange(sum(output_splits), device=routed_input_ND.device)
+        # cast from bf16, as Float8GroupedExperts casts the tokens it gets
+        return ep_dispatch._Dispatch.apply(routed_input_ND.bfloat16(), arrival, input_splits,
+                                           output_splits, pg, self.token_spec)  # [R, D] float8
+
+    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+        if not isinstance(routed_input_RD, Float8Tensor):
+            return AllToAllTokenDispatcher._permute(
+                self, routed_input_RD, num_global_tokens_per_local_expert_E)
+        # torchtitan's permutation, read off a one-column stand-in for the rows
+        rows = torch.empty(routed_input_RD.shape[0], 0, device=routed_input_RD.device)
+        _, _, permuted, counts_e = AllToAllTokenDispatcher._permute(
+            self, rows, num_global_tokens_per_local_expert_E)
+        return routed_input_RD.shape, _Rows.apply(routed_input_RD, permuted), permuted, counts_e
+
+
+class _Rows(torch.autograd.Function):
+    """``x[index]`` for per-token float8 rows (bytes and scales); the gradient, high precision,
+    goes back to the rows it came from."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.index, ctx.rows = index, x.shape[0]
+        return ep_dispatch._rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.rows, *grad.shape[1:])
+        out[ctx.index] = grad
+        return out, None
 
 
 class Float8GroupedExpertsConverter(QuantizationConverter):
@@ -299,7 +592,9 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
     * ``filter_fqns``: experts whose FQN contains one of these stay high precision.
 
     Experts whose dims are not multiples of 16 (or of the recipe's blocks) stay high precision,
-    with a log note.
+    with a log note. A converted module's plain ``AllToAllTokenDispatcher.Config`` becomes a
+    :class:`Float8AllToAllTokenDispatcher.Config` (float8 tokens on the expert-parallel dispatch
+    when the recipe casts them per token).
 
     Example::
 
@@ -338,12 +633,15 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
                 kept.append(f"{fqn} ({experts.dim} <-> {experts.hidden_dim}: "
                             f"{', '.join(problems)})")
                 continue
-            new = Float8GroupedExperts.Config(
-                **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)},
-                recipe_name=self.config.recipe_name, fqn=fqn,
-            )
+            new = _as(Float8GroupedExperts.Config, experts, recipe_name=self.config.recipe_name,
+                      fqn=fqn)
             model_config = _put(model_config, parent, attr, new)
             converted.append(fqn)
+            dispatcher = getattr(parent, "token_dispatcher", None)
+            if (isinstance(parent, RoutedExperts.Config)
+                    and type(dispatcher) is AllToAllTokenDispatcher.Config):
+                parent.token_dispatcher = _as(Float8AllToAllTokenDispatcher.Config, dispatcher,
+                                              recipe_name=self.config.recipe_name, fqn=fqn)
         logger.info("f8dist: %d grouped experts converted to float8 (%s recipe)", len(converted),
                     self.config.recipe_name)
         if kept:
