@@ -183,6 +183,8 @@ class Float8Linear(f8dist.Float8Linear, Module):
     _tp_region: Optional[tuple] = None
 
     def parallelize(self, parallel_dims) -> None:
+        if parallel_dims.tp_enabled and self._sharding_config is not None:
+            _refuse_tp_replicated_weight(self._sharding_config, self.fqn)
         Module.parallelize(self, parallel_dims)
         if (parallel_dims.spmd_backend == "spmd_types" and parallel_dims.tp_enabled
                 and self._sharding_config is not None):
@@ -229,6 +231,19 @@ class Float8Linear(f8dist.Float8Linear, Module):
 def _delayed_buffers(linear: f8dist.Float8Linear) -> List[str]:
     """The names of ``linear``'s delayed-scaling buffers (amaxes, histories, scales, steps)."""
     return [] if linear.delayed is None else list(linear.delayed.buffer_names)
+
+
+def _refuse_tp_replicated_weight(sharding: ShardingConfig, fqn: str) -> None:
+    """A weight torchtitan replicates over tp (deepseek_v3's ``wkv_a``, ``wq_a``) gets its
+    gradient tp-partial, and a float8 cast of partial sums is not one device's: refuse it."""
+    layout = sharding.state_shardings.get("weight")
+    tp = None if layout is None else layout.per_axis_spmd_types().get(MeshAxisName.TP)
+    if tp is not None and not isinstance(tp, spmd.Shard):
+        raise ValueError(
+            f"Float8Linear {fqn or '<root>'}: torchtitan's ShardingConfig keeps its weight "
+            f"{tp} over tp, so its gradients arrive tp-partial and a float8 cast of partial sums "
+            f"is not one device's numbers; keep it in high precision with the converter's "
+            f"filter_fqns (e.g. filter_fqns=[\"lm_head\", \"{fqn.rsplit('.', 1)[-1] or fqn}\"])")
 
 
 def _tp_region(sharding: ShardingConfig, mesh) -> Optional[tuple]:

@@ -55,14 +55,15 @@ def cpu_mesh(monkeypatch):
     dist_utils.set_spmd_backend("spmd_types")
 
 
-def _model_config(recipe, backend, model="llama3"):
+def _model_config(recipe, backend, model="llama3", keep=None):
     """The debug model's config of torchtitan's ``model`` ("llama3", "deepseek_v3"), two blocks
     (deepseek_v3: a dense one, then a MoE one, its routed experts in high precision), its linears
     but ``lm_head`` (and deepseek_v3's ``wkv_a``) converted (``recipe`` "bf16": none), sharded by
     torchtitan for tp 2 with sequence parallelism."""
     registry = {"llama3": llama3.model_registry, "deepseek_v3": deepseek_v3.model_registry}[model]
     # deepseek_v3's wkv_a: replicated over tp, its gradient arrives tp-partial (docs/torchtitan.md)
-    keep = ["lm_head"] + (["wkv_a"] if model == "deepseek_v3" else [])
+    if keep is None:
+        keep = ["lm_head"] + (["wkv_a"] if model == "deepseek_v3" else [])
     converters = [] if recipe == "bf16" else [
         tt.Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=keep)]
     config = _sdpa(registry("debugmodel", converters=converters).model)
@@ -187,6 +188,25 @@ def test_torchtitan_tp_deepseek_v3(cpu_mesh, backend):
     for logits_db, grad_db, _, gathers in run_tp("tensorwise", backend, model="deepseek_v3"):
         assert logits_db > FLOOR_DB and grad_db > DEEPSEEK_GRAD_FLOOR_DB, (logits_db, grad_db)
         assert (gathers.calls, gathers.input_bytes) == (5, float8 + 4 * high)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torchtitan_tp_refuses_a_float8_weight_it_replicates_over_tp(cpu_mesh, backend):
+    # deepseek_v3's wkv_a: its gradient arrives tp-partial; a float8 cast of partial sums is not
+    # one device's numbers, so parallelize refuses it naming the filter_fqns entry
+    with torch.device("cpu"):
+        models = [_model_config("tensorwise", backend, "deepseek_v3", keep=["lm_head"]).build()
+                  for _ in range(TP)]
+    dist_utils.set_spmd_backend(backend)
+
+    def rank_main(rank):
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=TP, pp=1, ep=1, world_size=TP,
+                            spmd_backend=backend)
+        with pytest.raises(ValueError, match=r"wkv_a.*tp-partial.*filter_fqns"):
+            models[rank].parallelize(dims)
+        return True
+
+    assert all(run_threads(TP, rank_main))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
