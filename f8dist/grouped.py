@@ -28,7 +28,7 @@ tokens, within each group: the groups are first padded to a multiple of the inne
 rows (``pad_groups``; exact: zeros raise no amax and add no product), so that no block holds the
 tokens of two experts, then cast from high precision, and the kernel takes the padded offsets.
 A grouped gemm is then, per expert, a block-scaled ``Float8Linear`` on the expert's tokens, bit
-for bit ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py). The experts' dims must
+for bit ([Note: the CPU block grouped kernel] in f8dist/gemm.py). The experts' dims must
 divide into the blocks (``shape_problems``: dim and hidden_dim multiples of 32 for MXFP8, 128 for
 "blockwise").
 
@@ -98,8 +98,7 @@ from f8dist.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
 )
 from f8dist.fsdp.weight import gathers_float8, wrap_weight_for_float8_all_gather
-from f8dist.gemm import shape_problems
-from f8dist.grouped_gemm import pad_groups, scatter_rows
+from f8dist.gemm import pad_groups, scatter_rows, shape_problems
 from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
@@ -141,7 +140,7 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
     # the grouped gemm of Float8Tensor's op table ([Note: grouped gemm constraints] in
-    # f8dist/grouped_gemm.py), its operands laid out as torch._grouped_mm's
+    # f8dist/gemm.py), its operands laid out as torch._grouped_mm's
     if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its scales
         b8 = b8.transpose(-2, -1)
     elif gemm is GRAD_WEIGHT:  # [N, M] x [M, K] -> [E, N, K]

@@ -21,7 +21,7 @@ place Float8Tensor ops are defined):
 * views and transposes (what autograd, DTensor and FSDP2 do to a tensor), ``as_strided`` (FSDP2's
   view of an all-gathered weight);
 * ``_to_copy`` to another high-precision dtype (autocast's cast): the same bytes and scale;
-* ``mm``: the float8 gemm (``f8dist.gemm.scaled_mm``); because it is an aten op, a DTensor
+* ``mm``: the float8 gemm (``f8dist.gemm.float8_mm``); because it is an aten op, a DTensor
   wrapping Float8Tensors runs its sharding propagation and calls it on the shards;
 * the functional collectives, ``split`` and ``cat`` that DTensor's redistribution runs:
   float8 crosses the wire as uint8 ([Note: float8 on the wire], [Note: the wire]).
@@ -48,9 +48,9 @@ dims; a reshape keeps the last dim and maps the leading ones through the [tokens
 (``_rows_block``); split, cat, all-gather and as_strided along dim d cut the grid where the data
 is cut, into pieces aligned to a block length (``_scale_pieces``), and leave it whole along a
 whole dim (on the wire it then stays home, [Note: the wire]); dequantizing expands the grid
-(``f8dist.scaling.expand_blocks``); the gemm runs the block kernel when both operands have
-block lengths along both dims of a matrix (``_kernel_block``), the tensorwise / per-row one
-otherwise.
+(``f8dist.scaling.expand_blocks``); the gemm (``f8dist.gemm.float8_mm``, [Note: one gemm
+entry]) runs the block kernel when an operand has block lengths along both dims of a matrix
+(``kernel_block``), the tensorwise / per-row one otherwise.
 
 [Note: two casts of one tensor]
 A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
@@ -79,8 +79,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from f8dist.config import ScaledMMConfig
-from f8dist.gemm import scaled_mm
-from f8dist.grouped_gemm import block_scaled_grouped_mm, grouped_scales, scaled_grouped_mm
+from f8dist.gemm import float8_mm, kernel_block
 from f8dist.scaling import dequantize, expand_blocks
 
 __all__ = ["Block", "Float8Tensor", "KeptShard", "Layout", "WireMeta", "as_wire", "block_of",
@@ -287,7 +286,7 @@ class Float8Tensor(torch.Tensor):
     @property
     def is_blockwise(self) -> bool:
         """Scaled in blocks that the block gemm takes ([Note: one scale layout])."""
-        return _kernel_block(self) is not None
+        return kernel_block(self._block) is not None
 
     # -- the wire ([Note: the wire]) ----------------------------------------------------------
 
@@ -387,16 +386,6 @@ def _with_companions(out, handler, func, args, kwargs):
         for o, c in zip(out, companions):
             o._companion = c
     return out
-
-
-def _kernel_block(t: "Float8Tensor") -> Optional[Tuple[int, int]]:
-    """The (rows, cols) blocks of a matrix (or of each expert's) that the block-scaled gemm takes:
-    block lengths along both of the last two dims, not all 1; None: the tensorwise / per-row
-    gemm, whose scales factor out of every dot product ([Note: one scale layout])."""
-    rows, cols = t._block[-2:]
-    if rows is None or cols is None or rows == cols == 1:
-        return None
-    return rows, cols
 
 
 def _scale_pieces(t: "Float8Tensor", sizes, dim: int, what: str):
@@ -507,10 +496,7 @@ def _mm(func, args, kwargs):
             "a float8 gemm needs both operands in float8; got "
             f"{type(a).__name__} @ {type(b).__name__}"
         )
-    return scaled_mm(
-        a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config,
-        a_block=_kernel_block(a), b_block=_kernel_block(b),
-    )
+    return _gemm(a, b, None, a._orig_dtype)
 
 
 @_implements([aten._grouped_mm.default])
@@ -525,14 +511,14 @@ def _grouped_mm(func, args, kwargs):
         raise NotImplementedError(
             f"a float8 grouped gemm takes token groups (offs, got {offs}) and no bias (got "
             f"{bias}); add the bias to its output")
-    out_dtype = a._orig_dtype if out_dtype is None else out_dtype
-    a_block, b_block = _kernel_block(a), _kernel_block(b)
-    if a_block is not None or b_block is not None:
-        return block_scaled_grouped_mm(a._data, a._scale, a_block, b._data, b._scale, b_block,
-                                       offs, out_dtype=out_dtype, mm_config=a._mm_config)
-    a_scale, b_scale = grouped_scales(a._scale, a.shape, b._scale, b.shape, offs)
-    return scaled_grouped_mm(a._data, a_scale, b._data, b_scale, offs, out_dtype=out_dtype,
-                             mm_config=a._mm_config)
+    return _gemm(a, b, offs, a._orig_dtype if out_dtype is None else out_dtype)
+
+
+def _gemm(a: Float8Tensor, b: Float8Tensor, offs, out_dtype) -> torch.Tensor:
+    """The float8 gemm of two Float8Tensors, dense or grouped: [Note: one gemm entry] in
+    f8dist/gemm.py, which reads the kind off their blocks."""
+    return float8_mm(a._data, a._scale, a._block, b._data, b._scale, b._block, offs,
+                     out_dtype=out_dtype, mm_config=a._mm_config)
 
 
 def _grouped_mm_args(self, mat2, offs=None, bias=None, out_dtype=None):
