@@ -196,10 +196,10 @@ class Float8Tensor(torch.Tensor):
                 block: Optional[Sequence[Optional[int]]] = None,
                 companion: Optional[Union["Float8Tensor", KeptShard]] = None):
         block = block_of(data.dim(), axiswise_dim=axiswise_dim, block=block)
-        if len(block) != data.dim() or (
-                any(b is not None for b in block) if scale.dim() == 0 else
-                scale.dim() != data.dim() or any(scale.shape[d] != 1
-                                                 for d, b in enumerate(block) if b is None)):
+        whole = [d for d, b in enumerate(block) if b is None]
+        grid = (len(whole) == len(block) if scale.dim() == 0 else
+                scale.dim() == data.dim() and all(scale.shape[d] == 1 for d in whole))
+        if len(block) != data.dim() or not grid:
             raise ValueError(
                 f"a Float8Tensor's block {block} needs one entry per dim of its data "
                 f"{tuple(data.shape)} and a grid of scales of as many dims, 1 along each whole "
@@ -388,6 +388,11 @@ def _with_companions(out, handler, func, args, kwargs):
     return out
 
 
+def _grid_shape(block: Block, shape) -> list:
+    """The shape of the grid of scales of a tensor of ``shape`` in ``block`` blocks."""
+    return [1 if b is None else -(-n // b) for n, b in zip(shape, block)]
+
+
 def _scale_pieces(t: "Float8Tensor", sizes, dim: int, what: str):
     """The sizes of the scale grid's pieces along ``dim`` for pieces of ``t`` of ``sizes``
     elements: each piece must start on a block boundary (the last may end short); None: the
@@ -546,9 +551,14 @@ def _as_strided(func, args, kwargs):
     if t._scale.dim() == 0:  # one scale
         return rewrap(t, data, block=(None,) * data.dim())
     # a grid: only a leading part of the tensor (FSDP2 dropping its padding), which keeps the
-    # grid's leading blocks ([Note: one scale layout])
+    # grid's leading blocks ([Note: one scale layout]); or FSDP2's view of the buffer it gathered
+    # the shards of a whole dim into (experts sharded on dim 1: [dp * E, N / dp, K] bytes viewed
+    # as [E, N, K]), whose grid stayed home ([Note: the wire]): the view's, not the buffer's
     size, stride, shape = list(args[1]), list(args[2]), t._data.shape
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if (len(size) == len(shape) and not offset and data.is_contiguous()
+            and list(t._scale.shape) == _grid_shape(t._block, size) != _grid_shape(t._block, shape)):
+        return rewrap(t, data)
     if not (len(size) == len(shape) and stride == list(t._data.stride()) and not offset
             and all(0 <= s <= n for s, n in zip(size, shape))):
         raise NotImplementedError(

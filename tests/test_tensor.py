@@ -219,3 +219,19 @@ def test_casts_expose_their_numbers_without_inner_fields():
     values, scale = t.float8_values()
     assert values.dtype == scale.dtype == torch.float32 and scale.shape == (4, 64)
     assert torch.equal(values / scale, t.to_original_precision())
+
+
+def test_as_strided_of_a_gathered_whole_dim_takes_the_grid_that_stayed_home():
+    """FSDP2 gathers experts sharded on dim 1 into a [dp * E, N / dp, K] buffer and views it as
+    [E, N, K]: their per-expert scales stayed home ([Note: the wire]) and are the view's grid.
+    A view that would move elements to other rows of a per-row grid raises."""
+    w = _per_expert(torch.randn(2, 64, 32))
+    shards = torch.chunk(w, 2, 1)  # two ranks' [2, 32, 32] shards, one [2, 1, 1] grid
+    wires = [s.to_wire(1) for s in shards]
+    assert all(meta.scale is w._scale for _, meta in wires)
+    buffer = Float8Tensor.from_wire(wires[0][1], [torch.cat([wire[0] for wire, _ in wires])])
+    view = buffer.as_strided((2, 64, 32), (2048, 32, 1))  # FSDP2's copy-out of the shards aside
+    assert view._scale is w._scale and view._block == (1, None, None)
+    rows = _rowwise(torch.randn(8, 64))
+    with pytest.raises(NotImplementedError, match="leading part"):
+        rows.as_strided((8, 32), (32, 1))
