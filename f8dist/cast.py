@@ -28,7 +28,7 @@ from f8dist.scaling import (
     amax_to_scale, block_cast, group_amax, group_ids, in_memory, saturated_cast, stored_scale,
     tensor_amax,
 )
-from f8dist.tensor import Float8Tensor, KeptShard
+from f8dist.tensor import Block, Float8Tensor, KeptShard, block_of
 
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
@@ -137,10 +137,24 @@ def _fits(fp8: Float8Tensor, spec: CastSpec, offsets: Optional[torch.Tensor] = N
     """Whether float8 bytes are what casting their value with ``spec`` would give."""
     if offsets is not None and fp8.dim() == 2 and _grouped_axis(spec, 2) != 1:
         return False  # tokens with per-group scales: their bytes depend on the groups
-    block = spec.block_shape(fp8.dim())
-    axis = _grouped_axis(spec, fp8.dim()) if spec.grouped else spec.axiswise_dim(fp8.dim())
-    return (fp8._data.dtype == spec.dtype and fp8._axiswise_dim == axis
-            and fp8._block == block and (block is None or fp8._scale.dtype == spec.scale_dtype))
+    layout = fp8.float8_layout
+    return (layout.dtype == spec.dtype and layout.block == _block(spec, fp8.dim())
+            and (not spec.blockwise or layout.scale_dtype == spec.scale_dtype))
+
+
+def _block(spec: CastSpec, ndim: int) -> Block:
+    """The block of ``spec``'s cast of an ``ndim``-D tensor ([Note: one scale layout] in
+    f8dist/tensor.py): per ``spec.block_shape``; tensorwise (delayed too: one scale); or the
+    whole dim the cast reduces over, blocks of 1 along the others, and a grouped cast's per
+    expert or per token group scales along dim 0 ([Note: grouped casts] in f8dist/specs.py;
+    the per-group scales of tokens scaled over their dim 0 are stored per element)."""
+    if spec.blockwise:
+        return block_of(ndim, block=spec.block_shape(ndim))
+    if not spec.grouped or spec.scaling_type is ScalingType.DELAYED:
+        return block_of(ndim, axiswise_dim=spec.axiswise_dim(ndim))
+    axis = _grouped_axis(spec, ndim)
+    whole = range(1, ndim) if axis is None else () if ndim == 2 and axis == 0 else (axis,)
+    return tuple(None if d in whole else 1 for d in range(ndim))
 
 
 def _grouped_axis(spec: CastSpec, ndim: int) -> Optional[int]:
@@ -188,8 +202,8 @@ def cast_to_float8(
     Example::
 
         >>> fp8 = cast_to_float8(torch.randn(32, 16), CastSpec(dtype=torch.float8_e4m3fn))
-        >>> fp8._data.dtype, fp8._scale.shape
-        (torch.float8_e4m3fn, torch.Size([]))
+        >>> fp8.float8_layout  # one scale: every dim whole
+        Layout(dtype=torch.float8_e4m3fn, block=(None, None), scale_dtype=torch.float32)
     """
     delayed = spec.scaling_type is ScalingType.DELAYED
     if (shared is not None and (scale is None or delayed) and amax is None and offsets is None
@@ -244,7 +258,8 @@ def cast_to_float8(
     )
     if store:  # bytes that serve two gemms: [Note: a cast that waits for its amax]
         data = in_memory(data)
-    out = like(t, Float8Tensor(data, scale_local, t.dtype, axis, spec.mm_config))
+    out = like(t, Float8Tensor(data, scale_local, t.dtype, mm_config=spec.mm_config,
+                               block=_block(spec, t.dim())))
     return _observed(spec, t, out)
 
 
@@ -280,7 +295,8 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
     if store:
         data = in_memory(data)
     scale = stored_scale(scale, spec.scale_dtype)  # e8m0: 1 byte per block, exact
-    out = like(t, Float8Tensor(data, scale, t.dtype, None, spec.mm_config, block))
+    out = like(t, Float8Tensor(data, scale, t.dtype, mm_config=spec.mm_config,
+                               block=_block(spec, t.dim())))
     return _observed(spec, t, out)
 
 

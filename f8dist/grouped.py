@@ -12,7 +12,7 @@ With block scales ([Note: block scales] in f8dist/cells.py) each expert's gemm i
 block-scaled gemm on its group. grad_weight contracts the tokens, so the groups are first padded
 with zero rows to a multiple of the block (``pad_groups``; exact: zeros raise no amax and add no
 product), so that no block holds two experts' tokens: per expert, bit for bit a block-scaled
-``Float8Linear`` ([Note: the CPU block grouped kernel] in f8dist/grouped_gemm.py).
+``Float8Linear`` ([Note: the CPU block grouped kernel] in f8dist/gemm.py).
 
 [Note: delayed experts]
 Delayed scaling ([Note: delayed scaling] in f8dist/delayed/) keeps one amax history per expert
@@ -53,8 +53,7 @@ from f8dist.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
 )
 from f8dist.fsdp.weight import gathers_float8, wrap_weight_for_float8_all_gather
-from f8dist.gemm import shape_problems
-from f8dist.grouped_gemm import pad_groups, scatter_rows
+from f8dist.gemm import pad_groups, scatter_rows, shape_problems
 from f8dist.placement import expert_token_placements, is_dtensor, local_part
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",

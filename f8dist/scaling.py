@@ -303,24 +303,25 @@ def block_scale(
 
 
 def expand_blocks(scale: torch.Tensor, block: tuple, shape) -> torch.Tensor:
-    """Block scales [ceil(R / rows), ceil(C / cols)] as one float32 scale per element of a
-    ``shape = [R, C]`` tensor (what a cast multiplies and a dequantization divides by); for an
-    N-D ``shape`` in row blocks, scales [..., ceil(C / cols)] ([Note: row blocks of N-D
-    activations] in f8dist/specs.py); a 3-D grid [E, nr, nc] for a ``shape = [E, R, C]`` in
-    larger blocks ([Note: blocks of expert weights])."""
-    if len(shape) != 2 and block[0] == 1:  # [..., C]: rows of the [prod(...), C] view
-        rows = scale.reshape(-1, scale.shape[-1])  # [prod(...), ceil(C / cols)]
-        return expand_blocks(rows, block, (rows.shape[0], shape[-1])).reshape(shape)  # [..., C]
-    if scale.dim() > 3:  # token blocks of [..., S, K]: per sequence
-        per_seq = expand_blocks(scale.reshape(-1, *scale.shape[-2:]), block, (-1, *shape[-2:]))
-        return per_seq.reshape(shape)
-    if scale.dim() == 3:
-        e, nr, nc = scale.shape
-        per_row = expand_blocks(scale.reshape(e * nr, nc), block, (e * nr * block[0], shape[2]))
-        return per_row.reshape(e, nr * block[0], shape[2])[:, : shape[1]]  # [E, R, C]
-    (nr, nc), (br, bc) = scale.shape, block
-    full = scale.to(torch.float32)[:, None, :, None].expand(nr, br, nc, bc)
-    return full.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]  # [R, C]
+    """A grid of scales as float32 scales that broadcast against a ``shape`` tensor, one per
+    element (what a cast multiplies and a dequantization divides by): ``block`` holds the block
+    length along each dim, or None for a whole dim (the grid has size 1 there, and so has the
+    result); a ``block`` shorter than ``shape`` is that of its last dims, 1 along the others
+    ([Note: one scale layout] in f8dist/tensor.py). E.g. scales [ceil(R / rows), ceil(C / cols)]
+    of ``block = (rows, cols)`` blocks of an [R, C] tensor; [..., ceil(C / cols)] of an N-D one
+    in row blocks ([Note: row blocks of N-D activations] in f8dist/specs.py); [E, nr, nc] of a
+    ``shape = [E, R, C]`` in larger blocks ([Note: blocks of expert weights]); a 0-dim scale as
+    it is."""
+    full = scale.to(torch.float32)
+    if full.dim() == 0:
+        return full
+    block = (1,) * (len(shape) - len(block)) + tuple(block)
+    lengths = [1 if b is None else b for b in block]
+    # [n0, b0, n1, b1, ...]: each scale repeated over its block, then cut at the tensor's edge
+    full = full[(slice(None), None) * full.dim()]
+    full = full.expand(*[x for n, b in zip(full.shape[::2], lengths) for x in (n, b)])
+    full = full.reshape([n * b for n, b in zip(full.shape[::2], lengths)])
+    return full[tuple(slice(None) if b is None else slice(0, n) for b, n in zip(block, shape))]
 
 
 # [Note: a block cast in one pass]

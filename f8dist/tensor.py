@@ -3,10 +3,11 @@
 A Float8Tensor looks like a tensor of its original (high-precision) dtype and shape, and holds
 
 * ``_data``: the float8 bytes, same shape as the tensor;
-* ``_scale``: float32, a 0-dim tensor (tensorwise) or one that broadcasts against ``_data`` with
-  a 1 at ``_axiswise_dim`` (axiswise: one scale per row or column); or, with ``_block`` =
-  (rows, cols), one scale per block of the 2-D ``_data``, [ceil(R / rows), ceil(C / cols)], in
-  float32 or float8_e8m0fnu ([Note: block scales] in f8dist/cells.py);
+* ``_block``: the scale layout, one entry per dim of ``_data``: the block's length along that
+  dim, or None for the whole dim ([Note: one scale layout]);
+* ``_scale``: the grid of scales over those blocks (float32, or float8_e8m0fnu for MX blocks):
+  ceil(size / block) along a dim with a block length, 1 along a whole dim; 0-dim when every dim
+  is whole (tensorwise);
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation);
 * ``_companion``: None, or a second Float8Tensor of the same values cast for the operand's other
@@ -20,10 +21,36 @@ place Float8Tensor ops are defined):
 * views and transposes (what autograd, DTensor and FSDP2 do to a tensor), ``as_strided`` (FSDP2's
   view of an all-gathered weight);
 * ``_to_copy`` to another high-precision dtype (autocast's cast): the same bytes and scale;
-* ``mm``: the float8 gemm (``f8dist.gemm.scaled_mm``); because it is an aten op, a DTensor
+* ``mm``: the float8 gemm (``f8dist.gemm.float8_mm``); because it is an aten op, a DTensor
   wrapping Float8Tensors runs its sharding propagation and calls it on the shards;
 * the functional collectives, ``split`` and ``cat`` that DTensor's redistribution runs:
   float8 crosses the wire as uint8 ([Note: float8 on the wire], [Note: the wire]).
+
+[Note: one scale layout]
+A Float8Tensor's scale is a grid over a block shape, ``_block``, one entry per data dim: a block
+length, or None, the whole dim (the scale does not vary along it; a whole-dim block of a
+gathered tensor is still whole, since its scale was computed from the logical tensor, [Note:
+amax] in f8dist/placement.py). Every granularity is a value of it, as in torch's
+``F.scaled_mm`` scaling types (TensorWise, RowWise, BlockWise1x32, ...) and torchao's newer
+Float8Tensor (``block_size``):
+
+    tensorwise                    (None, None)         scale []
+    rowwise [N, K]                (1, None)            scale [N, 1]
+    per column (scaled over dim 0) (None, 1)           scale [1, K]
+    MXFP8 / DeepSeek activations  (1, 32) / (1, 128)   scale [N, ceil(K / 32)] ...
+    DeepSeek weights              (128, 128)
+    token blocks of [B, S, K]     (1, 32, 1)           scale [B, ceil(S / 32), K]
+    per expert [E, N, K]          (1, None, None)      scale [E, 1, 1]
+    expert weight blocks          (1, 128, 128)        scale [E, N / 128, K / 128]
+
+The ops read the block shape only, one rule each: a transpose swaps two entries and two scale
+dims; a reshape keeps the last dim and maps the leading ones through the [tokens, K] view
+(``_rows_block``); split, cat, all-gather and as_strided along dim d cut the grid where the data
+is cut, into pieces aligned to a block length (``_scale_pieces``), and leave it whole along a
+whole dim (on the wire it then stays home, [Note: the wire]); dequantizing expands the grid
+(``f8dist.scaling.expand_blocks``); the gemm (``f8dist.gemm.float8_mm``, [Note: one gemm
+entry]) runs the block kernel when an operand has block lengths along both dims of a matrix
+(``kernel_block``), the tensorwise / per-row one otherwise.
 
 [Note: two casts of one tensor]
 A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
@@ -52,11 +79,11 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from f8dist.config import ScaledMMConfig
-from f8dist.gemm import scaled_mm
-from f8dist.grouped_gemm import block_scaled_grouped_mm, grouped_scales, scaled_grouped_mm
+from f8dist.gemm import float8_mm, kernel_block
 from f8dist.scaling import dequantize, expand_blocks
 
-__all__ = ["Float8Tensor", "KeptShard", "WireMeta", "as_wire", "rewrap", "wrapper_like"]
+__all__ = ["Block", "Float8Tensor", "KeptShard", "Layout", "WireMeta", "as_wire", "block_of",
+           "rewrap", "wrapper_like"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -78,12 +105,12 @@ def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 #
 # * the inner tensors travel as uint8 views of their bytes (gloo carries no float8 dtype, e8m0
 #   scales included; NCCL carries the same bytes): first the float8 data, then the scales when
-#   they differ between the pieces: per-row (axiswise) scales, grids of block scales, and
-#   grouped tensorwise scales (one per expert [E, 1, 1] or token [M, 1]) along dim 0, the dim
-#   they vary along. A tensorwise scale of the whole dim (0-dim, or reduced over ``dim``) is the
-#   same on every rank ([Note: amax] in f8dist/placement.py) and stays home, in the WireMeta;
+#   vary between the pieces: a grid with a block length along ``dim`` (per-row scales, grids of
+#   block scales, one per expert [E, 1, 1]). A grid whole along ``dim`` ([Note: one scale
+#   layout]: a tensorwise scale, per-column scales along the rows) is the same on every rank
+#   ([Note: amax] in f8dist/placement.py) and stays home, in the WireMeta;
 # * ``WireMeta`` is the rest: the dtypes to view the bytes back as, the scale that stays home,
-#   and the tensor's metadata (dtype it stands for, axis, block, gemm options).
+#   and the tensor's metadata (dtype it stands for, block, gemm options).
 #
 # The wire tensors keep the shapes of the inner tensors (a float32 scale gains 4 bytes along its
 # last dim), so a collective along ``dim`` acts on them as on the tensor: gathered, exchanged,
@@ -91,6 +118,11 @@ def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # together. ``as_wire`` is the same rule for a lone tensor that may be float8.
 # (The float8 reduce-scatter of gradients, f8dist/fsdp/reduce_scatter.py, sends raw blocks it
 # casts itself: no Float8Tensor crosses it.)
+
+# a block length along each dim of a Float8Tensor's data, None: the whole dim ([Note: one scale
+# layout])
+Block = Tuple[Optional[int], ...]
+
 
 _FLOAT8_DTYPES = frozenset(getattr(torch, n) for n in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -103,6 +135,15 @@ def as_wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _FLOAT8_DTYPES else t
 
 
+class Layout(NamedTuple):
+    """How a Float8Tensor holds its value ([Note: one scale layout]): what a cast compares to
+    reuse float8 bytes (f8dist/cast.py)."""
+
+    dtype: torch.dtype  # the float8 data's
+    block: Block
+    scale_dtype: torch.dtype
+
+
 class WireMeta(NamedTuple):
     """What :meth:`Float8Tensor.from_wire` needs besides the wire tensors ([Note: the wire])."""
 
@@ -110,9 +151,8 @@ class WireMeta(NamedTuple):
     scale_dtype: torch.dtype
     scale: Optional[torch.Tensor]  # the scale when it stays home; None: it travels
     orig_dtype: torch.dtype
-    axiswise_dim: Optional[int]
+    block: Block
     mm_config: ScaledMMConfig
-    block: Optional[Tuple[int, int]]
 
 
 class KeptShard:
@@ -130,23 +170,44 @@ class KeptShard:
         return f"KeptShard({self.local!r})"
 
 
+def block_of(ndim: int, *, axiswise_dim: Optional[int] = None,
+             block: Optional[Sequence[Optional[int]]] = None) -> Block:
+    """The block of an ``ndim``-D tensor ([Note: one scale layout]): ``block`` itself (one entry
+    per dim), or that of a matrix (rows, cols) over the last two dims, 1 along the others; else
+    scaled over ``axiswise_dim`` (the whole dim there, 1 along the others); else tensorwise."""
+    if block is not None:
+        return (1,) * (ndim - len(block)) + tuple(block)
+    if axiswise_dim is not None:
+        return tuple(None if d == axiswise_dim % ndim else 1 for d in range(ndim))
+    return (None,) * ndim
+
+
 class Float8Tensor(torch.Tensor):
     _data: torch.Tensor
     _scale: torch.Tensor
     _orig_dtype: torch.dtype
-    _axiswise_dim: Optional[int]
     _mm_config: ScaledMMConfig
-    _block: Optional[Tuple[int, int]]
+    _block: Block
     _companion: Optional[Union["Float8Tensor", KeptShard]]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
                 axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig(),
-                block: Optional[Tuple[int, int]] = None,
+                block: Optional[Sequence[Optional[int]]] = None,
                 companion: Optional[Union["Float8Tensor", KeptShard]] = None):
+        block = block_of(data.dim(), axiswise_dim=axiswise_dim, block=block)
+        whole = [d for d, b in enumerate(block) if b is None]
+        grid = (len(whole) == len(block) if scale.dim() == 0 else
+                scale.dim() == data.dim() and all(scale.shape[d] == 1 for d in whole))
+        if len(block) != data.dim() or not grid:
+            raise ValueError(
+                f"a Float8Tensor's block {block} needs one entry per dim of its data "
+                f"{tuple(data.shape)} and a grid of scales of as many dims, 1 along each whole "
+                f"(None) dim, or a 0-dim scale with every dim whole; got scales "
+                f"{tuple(scale.shape)} ([Note: one scale layout])")
         self = wrapper_like(cls, data, orig_dtype)
         self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
-        self._axiswise_dim, self._mm_config, self._block = axiswise_dim, mm_config, block
+        self._mm_config, self._block = mm_config, block
         if isinstance(companion, Float8Tensor) and companion.shape != data.shape:
             raise ValueError(f"a companion cast {tuple(companion.shape)} of a Float8Tensor "
                              f"{tuple(data.shape)} must have its shape")
@@ -154,18 +215,16 @@ class Float8Tensor(torch.Tensor):
         return self
 
     def __repr__(self):
-        kind = "tensorwise" if self._axiswise_dim is None else f"axiswise(dim={self._axiswise_dim})"
-        if self._block is not None:
-            kind = f"blockwise(block={self._block}, {self._scale.dtype} scales)"
         return (
-            f"Float8Tensor(shape={tuple(self.shape)}, {self._data.dtype}, {kind}, "
+            f"Float8Tensor(shape={tuple(self.shape)}, {self._data.dtype}, block={self._block} "
+            f"({self._scale.dtype} scales), "
             f"orig_dtype={self._orig_dtype}, scale={self._scale if self._scale.numel() == 1 else tuple(self._scale.shape)})"
         )
 
     # -- subclass protocol (torch.compile, FSDP2, DTensor) ------------------------------------
 
     def __tensor_flatten__(self):
-        meta = (self._orig_dtype, self._axiswise_dim, self._mm_config, self._block)
+        meta = (self._orig_dtype, self._mm_config, self._block)
         # a KeptShard is made in eager mode only ([Note: float8 gradients under compile] in
         # f8dist/tp/style.py): no traced subclass holds one
         carried = isinstance(self._companion, Float8Tensor)
@@ -174,9 +233,10 @@ class Float8Tensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
-        orig_dtype, axiswise_dim, mm_config, block = metadata
+        orig_dtype, mm_config, block = metadata
         return Float8Tensor(inner_tensors["_data"], inner_tensors["_scale"], orig_dtype,
-                            axiswise_dim, mm_config, block, inner_tensors.get("_companion"))
+                            mm_config=mm_config, block=block,
+                            companion=inner_tensors.get("_companion"))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -212,21 +272,28 @@ class Float8Tensor(torch.Tensor):
         return out
 
     @property
+    def float8_layout(self) -> Layout:
+        """The float8 dtype, the block and the scales' dtype ([Note: one scale layout]); a
+        property, which dynamo traces on a Float8Tensor made inside a graph (a method it cannot)."""
+        return Layout(self._data.dtype, self._block, self._scale.dtype)
+
+    @property
     def is_axiswise(self) -> bool:
-        return self._axiswise_dim is not None
+        """Scaled per row or column: one whole dim, 1 along the others (a convenience: the ops
+        read ``_block``, [Note: one scale layout])."""
+        return self._block.count(None) == 1 and set(self._block) == {None, 1}
 
     @property
     def is_blockwise(self) -> bool:
-        return self._block is not None
+        """Scaled in blocks that the block gemm takes ([Note: one scale layout])."""
+        return kernel_block(self._block) is not None
 
     # -- the wire ([Note: the wire]) ----------------------------------------------------------
 
     def scale_travels(self, dim: int = 0) -> bool:
         """Whether pieces of this tensor along ``dim`` have scales of their own, which cross the
-        wire with the bytes ([Note: the wire])."""
-        if self.is_blockwise or self.is_axiswise:
-            return True
-        return self._scale.dim() > 0 and dim % self._data.dim() == 0  # grouped: per expert or token
+        wire with the bytes ([Note: the wire]): the grid has a block length along ``dim``."""
+        return self._block[dim % self._data.dim()] is not None
 
     def to_wire(self, dim: int = 0) -> Tuple[Tuple[torch.Tensor, ...], WireMeta]:
         """(the uint8 tensors a collective moving pieces of this tensor along ``dim`` moves,
@@ -235,7 +302,7 @@ class Float8Tensor(torch.Tensor):
         inner = (self._data, self._scale) if travels else (self._data,)
         wire = tuple(t.contiguous().view(torch.uint8) for t in inner)
         return wire, WireMeta(self._data.dtype, self._scale.dtype, None if travels else self._scale,
-                              self._orig_dtype, self._axiswise_dim, self._mm_config, self._block)
+                              self._orig_dtype, self._block, self._mm_config)
 
     @staticmethod
     def from_wire(meta: WireMeta, wire: Sequence[torch.Tensor], *,
@@ -248,18 +315,23 @@ class Float8Tensor(torch.Tensor):
         data = wire[0].view(meta.dtype)
         scale = meta.scale if meta.scale is not None else wire[1].view(meta.scale_dtype)
         if out is None:
-            return Float8Tensor(data, scale, orig_dtype or meta.orig_dtype, meta.axiswise_dim,
-                                meta.mm_config, meta.block)
+            return Float8Tensor(data, scale, orig_dtype or meta.orig_dtype,
+                                mm_config=meta.mm_config, block=meta.block)
         for mine, new in ((out._data, data), (out._scale, scale)):
             if mine.untyped_storage().data_ptr() != new.untyped_storage().data_ptr():
                 mine.copy_(new[: mine.shape[0]] if mine.dim() else new)
         return None
 
+    def float8_values(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the float8 values as float32, the float32 scale per element that divides them,
+        broadcasting against them): the cast's numbers, for tools that inspect casts
+        (f8dist.debug); the value is their quotient."""
+        return self._data.to(torch.float32), self.scale_per_element()
+
     def scale_per_element(self) -> torch.Tensor:
-        """The float32 scale to divide ``_data`` by: ``_scale``, its blocks expanded."""
-        if self._block is None:
-            return self._scale
-        return expand_blocks(self._scale, self._block, self._data.shape)  # [R, C]
+        """The float32 scale to divide ``_data`` by, broadcasting against it: the grid with its
+        blocks expanded ([Note: one scale layout])."""
+        return expand_blocks(self._scale, self._block, self._data.shape)
 
 
 class _Dequantize(torch.autograd.Function):
@@ -316,18 +388,18 @@ def _with_companions(out, handler, func, args, kwargs):
     return out
 
 
-def _block_per_dim(t: "Float8Tensor") -> Tuple[int, ...]:
-    """The block's extent along each dim of a block-scaled tensor: (rows, cols) of a 2-D one, 1
-    along the leading dims of an N-D one in row blocks ([Note: row blocks of N-D activations] in
-    f8dist/specs.py) or token blocks ((rows, 1) along its last two dims: [Note: token blocks of
-    N-D activations])."""
-    return (1,) * (t._data.dim() - 2) + tuple(t._block)
+def _grid_shape(block: Block, shape) -> list:
+    """The shape of the grid of scales of a tensor of ``shape`` in ``block`` blocks."""
+    return [1 if b is None else -(-n // b) for n, b in zip(shape, block)]
 
 
 def _scale_pieces(t: "Float8Tensor", sizes, dim: int, what: str):
     """The sizes of the scale grid's pieces along ``dim`` for pieces of ``t`` of ``sizes``
-    elements: each piece must start on a block boundary (the last may end short)."""
-    block, start = _block_per_dim(t)[dim], 0
+    elements: each piece must start on a block boundary (the last may end short); None: the
+    grid is whole along ``dim``, every piece has all of it ([Note: one scale layout])."""
+    block, start = t._block[dim], 0
+    if block is None:
+        return None
     for size in sizes[:-1]:
         start += size
         if start % block:
@@ -338,17 +410,16 @@ def _scale_pieces(t: "Float8Tensor", sizes, dim: int, what: str):
     return [-(-size // block) for size in sizes]
 
 
-def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, axiswise_dim="same", *,
-           block="same", mm_config=None, orig_dtype=None) -> Float8Tensor:
-    """A Float8Tensor like ``t`` (orig dtype, mm config; scale, axis and block unless given)
-    around ``data``: how every op of the table builds its result."""
+def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, *, block=None, mm_config=None,
+           orig_dtype=None) -> Float8Tensor:
+    """A Float8Tensor like ``t`` (orig dtype, mm config; scale and block unless given) around
+    ``data``: how every op of the table builds its result."""
     return Float8Tensor(
         data,
         t._scale if scale is None else scale,
         t._orig_dtype if orig_dtype is None else orig_dtype,
-        t._axiswise_dim if axiswise_dim == "same" else axiswise_dim,
-        t._mm_config if mm_config is None else mm_config,
-        t._block if block == "same" else block,
+        mm_config=t._mm_config if mm_config is None else mm_config,
+        block=t._block if block is None else block,
     )
 
 
@@ -363,74 +434,58 @@ def _same_scale_unary(func, args, kwargs):
 def _transpose(func, args, kwargs):
     t = args[0]
     data = func(t._data, *args[1:], **kwargs)
-    if not t.is_blockwise and t._scale.dim() != t._data.dim():  # one scale
+    if t._data.dim() < 2:
         return rewrap(t, data)
-    dims = (0, 1) if func is aten.t.default else tuple(d % t._data.dim() for d in args[1:3])
-    if sorted(dims) != [t._data.dim() - 2, t._data.dim() - 1]:
-        raise NotImplementedError(
-            f"transposing a Float8Tensor of shape {tuple(t.shape)} with scales "
-            f"{tuple(t._scale.shape)} along dims {dims}: defined for its last two dims")
-    # the scales transpose with the tensor: [N, 1] scales of a [N, K] tensor become [1, N] scales
-    # of its [K, N] transpose ([E, N, 1] of [E, N, K] likewise), a grid of block scales with its
-    # blocks
-    scale = t._scale.transpose(-2, -1)
-    if t.is_blockwise:
-        return rewrap(t, data, scale, block=t._block[::-1])
-    axis = t._axiswise_dim
-    if axis is not None:
-        axis %= t._data.dim()
-        axis = dims[1] if axis == dims[0] else dims[0] if axis == dims[1] else axis
-    return rewrap(t, data, scale, axis)
+    d0, d1 = (0, 1) if func is aten.t.default else (d % t._data.dim() for d in args[1:3])
+    # the grid transposes with its blocks: [N, 1] scales of [N, K] in (1, whole) blocks are the
+    # [1, N] scales of its [K, N] transpose in (whole, 1) blocks ([Note: one scale layout])
+    block = list(t._block)
+    block[d0], block[d1] = block[d1], block[d0]
+    scale = t._scale.transpose(d0, d1) if t._scale.dim() else t._scale
+    return rewrap(t, data, scale, block=tuple(block))
+
+
+def _rows_block(block: Block, shape) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """The (rows, cols) block of the [tokens, K] view of a tensor of ``shape`` in ``block``
+    blocks, tokens = prod(shape[:-1]) in row-major order; None when that view's blocks are not
+    the tensor's. An N-D tensor has them when it is blocked along its last two dims only (rows of
+    the last dim, [Note: row blocks of N-D activations] in f8dist/specs.py) and every sequence
+    (dim -2) holds whole blocks, or there is one sequence ([Note: token blocks of N-D
+    activations])."""
+    if len(shape) < 2 or any(b != 1 for b in block[:-2]):
+        return None
+    rows = block[-2]
+    if len(shape) > 2 and rows != 1 and math.prod(shape[:-2]) != 1 and (
+            rows is None or shape[-2] % rows):
+        return None
+    return rows, block[-1]
 
 
 @_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
     data = func(t._data, new_shape, *args[2:], **kwargs)
-    if data.shape == t._data.shape or not (t.is_axiswise or t.is_blockwise):
-        return rewrap(t, data)  # (same shape: e.g. DTensor.from_local's view_as)
-    if t.is_blockwise:  # row blocks follow the rows: [Note: row blocks of N-D activations]
-        if t._block[0] == 1 and data.shape[-1] == t._data.shape[-1]:
-            return rewrap(t, data, t._scale.reshape(*data.shape[:-1], t._scale.shape[-1]))
-        if _token_blocks_flatten(t, data.shape):  # [Note: token blocks of N-D activations]
-            return rewrap(t, data, t._scale.reshape(-1, t._scale.shape[-1]))
-        if _token_blocks_regroup(t, data.shape):  # e.g. DTensor's gather of [1, S / tp, K] shards
-            rows = t._block[0]
-            return rewrap(t, data, t._scale.reshape(*data.shape[:-2], data.shape[-2] // rows,
-                                                    data.shape[-1]))
+    if data.shape == t._data.shape:  # e.g. DTensor.from_local's view_as
+        return rewrap(t, data)
+    if t._scale.dim() == 0:  # one scale
+        return rewrap(t, data, block=(None,) * data.dim())
+    # the grid follows the [tokens, K] view: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with
+    # [B*S, 1]; row blocks [B, S, K / 32] <-> [B*S, K / 32]; token blocks [1, S / 32, K] <->
+    # [S / 32, K] ([Note: one scale layout])
+    rows = _rows_block(t._block, t._data.shape)
+    block = (1,) * (data.dim() - 2) + (rows or ())
+    if (rows is None or data.dim() < 2 or data.shape[-1] != t._data.shape[-1]
+            or _rows_block(block, data.shape) != rows):
         raise NotImplementedError(
-            f"cannot reshape a block-scaled Float8Tensor of shape {tuple(t.shape)} (blocks "
-            f"{t._block}) to {tuple(data.shape)}: only tensors in row blocks reshape, keeping "
-            "their last dim, and N-D ones in token blocks to their [tokens, K] view when every "
-            "sequence holds whole blocks; reshape before the cast")
-    # Axiswise scales survive a reshape of the other dims as long as the scaled-over dim is the
-    # last one and keeps its size: [B, S, K] with scales [B, S, 1] <-> [B*S, K] with [B*S, 1].
-    last = t._data.dim() - 1
-    if t._axiswise_dim % t._data.dim() != last or data.shape[-1] != t._data.shape[-1]:
-        raise NotImplementedError(
-            f"cannot reshape an axiswise Float8Tensor of shape {tuple(t.shape)} (scaled over dim "
-            f"{t._axiswise_dim}) to {tuple(data.shape)}: the scaled-over dim must stay last"
-        )
-    scale = t._scale.reshape(*data.shape[:-1], 1)
-    return rewrap(t, data, scale, data.dim() - 1)
-
-
-def _token_blocks_flatten(t: Float8Tensor, shape) -> bool:
-    """Whether an N-D ``t`` in token blocks reshapes to the [tokens, K] ``shape`` with its blocks
-    those of the 2-D view: every sequence (dim -2) holds whole blocks, or there is one sequence."""
-    dims, (rows, cols) = t._data.shape, t._block
-    return (t._data.dim() > 2 and cols == 1 and len(shape) == 2 and shape[-1] == dims[-1]
-            and (dims[-2] % rows == 0 or math.prod(dims[:-2]) == 1))
-
-
-def _token_blocks_regroup(t: Float8Tensor, shape) -> bool:
-    """Whether an N-D ``t`` in token blocks reshapes to the N-D ``shape`` (the same last dim)
-    with its blocks kept: every sequence holds whole blocks before and after, so both are the
-    blocks of one [tokens, K] view (DTensor gathers [1, S / tp, K] shards along dim 0 and views
-    the [tp, S / tp, K] result as [1, S, K])."""
-    dims, (rows, cols) = t._data.shape, t._block
-    return (t._data.dim() > 2 and len(shape) > 2 and cols == 1 and shape[-1] == dims[-1]
-            and dims[-2] % rows == 0 and shape[-2] % rows == 0)
+            f"cannot reshape a Float8Tensor of shape {tuple(t.shape)} (blocks {t._block}, scales "
+            f"{tuple(t._scale.shape)}) to {tuple(data.shape)}: its scales follow reshapes that "
+            "keep the last dim (which must stay last) and the blocks of the [tokens, K] view "
+            "(row blocks, or token blocks that every sequence holds whole); reshape before the "
+            "cast ([Note: one scale layout] in f8dist/tensor.py)")
+    n = data.shape[-2]
+    grid = t._scale.reshape(*data.shape[:-2], 1 if rows[0] is None else -(-n // rows[0]),
+                            t._scale.shape[-1])
+    return rewrap(t, data, grid, block=block)
 
 
 @_implements([aten.is_same_size.default])
@@ -446,10 +501,7 @@ def _mm(func, args, kwargs):
             "a float8 gemm needs both operands in float8; got "
             f"{type(a).__name__} @ {type(b).__name__}"
         )
-    return scaled_mm(
-        a._data, a._scale, b._data, b._scale, out_dtype=a._orig_dtype, mm_config=a._mm_config,
-        a_block=a._block, b_block=b._block,
-    )
+    return _gemm(a, b, None, a._orig_dtype)
 
 
 @_implements([aten._grouped_mm.default])
@@ -464,13 +516,14 @@ def _grouped_mm(func, args, kwargs):
         raise NotImplementedError(
             f"a float8 grouped gemm takes token groups (offs, got {offs}) and no bias (got "
             f"{bias}); add the bias to its output")
-    out_dtype = a._orig_dtype if out_dtype is None else out_dtype
-    if a.is_blockwise or b.is_blockwise:
-        return block_scaled_grouped_mm(a._data, a._scale, a._block, b._data, b._scale, b._block,
-                                       offs, out_dtype=out_dtype, mm_config=a._mm_config)
-    a_scale, b_scale = grouped_scales(a._scale, a.shape, b._scale, b.shape, offs)
-    return scaled_grouped_mm(a._data, a_scale, b._data, b_scale, offs, out_dtype=out_dtype,
-                             mm_config=a._mm_config)
+    return _gemm(a, b, offs, a._orig_dtype if out_dtype is None else out_dtype)
+
+
+def _gemm(a: Float8Tensor, b: Float8Tensor, offs, out_dtype) -> torch.Tensor:
+    """The float8 gemm of two Float8Tensors, dense or grouped: [Note: one gemm entry] in
+    f8dist/gemm.py, which reads the kind off their blocks."""
+    return float8_mm(a._data, a._scale, a._block, b._data, b._scale, b._block, offs,
+                     out_dtype=out_dtype, mm_config=a._mm_config)
 
 
 def _grouped_mm_args(self, mat2, offs=None, bias=None, out_dtype=None):
@@ -494,21 +547,30 @@ def _to_dtype(func, args, kwargs):
 @_implements([aten.as_strided.default])
 def _as_strided(func, args, kwargs):
     t = args[0]
-    if t.is_axiswise:
-        raise NotImplementedError("as_strided of an axiswise Float8Tensor is not defined")
     data = func(t._data, *args[1:], **kwargs)
-    if not t.is_blockwise:
-        return rewrap(t, data)
-    # block scales: only the leading rows of a row-major tensor (FSDP2 dropping its padding),
-    # which keep the grid's leading block rows
-    size, stride = list(args[1]), list(args[2])
+    if t._scale.dim() == 0:  # one scale
+        return rewrap(t, data, block=(None,) * data.dim())
+    # a grid: only a leading part of the tensor (FSDP2 dropping its padding), which keeps the
+    # grid's leading blocks ([Note: one scale layout]); or FSDP2's view of the buffer it gathered
+    # the shards of a whole dim into (experts sharded on dim 1: [dp * E, N / dp, K] bytes viewed
+    # as [E, N, K]), whose grid stayed home ([Note: the wire]): the view's, not the buffer's
+    size, stride, shape = list(args[1]), list(args[2]), t._data.shape
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
-    if not (t._data.dim() == 2 and len(size) == 2 and size[1] == t._data.shape[1]
-            and stride == list(t._data.stride()) and not offset and size[0] <= t._data.shape[0]):
+    if (len(size) == len(shape) and not offset and data.is_contiguous()
+            and list(t._scale.shape) == _grid_shape(t._block, size) != _grid_shape(t._block, shape)):
+        return rewrap(t, data)
+    if not (len(size) == len(shape) and stride == list(t._data.stride()) and not offset
+            and all(0 <= s <= n for s, n in zip(size, shape))):
         raise NotImplementedError(
-            f"as_strided of a block-scaled Float8Tensor is defined for its leading rows only, "
-            f"got size {size}, stride {stride}, offset {offset} of {tuple(t._data.shape)}")
-    return rewrap(t, data, t._scale[: -(-size[0] // t._block[0])])
+            f"as_strided of a Float8Tensor with a grid of scales (blocks {t._block}) is defined "
+            f"for a leading part of it only, got size {size}, stride {stride}, offset {offset} "
+            f"of {tuple(shape)}")
+    grid = t._scale
+    for d, s in enumerate(size):
+        pieces = _scale_pieces(t, [s], d, "as_strided")
+        if pieces is not None:
+            grid = grid.narrow(d, 0, pieces[0])
+    return rewrap(t, data, grid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,13 +603,7 @@ def _gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
 @_implements([c10d.all_gather_into_tensor.default])
 def _all_gather(func, args, kwargs):
     t, group_size, group_name = args
-    if t.is_axiswise and t._axiswise_dim % t._data.dim() == 0:
-        raise NotImplementedError(
-            "cannot all-gather an axiswise Float8Tensor along its scaled-over dim 0: each shard "
-            "holds a partial row of the scales; cast along another dim or gather in high precision"
-        )
-    if t.is_blockwise:  # [n / rows, ...] grids, one per rank, stacked along dim 0
-        _scale_pieces(t, [t._data.shape[0]] * group_size, 0, "all-gather")
+    _scale_pieces(t, [t._data.shape[0]] * group_size, 0, "all-gather")  # grids stack along dim 0
     wire, meta = t.to_wire(0)  # [Note: the wire]
     return Float8Tensor.from_wire(meta, [_gather(w, group_size, group_name) for w in wire])
 
@@ -571,16 +627,11 @@ def _split(func, args, kwargs):
     t, size_or_chunks = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     datas = func(t._data, size_or_chunks, dim)
-    if t.is_blockwise:
-        dim = dim % t._data.dim()
-        sizes = _scale_pieces(t, [d.shape[dim] for d in datas], dim, "split")
-        return [rewrap(t, d, s) for d, s in zip(datas, torch.split(t._scale, sizes, dim))]
-    if not t.scale_travels(dim):  # one scale for every piece ([Note: the wire])
+    dim = dim % t._data.dim()
+    sizes = _scale_pieces(t, [d.shape[dim] for d in datas], dim, "split")
+    if sizes is None:  # the grid is whole along dim: every piece has all of it
         return [rewrap(t, d) for d in datas]
-    if t.is_axiswise and dim % t._data.dim() == t._axiswise_dim % t._data.dim():
-        raise NotImplementedError("cannot split an axiswise Float8Tensor along its scaled-over dim")
-    scales = func(t._scale, size_or_chunks, dim)
-    return [rewrap(t, d, s) for d, s in zip(datas, scales)]
+    return [rewrap(t, d, s) for d, s in zip(datas, torch.split(t._scale, sizes, dim))]
 
 
 # [Note: a slice of the whole dim]
@@ -609,15 +660,16 @@ def _cat(func, args, kwargs):
     if not all(isinstance(t, Float8Tensor) for t in tensors):
         raise TypeError("cat of Float8Tensors needs every piece in float8")
     dim = dim % first._data.dim()
-    if first.is_blockwise:
-        if any(t._block != first._block or t._scale.dtype != first._scale.dtype for t in tensors):
-            raise ValueError("cat of block-scaled Float8Tensors needs one block shape and scale dtype")
-        _scale_pieces(first, [t._data.shape[dim] for t in tensors], dim, "cat")
-    elif first.is_axiswise and dim == first._axiswise_dim % first._data.dim():
-        raise NotImplementedError("cannot cat axiswise Float8Tensors along their scaled-over dim")
-    elif not first.scale_travels(dim):
-        if any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors):
-            raise ValueError("cat of tensorwise Float8Tensors needs one shared scale")
+    if any(t._block != first._block or t._scale.dtype != first._scale.dtype for t in tensors):
+        raise ValueError(
+            f"cat of Float8Tensors needs one block shape and scale dtype, got "
+            f"{[(t._block, t._scale.dtype) for t in tensors]}")
+    if _scale_pieces(first, [t._data.shape[dim] for t in tensors], dim, "cat") is None and any(
+            t._scale is not first._scale and not torch.equal(t._scale, first._scale)
+            for t in tensors):
+        raise ValueError(
+            f"cat of Float8Tensors along dim {dim}, along which their scales do not vary (blocks "
+            f"{first._block}: tensorwise, or the whole dim), needs one shared scale")
     # the pieces' wire tensors put together ([Note: the wire])
     wires = [t.to_wire(dim)[0] for t in tensors]
     return Float8Tensor.from_wire(first.to_wire(dim)[1], [func(list(w), dim) for w in zip(*wires)])

@@ -614,3 +614,24 @@ def test_mxfp8_linear_through_the_cuda_args_is_bit_for_bit(recipe, monkeypatch):
         assert torch.equal(w, g)
     n_block_gemms = 2 if recipe == "mxfp8_wgrad_with_hp" else 3
     assert kernels == ["mxfp8"] * n_block_gemms
+
+
+def test_one_entry_runs_every_kind_of_gemm(monkeypatch):
+    """[Note: one gemm entry]: dense and grouped, per-row and block-scaled gemms of Float8Tensors
+    all run float8_mm, which picks the kind from the operands' blocks and the token groups."""
+    import f8dist.gemm as gemm
+    from f8dist.config import Float8LinearConfig
+
+    ran = []
+    monkeypatch.setattr(gemm, "_GEMMS", {kind: (lambda row, kind: lambda *a, **k: (
+        ran.append(kind), row(*a, **k))[1])(row, kind) for kind, row in gemm._GEMMS.items()})
+    offsets = torch.tensor([16, 48, 64], dtype=torch.int32)
+    for recipe, blocks in (("rowwise", False), ("mxfp8", True)):
+        specs = Float8LinearConfig.from_recipe_name(recipe).cast_specs()
+        grouped = Float8LinearConfig.from_recipe_name(recipe).grouped_cast_specs()
+        x, w = torch.randn(64, 64), torch.randn(32, 64)
+        torch.mm(cast_to_float8(x, specs["output", "input"]), cast_to_float8(w, specs["output", "weight"]).t())
+        w3 = torch.randn(3, 32, 64)
+        torch._grouped_mm(cast_to_float8(x, grouped["output", "input"]),
+                          cast_to_float8(w3, grouped["output", "weight"]).transpose(-2, -1), offs=offsets)
+        assert ran[-2:] == [(False, blocks), (True, blocks)]

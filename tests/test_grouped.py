@@ -260,7 +260,7 @@ def test_block_grouped_casts_block_each_expert_apart():
     specs = Float8LinearConfig.from_recipe_name("mxfp8_square_weights").grouped_cast_specs("e")
     w = torch.randn(3, 48, 32)  # 48 rows: the 32x32 blocks of each expert end at its edge
     w8 = cast_to_float8(w, specs["output", "weight"])
-    assert w8._scale.shape == (3, 2, 1) and w8._block == (32, 32)
+    assert w8._scale.shape == (3, 2, 1) and w8._block == (1, 32, 32)
     for e in range(3):
         one = cast_to_float8(w[e], Float8LinearConfig.from_recipe_name(
             "mxfp8_square_weights").cast_spec("output", "weight"))

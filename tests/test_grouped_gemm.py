@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from f8dist.config import E4M3, ScaledMMConfig
-from f8dist.grouped_gemm import (
+from f8dist.gemm import (
     block_scaled_grouped_mm, cpu_block_scaled_grouped_mm, cpu_scaled_grouped_mm, pad_groups,
     scaled_grouped_mm,
 )

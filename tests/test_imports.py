@@ -129,3 +129,12 @@ def test_ci_proves_both_ends_of_the_torch_range():
     assert "bash .ci/newest-torch" in run.split("python -m pytest -q tests")[-1]  # after the suite
     readme = (PACKAGE.parent / "README.md").read_text()
     assert f"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in readme
+
+
+def test_only_the_tensor_reads_its_inner_fields():
+    # [Note: one scale layout] in f8dist/tensor.py: the float8 bytes and scale grid of a
+    # Float8Tensor are read by its own op table, which hands them to the gemm; everything else
+    # goes through float8_layout / float8_values() / the ops
+    readers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if re.search(r"\._(data|scale)\b", path.read_text()))
+    assert readers == ["tensor.py"], readers

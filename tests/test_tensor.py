@@ -39,9 +39,9 @@ def test_axiswise_transpose_and_reshape_move_the_scales():
     t = _rowwise(x)
     assert t._scale.shape == (2, 8, 1)
     flat = t.view(16, 16)
-    assert flat._scale.shape == (16, 1) and flat._axiswise_dim == 1
+    assert flat._scale.shape == (16, 1) and flat._block == (1, None)
     tt = flat.t()
-    assert tt._scale.shape == (1, 16) and tt._axiswise_dim == 0
+    assert tt._scale.shape == (1, 16) and tt._block == (None, 1)
     assert torch.equal(tt.to_original_precision(), flat.to_original_precision().t())
     with pytest.raises(NotImplementedError, match="must stay last"):
         t.view(2, 128)
@@ -70,7 +70,7 @@ def test_autocast_dtype_cast_keeps_bytes_and_scale():
     t = _rowwise(torch.randn(8, 16))
     b = t.to(torch.bfloat16)
     assert isinstance(b, Float8Tensor) and b.dtype == torch.bfloat16
-    assert b._data is t._data and b._scale is t._scale and b._axiswise_dim == t._axiswise_dim
+    assert b._data is t._data and b._scale is t._scale and b._block == t._block
     assert torch.equal(b.to_original_precision(), t.to_original_precision().bfloat16())
     for bad in (torch.float8_e5m2, torch.int32):
         with pytest.raises(NotImplementedError, match="high-precision dtype only"):
@@ -80,7 +80,7 @@ def test_autocast_dtype_cast_keeps_bytes_and_scale():
 def test_block_scaled_tensor_ops():
     """A block-scaled Float8Tensor transposes with its grid of scales and dequantizes per block;
     the layouts its ops cannot keep (a reshape of column blocks or of the last dim, a split
-    inside a block, as_strided other than to leading rows) raise instead of treating the scales
+    inside a block, as_strided other than to a leading part) raise instead of treating the scales
     as tensorwise."""
     spec = CastSpec(dtype=E4M3, granularity=ScalingGranularity.BLOCKWISE, axis=-1,
                     block_size=(1, 32), scale_dtype=torch.float8_e8m0fnu)
@@ -91,12 +91,15 @@ def test_block_scaled_tensor_ops():
     tt = t.t()
     assert tt._block == (32, 1) and tt._scale.shape == (2, 4)
     assert torch.equal(tt.to_original_precision(), t.to_original_precision().t())
-    assert "blockwise(block=(1, 32)" in repr(t)
+    assert "block=(1, 32) (torch.float8_e8m0fnu scales)" in repr(t)
     rows = t.as_strided((3, 64), (64, 1))  # FSDP2 dropping padding rows: the grid's rows follow
     assert rows._scale.shape == (3, 2) and torch.equal(rows.to_original_precision(),
                                                        t.to_original_precision()[:3])
+    cols = t.as_strided((4, 32), (64, 1))  # a leading part of every dim: the grid's leading blocks
+    assert cols._scale.shape == (4, 1) and torch.equal(cols.to_original_precision(),
+                                                       t.to_original_precision()[:, :32])
     for op in (lambda: t.reshape(2, 128), lambda: tt.reshape(32, 8), lambda: torch.split(t, 16, 1),
-               lambda: torch.split(tt, 16), lambda: t.as_strided((4, 32), (64, 1))):
+               lambda: torch.split(tt, 16), lambda: t.as_strided((4, 32), (64, 1), 32)):
         with pytest.raises(NotImplementedError, match="block"):
             op()
 
@@ -104,7 +107,7 @@ def test_block_scaled_tensor_ops():
 def _per_expert(x: torch.Tensor) -> Float8Tensor:
     """x [E, N, K] cast tensorwise per expert (a grouped weight cast: scales [E, 1, 1])."""
     scale = torch.finfo(E4M3).max / x.abs().amax(dim=(1, 2), keepdim=True)
-    return Float8Tensor((x * scale).to(E4M3), scale, x.dtype)
+    return Float8Tensor((x * scale).to(E4M3), scale, x.dtype, block=(1, None, None))
 
 
 @pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "e8m0 blocks", "float32 blocks",
@@ -135,7 +138,7 @@ def test_pieces_on_the_wire_put_back_together_are_the_whole_cast(kind):
         assert torch.equal(out._data.view(torch.uint8), whole._data.view(torch.uint8))
         assert torch.equal(out._scale.view(torch.uint8) if out._scale.dim() else out._scale,
                            whole._scale.view(torch.uint8) if whole._scale.dim() else whole._scale)
-        assert out._block == whole._block and out._axiswise_dim == whole._axiswise_dim
+        assert out._block == whole._block
     if kind == "per expert":  # along the reduced dims the per-expert scales are shared
         (data,), meta = whole.to_wire(1)
         assert data.shape == (4, 64, 64) and meta.scale is whole._scale
@@ -147,7 +150,7 @@ def test_grouped_gemm_is_in_the_op_table():
     offsets = torch.tensor([5, 5, 12, 16], dtype=torch.int32)  # expert 1 gets no token
     x8, w8 = _rowwise(torch.randn(16, 32)), _rowwise(torch.randn(4, 16, 32))  # [M, K], [E, N, K]
     wt = w8.transpose(-2, -1)  # [E, K, N]
-    assert wt._scale.shape == (4, 1, 16) and wt._axiswise_dim == 1
+    assert wt._scale.shape == (4, 1, 16) and wt._block == (1, None, 1)
     assert torch.equal(wt.to_original_precision(), w8.to_original_precision().transpose(-2, -1))
     out = torch._grouped_mm(x8, wt, offs=offsets)
     ref = torch._grouped_mm(x8.to_original_precision(), wt.to_original_precision(), offs=offsets)
@@ -156,3 +159,79 @@ def test_grouped_gemm_is_in_the_op_table():
         torch._grouped_mm(x8, wt.to_original_precision(), offs=offsets)
     with pytest.raises(NotImplementedError, match="token groups"):
         torch._grouped_mm(x8, wt)
+
+
+_MX = dict(granularity=ScalingGranularity.BLOCKWISE, scale_dtype=torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("shape, spec, block, grid", [
+    ((64, 128), CastSpec(dtype=E4M3), (None, None), ()),  # tensorwise
+    ((64, 128), CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1), (1, None), (64, 1)),
+    ((64, 128), CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=0), (None, 1), (1, 128)),
+    ((64, 128), CastSpec(dtype=E4M3, axis=-1, block_size=(1, 32), **_MX), (1, 32), (64, 4)),  # MXFP8
+    ((64, 128), CastSpec(dtype=E4M3, granularity=ScalingGranularity.BLOCKWISE, block_size=(32, 32)),
+     (32, 32), (2, 4)),
+    ((2, 64, 128), CastSpec(dtype=E4M3, axis=0, block_size=(1, 32), **_MX), (1, 32, 1), (2, 2, 128)),  # tokens
+    ((4, 64, 128), CastSpec(dtype=E4M3, grouped=True), (1, None, None), (4, 1, 1)),  # per expert
+    ((4, 64, 128), CastSpec(dtype=E4M3, grouped=True, block_size=(32, 32), **_MX), (1, 32, 32), (4, 2, 4)),
+])
+def test_every_granularity_is_a_grid_over_one_block_shape(shape, spec, block, grid):
+    """[Note: one scale layout]: each granularity's scale is a grid over a block with one entry
+    per dim (None: the whole dim), and every op follows from that block: transposes swap its
+    entries, pieces along a dim cut the grid where they cut the data (or leave it whole), a
+    leading part keeps the leading blocks; all of them dequantize as the whole cast does."""
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    t = cast_to_float8(x, spec)
+    assert t._block == block and tuple(t._scale.shape) == grid
+    whole = t.to_original_precision()
+    tt = t.transpose(-2, -1)
+    assert tt._block == block[:-2] + block[-2:][::-1]
+    assert torch.equal(tt.to_original_precision(), whole.transpose(-2, -1))
+    for dim in range(t.dim()):
+        pieces = torch.chunk(t, 2, dim)
+        for piece, ref in zip(pieces, torch.chunk(whole, 2, dim)):
+            assert piece._block == block and torch.equal(piece.to_original_precision(), ref)
+        assert torch.equal(torch.cat(pieces, dim).to_original_precision(), whole)
+    lead = t.as_strided((shape[0] // 2, *shape[1:]), t.stride())  # FSDP2 dropping padding rows
+    assert torch.equal(lead.to_original_precision(), whole[: shape[0] // 2])
+
+
+def test_a_gathered_whole_dim_is_still_whole():
+    """Per-column scales are computed over the whole (logical) dim 0 ([Note: amax] in
+    f8dist/placement.py), so pieces along it share them: the scale stays home on the wire, and
+    the pieces' wire tensors put together are the whole cast."""
+    t = cast_to_float8(torch.randn(64, 32), CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE,
+                                                     axis=0))
+    pieces = torch.chunk(t, 2, 0)
+    wires = [p.to_wire(0) for p in pieces]
+    assert all(len(w) == 1 and meta.scale is t._scale for w, meta in wires)
+    back = Float8Tensor.from_wire(wires[0][1], [torch.cat([w[0] for w, _ in wires])])
+    assert back._block == (None, 1) and torch.equal(back.to_original_precision(), t.to_original_precision())
+
+
+def test_casts_expose_their_numbers_without_inner_fields():
+    """What tools outside the tensor read of a cast (f8dist.cast's reuse check, f8dist.debug):
+    its layout and its float8 values with the scale per element, whose quotient is its value."""
+    spec = CastSpec(dtype=E4M3, axis=-1, block_size=(1, 32), **_MX)
+    t = cast_to_float8(torch.randn(4, 64), spec)
+    assert t.float8_layout == (E4M3, (1, 32), torch.float8_e8m0fnu)
+    values, scale = t.float8_values()
+    assert values.dtype == scale.dtype == torch.float32 and scale.shape == (4, 64)
+    assert torch.equal(values / scale, t.to_original_precision())
+
+
+def test_as_strided_of_a_gathered_whole_dim_takes_the_grid_that_stayed_home():
+    """FSDP2 gathers experts sharded on dim 1 into a [dp * E, N / dp, K] buffer and views it as
+    [E, N, K]: their per-expert scales stayed home ([Note: the wire]) and are the view's grid.
+    A view that would move elements to other rows of a per-row grid raises."""
+    w = _per_expert(torch.randn(2, 64, 32))
+    shards = torch.chunk(w, 2, 1)  # two ranks' [2, 32, 32] shards, one [2, 1, 1] grid
+    wires = [s.to_wire(1) for s in shards]
+    assert all(meta.scale is w._scale for _, meta in wires)
+    buffer = Float8Tensor.from_wire(wires[0][1], [torch.cat([wire[0] for wire, _ in wires])])
+    view = buffer.as_strided((2, 64, 32), (2048, 32, 1))  # FSDP2's copy-out of the shards aside
+    assert view._scale is w._scale and view._block == (1, None, None)
+    rows = _rowwise(torch.randn(8, 64))
+    with pytest.raises(NotImplementedError, match="leading part"):
+        rows.as_strided((8, 32), (32, 1))

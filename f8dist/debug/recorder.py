@@ -31,7 +31,6 @@ from f8dist.debug.stats import CastStats, cast_stats_tensors
 from f8dist.grouped import WEIGHTS as EXPERT_WEIGHTS, Float8GroupedExperts
 from f8dist.linear import Float8Linear
 from f8dist.placement import has_partial, is_dtensor, local_part, reduce_over_shards
-from f8dist.tensor import Float8Tensor
 
 __all__ = ["StatsRecorder", "record", "is_rank0"]
 
@@ -54,14 +53,9 @@ def is_rank0() -> bool:
 
 def _is_fake(*tensors) -> bool:
     """Whether the tensors are being traced (FakeTensors, e.g. in a compiled backward)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import is_fake
 
-    for t in tensors:
-        local = local_part(t)
-        inner = local._data if isinstance(local, Float8Tensor) else local
-        if isinstance(inner, FakeTensor) or isinstance(local, FakeTensor):
-            return True
-    return False
+    return any(is_fake(local_part(t)) for t in tensors)  # a Float8Tensor's: its inner tensors
 
 
 def _reduce_over_shards(
@@ -160,13 +154,12 @@ class StatsRecorder:
         with torch.no_grad():
             if is_dtensor(hp):
                 local = fp8.to_local()
-                sums, maxes = cast_stats_tensors(hp.to_local(), local._data, local._scale,
-                                                 local._block)
+                sums, maxes = cast_stats_tensors(hp.to_local(), local)
                 sums, maxes = _reduce_over_shards(hp, sums, maxes)
             else:
-                sums, maxes = cast_stats_tensors(hp, fp8._data, fp8._scale, fp8._block)
+                sums, maxes = cast_stats_tensors(hp, fp8)
                 local = fp8
-        entry = (sums, maxes, local._data.dtype)
+        entry = (sums, maxes, local.float8_layout.dtype)
         self._pending.setdefault(self.step, OrderedDict()).setdefault(site, []).append(entry)
         if self.callback is not None:
             self.callback(site, hp, fp8)

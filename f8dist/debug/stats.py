@@ -90,20 +90,26 @@ def _block_sums(hp32: torch.Tensor, saturated: torch.Tensor, underflow: torch.Te
 
 
 def cast_stats_tensors(
-    hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+    hp: torch.Tensor, fp8: torch.Tensor, scale: Optional[torch.Tensor] = None,
     block: Optional[Tuple[int, int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The statistics of the cast ``hp -> (data, scale)`` as two float64 vectors, without a host
-    sync: ``sums`` (add across casts and shards) in the order of ``CastStats.SUM_FIELDS`` then
-    the block fields, and ``maxes`` (max across them) in the order of ``CastStats.MAX_FIELDS``
-    (``scale_min`` negated). ``block``: the cast's block (a block-scaled Float8Tensor's
-    ``_block``), whose scales are one per block."""
+    """The statistics of the cast ``hp -> fp8`` (a Float8Tensor; or its float8 data with
+    ``scale`` and, for block scales, ``block``, whose scales are one per block) as two float64
+    vectors, without a host sync: ``sums`` (add across casts and shards) in the order of
+    ``CastStats.SUM_FIELDS`` then the block fields, and ``maxes`` (max across them) in the order
+    of ``CastStats.MAX_FIELDS`` (``scale_min`` negated)."""
     hp32 = hp.to(torch.float32)
-    scale = scale.to(torch.float32)
-    per_element = scale if block is None else expand_blocks(scale, block, hp.shape)
+    if scale is None:  # a Float8Tensor: its numbers, and its blocks where the block gemm has them
+        data, per_element = fp8.float8_values()
+        layout = fp8.float8_layout
+        float8_dtype, block = layout.dtype, layout.block[-2:] if fp8.is_blockwise else None
+    else:
+        data, float8_dtype = fp8, fp8.dtype
+        scale = scale.to(torch.float32)
+        per_element = scale if block is None else expand_blocks(scale, block, hp.shape)
     error = hp32 - dequantize(data, per_element, torch.float32)
     f64 = torch.float64
-    saturated = saturated_mask(hp, per_element, data.dtype)
+    saturated = saturated_mask(hp, per_element, float8_dtype)
     underflow = underflow_mask(hp, data)
     blocks = (torch.zeros(3 + BLOCK_HIST_BINS, dtype=f64, device=hp.device) if block is None
               else _block_sums(hp32, saturated, underflow, block))
@@ -118,7 +124,8 @@ def cast_stats_tensors(
     # an empty cast (a rank's empty batch or shard) adds nothing to a max: amax 0, scales -inf (the
     # scale of amax 0, or no scale for per-row scales of no rows or an empty block grid, is no
     # scale a value was cast with; a site that only saw empty casts shows none)
-    scale = scale.reshape(-1).to(f64)[: hp.numel()]  # [1], [rows] or [blocks]; [0] if empty
+    # [1], [rows] or [blocks] (each at least once); [0] if empty
+    scale = (per_element if scale is None else scale).reshape(-1).to(f64)[: hp.numel()]
     none = torch.full((1,), -torch.inf, dtype=f64, device=hp.device)  # [1]
     maxes = torch.stack([
         torch.cat([hp32.reshape(-1).abs().to(f64), none.new_zeros(1)]).max(),
@@ -141,7 +148,7 @@ class CastStats:
         >>> from f8dist.cast import cast_to_float8
         >>> hp = torch.tensor([1.0, 1e-9, 0.0, 3.0])
         >>> fp8 = cast_to_float8(hp, torch.float8_e4m3fn)
-        >>> s = CastStats.from_tensors(*cast_stats_tensors(hp, fp8._data, fp8._scale),
+        >>> s = CastStats.from_tensors(*cast_stats_tensors(hp, fp8),
         ...                            float8_dtype=torch.float8_e4m3fn)
         >>> s.underflow, s.saturated
         (1, 0)

@@ -25,16 +25,19 @@ def test_chunk_then_cat_along_tokens_is_identity(granularity):
     back = torch.cat(pieces, dim=1)
     assert torch.equal(_bytes(back), _bytes(fp8))
     assert torch.equal(back._scale.expand_as(x), fp8._scale.expand_as(x))
-    assert back._axiswise_dim == fp8._axiswise_dim
+    assert back._block == fp8._block
 
 
-def test_axiswise_cannot_split_or_cat_along_its_scaled_dim():
+def test_axiswise_pieces_along_the_scaled_over_dim_share_the_row_scales():
+    # [Note: one scale layout]: per-row scales are whole along the scaled-over dim, so pieces
+    # along it keep all of them, and only pieces with one shared scale cat back
     fp8 = cast_to_float8(torch.randn(4, 32), CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE))
-    with pytest.raises(NotImplementedError, match="scaled-over dim"):
-        torch.chunk(fp8, 2, dim=1)
-    a = cast_to_float8(torch.randn(4, 16), CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE))
-    with pytest.raises(NotImplementedError, match="scaled-over dim"):
-        torch.cat([a, a], dim=1)
+    left, right = torch.chunk(fp8, 2, dim=1)
+    assert left._scale is fp8._scale and left._block == (1, None)
+    assert torch.equal(torch.cat([left, right], dim=1).to_original_precision(), fp8.to_original_precision())
+    other = cast_to_float8(torch.randn(4, 16) * 10, CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE))
+    with pytest.raises(ValueError, match="one shared scale"):
+        torch.cat([left, other], dim=1)
 
 
 def test_cat_of_tensorwise_pieces_needs_one_scale():
@@ -49,7 +52,7 @@ def test_same_shape_view_keeps_axiswise_scales():
     fp8 = cast_to_float8(torch.randn(8, 32), CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE,
                                                       axis=0))
     v = fp8.view_as(fp8)
-    assert v._axiswise_dim == 0 and v._scale is fp8._scale
+    assert v._block == (None, 1) and v._scale is fp8._scale
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
