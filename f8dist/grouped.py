@@ -92,7 +92,7 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
         b8 = cast_to_float8(b, specs[gemm, right], scales.get((gemm, right)), offsets=offsets)
     a8, b8 = local_part(a8), local_part(b8)
-    # laid out as torch._grouped_mm's ([Note: grouped gemm constraints] in f8dist/grouped_gemm.py)
+    # laid out as torch._grouped_mm's ([Note: grouped gemm constraints] in f8dist/gemm.py)
     if gemm is OUTPUT:  # [M, K] x [E, K, N]: the weight [E, N, K] transposed with its scales
         b8 = b8.transpose(-2, -1)
     elif gemm is GRAD_WEIGHT:  # [N, M] x [M, K] -> [E, N, K]
