@@ -24,7 +24,7 @@ from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.models.llama import ModelArgs, Transformer
 from f8dist.numerics import sqnr
 from f8dist.testing import count_collectives
-from tests.distributed.test_tp import FLOOR_2D_DB
+from tests.sim.tp.test_llama import FLOOR_2D_DB
 from tests.distributed.tp_llama import run_model, shard_2d
 from tests.sim.threads import run_threads
 
