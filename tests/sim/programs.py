@@ -2,7 +2,8 @@
 checks, on ``world`` threads of torch's threaded process group instead of ``world`` gloo
 processes, its result the dict a torchrun launch returns. A claim that a program makes
 (bit-identical to one device, exact byte counts) is then checked in a second instead of a launch;
-each feature keeps one real torchrun/gloo launch in tests/distributed/ (docs/tests.md).
+each parallelism and float8 wire path keeps a torchrun/gloo smoke in tests/distributed/
+(docs/tests.md).
 
 Example::
 
@@ -17,7 +18,8 @@ interleave with rank 0's. So the ranks run one at a time, each holding a baton
 store, the store barrier of a new group) and that carries each rank's random state (torch's CPU
 generator, Python's ``random``) out and back in: every rank draws what its own process would
 draw, from a fresh process's seed. The ranks' arithmetic runs as it would in their processes;
-the collectives are the threaded group's (a sum in rank order, as gloo's on two ranks).
+the collectives are the threaded group's (a sum in rank order; on two ranks any order gives the
+same bits).
 What a process starts without, a run starts without too: f8dist.agreement's count of the checks
 each rank made over each group (``_rounds``; the simulated groups' names repeat from run to run).
 """
@@ -25,8 +27,8 @@ each rank made over each group (``_rounds``; the simulated groups' names repeat 
 from __future__ import annotations
 
 import contextlib
-import functools
 import datetime
+import functools
 import json
 import os
 import random
@@ -34,7 +36,7 @@ import runpy
 import sys
 import tempfile
 import threading
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,35 +143,47 @@ def _waits_hand_on(baton: _Baton):
             setattr(owner, name, fn)
 
 
+def run_as_processes(world: int, fn: Callable[[int], object], timeout: float = 300) -> List[object]:
+    """``fn(rank)`` on ``world`` simulated ranks that run one at a time, each with the random
+    state of its own process ([Note: one rank at a time]); their results, by rank."""
+    baton = _Baton()
+
+    def rank_main(rank):
+        baton.take(rank)
+        try:
+            return fn(rank)
+        finally:
+            baton.give()
+
+    saved_rounds = dict(agreement._rounds)
+    agreement._rounds.clear()
+    try:
+        with _waits_hand_on(baton):
+            return run_threads(world, rank_main, timeout=timeout, store=_Store(baton))
+    finally:
+        agreement._rounds.clear()
+        agreement._rounds.update(saved_rounds)
+
+
 def run_program(program: str, world: int, *args, timeout: float = 300) -> Optional[dict]:
     """``tests/distributed/<program>.py args...`` on ``world`` simulated ranks; what rank 0 wrote
     with ``common.write_result`` (``None`` if nothing). ``TMP`` in ``args``: a fresh folder. A
     rank that raises re-raises here."""
-    baton = _Baton()
     with tempfile.TemporaryDirectory(prefix=f"f8dist_sim_{program}_") as tmp:
         path = os.path.join(tmp, "result.json")
         argv = [program, *[os.path.join(tmp, "ckpt") if a == "TMP" else str(a) for a in args],
                 "--result", path]
 
         def rank_main(rank):
-            baton.take(rank)
-            try:
-                sys.argv = argv  # read by the program's argument parser, before any wait
-                runpy.run_module(f"tests.distributed.{program}", run_name="__main__",
-                                 alter_sys=False)
-            finally:
-                baton.give()
+            sys.argv = argv  # read by the program's argument parser, before any wait
+            runpy.run_module(f"tests.distributed.{program}", run_name="__main__", alter_sys=False)
 
         nested, common.NESTED = common.NESTED, True  # main() runs the program, the group is ours
-        saved_argv, saved_rounds = sys.argv, dict(agreement._rounds)
-        agreement._rounds.clear()
+        saved_argv = sys.argv
         try:
-            with _waits_hand_on(baton):
-                run_threads(world, rank_main, timeout=timeout, store=_Store(baton))
+            run_as_processes(world, rank_main, timeout)
         finally:
             common.NESTED, sys.argv = nested, saved_argv
-            agreement._rounds.clear()
-            agreement._rounds.update(saved_rounds)
         if not os.path.exists(path):
             return None
         with open(path) as f:

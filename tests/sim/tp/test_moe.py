@@ -22,7 +22,7 @@ def test_tp_attention_in_the_moe_model_matches_one_device():
     r = simulated(*TP)
     # the experts' gradients leave the grouped gemm in bf16, and a tensorwise cast amplifies
     # the attention's summation order into whole float8 steps of a few elements ([Note: a float8
-    # cast amplifies summation order] in tests/distributed/test_tp.py)
+    # cast amplifies summation order] in tests/sim/tp/test_llama.py)
     _check(r, floor=90, experts_floor=60)
 
 
