@@ -32,3 +32,12 @@ def pytest_collection_modifyitems(config, items):
     from tests.distributed import harness
 
     harness.SELECTED_MODULES = {item.module.__name__ for item in items if getattr(item, "module", None)}
+
+
+def pytest_terminal_summary(terminalreporter):
+    # what the run cost in processes (docs/tests.md): each torchrun launch, by program and ranks
+    from tests.distributed import harness
+
+    if harness.LAUNCHES:
+        launched = ", ".join(f"{program} on {n}" for program, n in harness.LAUNCHES)
+        terminalreporter.write_line(f"torchrun launches: {len(harness.LAUNCHES)} ({launched})")

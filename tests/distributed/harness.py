@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PROGRAM_DIR = Path(__file__).resolve().parent
 ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
 _TAIL = 6000
+LAUNCHES: List[Tuple[str, int]] = []  # (program, ranks) of every launch, for the run's summary
 
 
 def run_torchrun(program: str, nproc: int, *args, timeout: float = 180) -> Optional[dict]:
@@ -38,6 +39,7 @@ def run_torchrun(program: str, nproc: int, *args, timeout: float = 180) -> Optio
     script = PROGRAM_DIR / f"{program}.py"
     if not script.exists():
         raise FileNotFoundError(f"no torchrun program {script}")
+    LAUNCHES.append((program, nproc))
     with tempfile.TemporaryDirectory(prefix=f"f8dist_{program}_") as tmp:
         result_path = Path(tmp) / "result.json"
         error_dir = Path(tmp) / "errors"

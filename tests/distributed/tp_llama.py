@@ -1,8 +1,9 @@
 """TP+SP (1-D) and FSDP2 x TP (2-D) float8 LLaMA against a one-device run of the same float8 model.
 
-Run by tests/distributed/test_tp.py::
+Run on simulated ranks by tests/sim/tp/test_llama.py (tests/sim/programs.py), and on gloo by
+tests/distributed/test_tp.py (tensorwise); by hand::
 
-    torchrun --nproc_per_node=2 tests/distributed/tp_llama.py --recipe tensorwise --dp 1
+    torchrun --nproc_per_node=2 tests/distributed/tp_llama.py --recipes tensorwise --dp 1
     torchrun --nproc_per_node=4 tests/distributed/tp_llama.py --recipes tensorwise,rowwise --dp 2
 
 Every rank builds the same float8 model and a reference copy. The parallel model is sharded with

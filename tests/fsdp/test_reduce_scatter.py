@@ -1,6 +1,6 @@
 """One-process tests of the float8 reduce-scatter's chunk math (cast per block, pack, dequantize
 and sum), its reduce-op semantics, its config and its errors. The collective itself runs in
-tests/distributed/test_fsdp_reduce_scatter.py."""
+tests/distributed/test_fsdp_reduce_scatter.py (gloo) and tests/sim/fsdp/test_reduce_scatter.py."""
 
 import math
 

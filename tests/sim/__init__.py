@@ -1,6 +1,9 @@
-"""Tests that simulate many ranks in one process: meshes that the 2- and 4-rank torchrun tests
-(tests/distributed/) cannot show, against one device, in seconds. Every feature tested here keeps
-a real torchrun/gloo test in tests/distributed/.
+"""Tests that simulate many ranks in one process: the suite's distributed correctness (X under
+FSDP2 / TP / EP / delayed sync equals one device, exact byte counts), against one device, in
+seconds, on meshes a 2-core machine cannot launch too. The torchrun programs of
+tests/distributed/ run here too, unchanged, on threads (tests/sim/programs.py, [Note: one rank at
+a time]). Each parallelism and each float8 wire path keeps one real torchrun/gloo smoke in
+tests/distributed/ (docs/tests.md lists which claim lives where).
 
 [Note: simulating ranks in one process]
 Two simulators, each fitting other tests:

@@ -13,21 +13,22 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120) -> List[object]:
+def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
+                store: Optional[dist.Store] = None) -> List[object]:
     """``fn(rank)`` on ``world`` simulated ranks, each in a default process group of its own
     thread; their results, by rank. The first rank to raise fails every rank's collectives (no
-    hang) and its exception is re-raised here."""
+    hang) and its exception is re-raised here. ``store``: the group's (a fresh HashStore)."""
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg,
     )
 
-    store = dist.HashStore()
+    store = dist.HashStore() if store is None else store
     results: List[object] = [None] * world
     errors: List[BaseException] = []
 
@@ -100,4 +101,7 @@ def _count_python_collectives(pg_class) -> dict:
             return _method(self, *args)
 
         setattr(pg_class, name, counted)
+    # a barrier (the threaded group's runs an all-reduce) is not counted, as on gloo
+    originals["barrier"] = pg_class.barrier
+    pg_class.barrier = lambda self, opts=None: originals["allreduce"](self, [torch.ones(1)])
     return originals

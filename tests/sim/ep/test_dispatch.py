@@ -3,7 +3,7 @@
 each rank routes its own uneven slice of one batch (one rank none at all), some experts get no
 token; outputs, input gradients and the experts' weight gradients bit for bit one device's; and
 EP 2 with the experts' FSDP2 float8 all-gather on a one-rank dp_shard group. The real
-multi-process gloo tests are tests/distributed/test_moe_ep.py."""
+multi-process gloo test is tests/distributed/test_moe_ep.py."""
 
 import copy
 

@@ -1,7 +1,7 @@
 """FSDP2 over 8 simulated ranks (threads, [Note: simulating ranks in one process] in
 tests/sim/__init__.py) with block-scaled recipes, against one device ([Note: block-scaled
-all-gather] in f8dist/fsdp/weight.py): the 2-rank torchrun test is
-tests/distributed/test_fsdp_block.py.
+all-gather] in f8dist/fsdp/weight.py): the 2-rank test is
+tests/sim/fsdp/test_block.py.
 
 * square weight blocks gathered in float8 with shards on block boundaries: outputs and every
   gradient one device's bit for bit, no amax all-reduce, and the all-gathers

@@ -2,13 +2,13 @@
 f8dist/models/llama_tp.py) on a dp 2 x tp 4 mesh of 8 simulated ranks (threads, [Note:
 simulating ranks in one process] in tests/sim/__init__.py), against one device: every dp rank's
 logits, the embedding output's gradient and every weight gradient within the 2-D floor of
-tests/distributed/test_tp.py (a 2 x 2 mesh on 4 gloo ranks), and every amax all-reduce over
+tests/sim/tp/test_llama.py (a 2 x 2 mesh of 4 ranks), and every amax all-reduce over
 exactly the mesh axes that shard its tensor ([Note: amax] in f8dist/placement.py): tp for
 sequence-parallel activations, dp and tp at once for a weight FSDP2 gathers in float8 (one per
 weight), none for block scales (whose float8 weight gradients are one device's bit for bit);
 on HSDP x TP, dp_shard and tp at once. A dp 1 x tp 2 mesh gathers in float8 on FSDP2's one-rank
 group. (Rowwise's K-sharded amaxes over tp alone:
-tests/sim/test_cast.py; rowwise 2-D against one device: tests/distributed/test_tp.py.)"""
+tests/sim/test_cast.py; rowwise 2-D against one device: tests/sim/tp/test_llama.py.)"""
 
 import copy
 
@@ -24,7 +24,7 @@ from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.models.llama import ModelArgs, Transformer
 from f8dist.numerics import sqnr
 from f8dist.testing import count_collectives
-from tests.distributed.test_tp import FLOOR_2D_DB
+from tests.sim.tp.test_llama import FLOOR_2D_DB
 from tests.distributed.tp_llama import run_model, shard_2d
 from tests.sim.threads import run_threads
 

@@ -1,14 +1,15 @@
-"""Per-op SAC with expert parallelism on 2 gloo ranks; the bit-for-bit checks against no
-checkpointing run inside tests/distributed/moe_sac.py, the all-to-all counts are checked here."""
+"""Per-op SAC with expert parallelism on 2 simulated ranks (tests/sim/programs.py); the
+bit-for-bit checks against no checkpointing run inside tests/distributed/moe_sac.py, the
+all-to-all counts are checked here."""
 
-from tests.distributed.harness import launch, result
+from tests.sim.programs import simulated
 
 
-PROGRAM = launch("moe_sac", 2)
+PROGRAM = ("moe_sac", 2)
 
 
 def test_selective_checkpointing_with_expert_parallelism_saves_the_dispatch():
-    r = result(PROGRAM)
+    r = simulated(*PROGRAM)
     a2a = r["all_to_all"]
     assert r["world"] == 2 and r["params"] > 10, r
     # per layer, forward: the token counts, the dispatch (float8 bytes, their scales), the

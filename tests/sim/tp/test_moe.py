@@ -1,11 +1,12 @@
-"""Tensor-parallel attention in the float8 MoE transformer against one device, on 2 gloo ranks
-(TP + SP) and on a 2 x 2 (dp, tp) mesh with FSDP2; the program is tests/distributed/tp_moe.py."""
+"""Tensor-parallel attention in the float8 MoE transformer against one device, on 2 simulated
+ranks (TP + SP) and on a 2 x 2 (dp, tp) mesh with FSDP2; the program is
+tests/distributed/tp_moe.py, run by tests/sim/programs.py."""
 
-from tests.distributed.harness import launch, result
+from tests.sim.programs import simulated
 
 
-TP = launch("tp_moe", 2, "--recipe", "tensorwise")
-FSDP2_X_TP = launch("tp_moe", 4, "--dp", "2", "--recipe", "rowwise")
+TP = ("tp_moe", 2, "--recipe", "tensorwise")
+FSDP2_X_TP = ("tp_moe", 4, "--dp", "2", "--recipe", "rowwise")
 
 
 def _check(r, floor, experts_floor):
@@ -18,14 +19,14 @@ def _check(r, floor, experts_floor):
 
 
 def test_tp_attention_in_the_moe_model_matches_one_device():
-    r = result(TP)
+    r = simulated(*TP)
     # the experts' gradients leave the grouped gemm in bf16, and a tensorwise cast amplifies
     # the attention's summation order into whole float8 steps of a few elements ([Note: a float8
-    # cast amplifies summation order] in tests/distributed/test_tp.py)
+    # cast amplifies summation order] in tests/sim/tp/test_llama.py)
     _check(r, floor=90, experts_floor=60)
 
 
 def test_fsdp2_x_tp_attention_in_the_moe_model_matches_one_device():
-    r = result(FSDP2_X_TP)
+    r = simulated(*FSDP2_X_TP)
     assert r["dp"] == 2, r
     _check(r, floor=110, experts_floor=110)

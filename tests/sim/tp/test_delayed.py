@@ -1,14 +1,14 @@
-"""Delayed scaling under TP + SP with the float8 styles (2 ranks) against one device; the checks
-run inside tests/distributed/delayed_tp.py, the figures are re-checked here."""
+"""Delayed scaling under TP + SP with the float8 styles (2 simulated ranks) against one device;
+the checks run inside tests/distributed/delayed_tp.py (run by tests/sim/programs.py), the figures are re-checked here."""
 
-from tests.distributed.harness import launch, result
+from tests.sim.programs import simulated
 
 
-PROGRAM = launch("delayed_tp", 2)
+PROGRAM = ("delayed_tp", 2)
 
 
 def test_delayed_tp_sp_matches_one_device():
-    r = result(PROGRAM)
+    r = simulated(*PROGRAM)
     assert r["world"] == 2
     for init in (True, False):
         figures = r[f"amax_init={init}"]

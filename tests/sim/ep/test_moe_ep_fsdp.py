@@ -1,14 +1,14 @@
-"""EP x FSDP2 on a 2 x 2 mesh of gloo ranks against one device; the checks run inside
-tests/distributed/moe_ep_fsdp.py, the figures are re-checked here."""
+"""EP x FSDP2 on a 2 x 2 mesh of simulated ranks against one device; the checks run inside
+tests/distributed/moe_ep_fsdp.py (run by tests/sim/programs.py), the figures are re-checked here."""
 
-from tests.distributed.harness import launch, result
+from tests.sim.programs import simulated
 
 
-PROGRAM = launch("moe_ep_fsdp", 4)
+PROGRAM = ("moe_ep_fsdp", 4)
 
 
 def test_ep_x_fsdp2_matches_one_device():
-    r = result(PROGRAM)
+    r = simulated(*PROGRAM)
     assert r["world"] == 4 and r["min_sqnr_db"] > 45, r
     assert r["sqnr_db"]["logits"] > 100 and r["sqnr_db"]["layers.0.moe.router.gate"] > 100, r
     assert any("experts.w2" in name for name in r["sqnr_db"]), r

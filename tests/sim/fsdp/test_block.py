@@ -1,13 +1,14 @@
-"""FSDP2 float8 all-gather of block-scaled weights on 2 ranks (program: fsdp_block.py)."""
+"""FSDP2 float8 all-gather of block-scaled weights on 2 simulated ranks (tests/sim/programs.py
+runs tests/distributed/fsdp_block.py); 8 ranks, uneven and empty shards: test_weight.py."""
 
-from tests.distributed.harness import launch, result
+from tests.sim.programs import simulated
 
 
-PROGRAM = launch("fsdp_block", 2, "--scenarios", "parity,bytes,split")
+PROGRAM = ("fsdp_block", 2, "--scenarios", "parity,bytes,split")
 
 
 def test_fsdp_block_scaled_all_gather_parity_bytes_and_split_blocks():
-    r = result(PROGRAM)
+    r = simulated(*PROGRAM)
     assert r["world"] == 2
     # bit-identical to one device (asserted in the program); each forward all-gathers the two
     # weights (bytes and scales in one call each) and reduces no amax
