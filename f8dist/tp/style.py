@@ -12,7 +12,7 @@ its backward all-gather.
 [Note: the grad_weight gemm under sequence parallelism]
 The grad_weight gemm contracts over the tokens, so it needs the input scaled along the tokens
 (or in high precision); re-casting the gathered row-scaled float8 would round twice
-(tests/distributed/test_tp.py). ``_grad_weight_cast`` picks per consuming linear and per forward:
+(tests/sim/tp/test_llama.py). ``_grad_weight_cast`` picks per consuming linear and per forward:
 
 * token blocks on shards holding whole blocks ([Note: token blocks of N-D activations] in
   f8dist/specs.py): the shard's token-block cast travels as the row-block cast's companion
