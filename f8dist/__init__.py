@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it)
 
+from f8dist import _moved
+
+_moved.install()  # the module paths before the layout in layers still import (deprecated)
+
 from f8dist.config import (
     CastConfig,
     DelayedScalingConfig,
@@ -11,14 +15,14 @@ from f8dist.config import (
     ScalingGranularity,
     ScalingType,
 )
-from f8dist.convert import convert_to_float8_training
+from f8dist.nn.convert import convert_to_float8_training
 from f8dist import debug  # noqa: E402  (f8dist.debug.record)
-from f8dist.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
-from f8dist.filters import auto_filter_for_recipe, fqn_filter
-from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
-from f8dist.linear import Float8Linear
-from f8dist.sac import Float8SACConfig, float8_sac_context_fn
-from f8dist.tensor import Float8Tensor
+from f8dist.policy.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
+from f8dist.policy.filters import auto_filter_for_recipe, fqn_filter
+from f8dist.parallel.fsdp import precompute_float8_dynamic_scale_for_fsdp
+from f8dist.nn.linear import Float8Linear
+from f8dist.policy.sac import Float8SACConfig, float8_sac_context_fn
+from f8dist.core.tensor import Float8Tensor
 
 __all__ = [
     "CastConfig",

@@ -1,5 +1,5 @@
 """Print what f8dist's auto filter decides for common linear shapes, per recipe, with the speedup
-its cost model predicts ([Note: the auto filter's cost model] in f8dist/filters.py), next to the
+its cost model predicts ([Note: the auto filter's cost model] in f8dist/policy/filters.py), next to the
 decision of torchao's measured heuristic (``torchao.float8._auto_filter_for_recipe``; "-" when
 torchao is not installed, or for recipes it has no filter for).
 
@@ -17,7 +17,7 @@ import importlib.util
 import torch.nn as nn
 
 from f8dist.config import Float8LinearRecipeName
-from f8dist.filters import H100_SXM, auto_filter_for_recipe, predicted_speedup
+from f8dist.policy.filters import H100_SXM, auto_filter_for_recipe, predicted_speedup
 
 RECIPES = [r.value for r in Float8LinearRecipeName]
 TORCHAO_RECIPES = ("tensorwise", "rowwise")  # torchao 0.18 has no auto filter for the others

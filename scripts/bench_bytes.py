@@ -67,7 +67,7 @@ VARIANTS = {"delayed_rescaled": ("delayed", {"delayed_scaling_config": DelayedSc
     rescale_out_of_range=True)}),
     # the square weight's forward cast kept for the grad_input gemm (float8_weight_for_backward)
     "mxfp8_square_weights_kept": ("mxfp8_square_weights", {"float8_weight_for_backward": True})}
-# block-scaled recipes ([Note: block scales] in f8dist/cells.py); "blockwise" needs dims that
+# block-scaled recipes ([Note: block scales] in f8dist/config/cells.py); "blockwise" needs dims that
 # divide by 128 (not --small's)
 BLOCK_RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"]
 TORCHAO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]  # torchao 0.18 has no delayed
@@ -76,7 +76,7 @@ COLUMNS = [
     "block", "recipe", "bf16_bytes", "f8dist_bytes", "f8dist_vs_bf16", "torchao_vs_bf16",
     "bf16_kernels", "f8dist_kernels", "torchao_kernels",
 ]
-# aten gemms, and f8dist's float8 gemm on the CPU (f8dist/gemm.py: torch._scaled_mm's stand-in)
+# aten gemms, and f8dist's float8 gemm on the CPU (f8dist/core/gemm.py: torch._scaled_mm's stand-in)
 GEMMS = ("mm", "addmm", "bmm", "_scaled_mm", "_int_mm", "f8dist.cpu_scaled_mm",
          "f8dist.cpu_block_scaled_mm")
 

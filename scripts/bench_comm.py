@@ -18,9 +18,9 @@ Scenarios:
   2d ffn       the same under FSDP2 x TP: adds the weights' FSDP2 all-gathers
 Variants: "float8" is the tensorwise recipe; "mxfp8", "blockwise" and "mxfp8_square_weights" are
 block-scaled recipes (their scales travel with the bytes: [Note: float8 on the wire] in
-f8dist/tensor.py), run where the scenario's shards hold whole blocks (a row says so otherwise);
+f8dist/core/tensor.py), run where the scenario's shards hold whole blocks (a row says so otherwise);
 "+recast" and "+backward_gather" set ``Float8LinearConfig.sp_grad_weight`` (tp ffn: [Note: the
-grad_weight operand of a gathered tensor] in f8dist/cells.py).
+grad_weight operand of a gathered tensor] in f8dist/config/cells.py).
 FSDP variants shard fp32 master weights and all-gather in bf16 (MixedPrecisionPolicy(param_dtype=
 bfloat16)); "fp8-ag" all-gathers float8 weights instead, "+precompute" computes their scales in
 one all-reduce after the optimizer step, "+fp8-rs" reduce-scatters gradients in float8
@@ -58,10 +58,10 @@ COLUMNS = [
     "bytes_vs_bf16", "note",
 ]
 SCENARIOS = ["fsdp mlp", "fsdp llama", "tp llama", "2d llama", "tp ffn", "2d ffn"]
-HAS_FSDP_FLOAT8 = importlib.util.find_spec("f8dist.fsdp") is not None
+HAS_FSDP_FLOAT8 = importlib.util.find_spec("f8dist.parallel.fsdp") is not None
 FP8_RS = "float8+fp8-ag+precompute+fp8-rs"
 RS_NOTE = "input bytes / those of the fp32 FSDP reduce-scatters it replaced"
-PENDING = "pending: f8dist.fsdp (FSDP2 float8 all-gather) is not in this checkout"
+PENDING = "pending: f8dist.parallel.fsdp (FSDP2 float8 all-gather) is not in this checkout"
 SPLIT = "not run: this model's dims or shards do not divide into its blocks (see the ffn rows)"
 BLOCK_RECIPES = ("mxfp8", "blockwise", "mxfp8_square_weights")
 
@@ -75,7 +75,7 @@ def recipe_of(variant) -> str:
 
 def sp_grad_weight_of(name: str) -> str:
     """The ``sp_grad_weight`` a variant's name asks for ([Note: the grad_weight operand of a
-    gathered tensor] in f8dist/cells.py): its last "+" part, or the default."""
+    gathered tensor] in f8dist/config/cells.py): its last "+" part, or the default."""
     mode = name.split("+")[-1]
     return mode if mode in SP_GRAD_WEIGHT else "forward_gather"
 
@@ -94,7 +94,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="sequence length of the ffn scenarios (their sequence shards must hold "
                              "whole 128-token blocks for the block recipes' float8 grad_weight "
                              "casts to travel: [Note: the grad_weight gemm under sequence "
-                             "parallelism] in f8dist/tp/style.py)")
+                             "parallelism] in f8dist/parallel/tp/style.py)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model (dim 64, 1 layer, seq 16, ffn seq 64)")
     return parser
@@ -139,7 +139,7 @@ def _ffn_tp_plan(model: ResidualFFNs, float8: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-    from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
     layouts = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {}
@@ -213,7 +213,7 @@ def measure(scenario: str, variant, args, mesh) -> tuple:
     name, recipe, fp8_ag, precompute = variant
     model, tokens = _build(scenario, args, recipe, fp8_ag, mesh, sp_grad_weight_of(name))
     if name == FP8_RS:
-        from f8dist.fsdp import enable_float8_reduce_scatter
+        from f8dist.parallel.fsdp import enable_float8_reduce_scatter
 
         enable_float8_reduce_scatter(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -225,7 +225,7 @@ def measure(scenario: str, variant, args, mesh) -> tuple:
         loss.backward()
         opt.step()
         if precompute:
-            from f8dist.fsdp import precompute_float8_dynamic_scale_for_fsdp
+            from f8dist.parallel.fsdp import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
         return fwd

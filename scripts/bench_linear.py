@@ -27,7 +27,7 @@ from f8dist import Float8LinearConfig, convert_to_float8_training
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 # not in the default run: CUDA runs blockwise on sm90 only, the MXFP8 recipes on sm100+ ([Note:
-# the block-scaled gemm] in f8dist/gemm.py)
+# the block-scaled gemm] in f8dist/core/gemm.py)
 BLOCK_RECIPES = ["blockwise", "mxfp8", "mxfp8_square_weights"]
 MODES = ["eager", "compile"]
 COLUMNS = [

@@ -45,7 +45,7 @@ def gemm_candidates(shape: GemmShape, device: str, fast_accum: bool) -> dict:
     rowwise = scaled(row_a, col_b)
     if _runs(rowwise):  # the CPU's _scaled_mm has per-row scales from torch 2.13
         candidates["rowwise"] = rowwise
-    # CUDA: blockwise on sm90, mxfp8 on sm100+ ([Note: the block-scaled gemm] in f8dist/gemm.py)
+    # CUDA: blockwise on sm90, mxfp8 on sm100+ ([Note: the block-scaled gemm] in f8dist/core/gemm.py)
     for name, fn in (("blockwise", _block_gemm(a8, b8, (128, 128), torch.float32)),
                      ("mxfp8", _block_gemm(a8, b8, (32, 1), torch.float8_e8m0fnu))):
         if _runs(fn):
@@ -58,7 +58,7 @@ def _block_gemm(a8, b8, b_block, scale_dtype):
     unit scales in ``scale_dtype`` (CUDA's block kernels have no fast accumulation): "blockwise"
     is 1x128 x 128x128 float32, "mxfp8" 1x32 x 32x1 e8m0."""
     from f8dist.config import ScaledMMConfig
-    from f8dist.gemm import scaled_mm
+    from f8dist.core.gemm import scaled_mm
 
     (m, k), n, (bk, bn) = a8.shape, b8.shape[1], b_block
     sa = torch.ones(m, -(-k // bk), device=a8.device).to(scale_dtype)  # [M, K/bk]

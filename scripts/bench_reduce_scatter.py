@@ -1,5 +1,5 @@
 """Float8 gradient reduce-scatter: bytes on the wire vs gradient SQNR, per float8 format and scale
-block size, on real gradients of the LLaMA-style model (f8dist/fsdp/reduce_scatter.py).
+block size, on real gradients of the LLaMA-style model (f8dist/parallel/fsdp/reduce_scatter.py).
 
 One process plays ``--world`` data-parallel ranks: the model trains ``--warm-steps`` steps on the
 global batch, then each measured step computes every rank's gradients on its slice of the batch,
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import report  # noqa: E402
 from f8dist.config import E4M3, E5M2  # noqa: E402
-from f8dist.fsdp.reduce_scatter import (  # noqa: E402
+from f8dist.parallel.fsdp.reduce_scatter import (  # noqa: E402
     Float8ReduceScatterConfig,
     dequantize_and_sum,
     payload_numel,
@@ -46,7 +46,7 @@ from f8dist.fsdp.reduce_scatter import (  # noqa: E402
 )
 from f8dist.models import ModelArgs, Transformer  # noqa: E402
 from f8dist.models.data import ByteBatches  # noqa: E402
-from f8dist.numerics import sqnr_from_energies  # noqa: E402
+from f8dist.core.numerics import sqnr_from_energies  # noqa: E402
 
 COLUMNS = [
     "reduce", "format", "block", "bytes/elem", "vs_bf16", "vs_fp32",

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from f8dist import Float8Linear, Float8LinearConfig
-from f8dist.numerics import sqnr
+from f8dist.core.numerics import sqnr
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_wgrad_with_hp")
 

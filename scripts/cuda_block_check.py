@@ -1,6 +1,6 @@
 """The block-scaled float8 gemm on CUDA against f8dist's exact CPU kernel, on the same float8 data.
 
-Two kernels ([Note: the block-scaled gemm] and [Note: MXFP8 on CUDA] in f8dist/gemm.py):
+Two kernels ([Note: the block-scaled gemm] and [Note: MXFP8 on CUDA] in f8dist/core/gemm.py):
 DeepSeek's blocks (the ``"blockwise"`` recipe: 1x128 activations and gradients, 128x128 weights)
 on sm90, and MXFP8 (the ``"mxfp8"`` recipes: 1x32 blocks with e8m0 scales, the weight in 1x32
 blocks or 32x32 tiles) on sm100+. For each kernel the device runs, for each of the three gemm
@@ -28,9 +28,9 @@ import torch.nn as nn
 from bench_common import cuda_missing
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.config import E8M0, ScaledMMConfig
-from f8dist.gemm import _has_block_api, cuda_block_problem, scaled_mm
-from f8dist.numerics import sqnr
-from f8dist.scaling import block_cast
+from f8dist.core.gemm import _has_block_api, cuda_block_problem, scaled_mm
+from f8dist.core.numerics import sqnr
+from f8dist.core.scaling import block_cast
 
 E4M3 = torch.float8_e4m3fn
 # floors: CUDA's kernel sums float8 products with fewer bits than the CPU kernel's float32

@@ -12,9 +12,9 @@ under TP + SP, and ranks that hold different delayed layers)::
 
 Every case trains a small float8 MLP (recipe "delayed") with SGD on gaussian data and compares it
 with what the case should equal: the same run without checkpointing / accumulation / eval, the
-high-precision computation with the same weights (SQNR in dB, ``f8dist.numerics.sqnr``), or one
+high-precision computation with the same weights (SQNR in dB, ``f8dist.core.numerics.sqnr``), or one
 device on the global batch. A case that raises prints the error instead of figures; "counters"
-are ``f8dist.delayed.delayed_scaling_counters`` summed over the layers and operands. The script
+are ``f8dist.policy.delayed.delayed_scaling_counters`` summed over the layers and operands. The script
 uses the public API only, so it also runs on a checkout from before the counters existed (they
 print as n/a) to give the before figures.
 """
@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist import sync_float8_amax_and_scale_history as sync
-from f8dist.numerics import sqnr
+from f8dist.core.numerics import sqnr
 
 DELAYED = Float8LinearConfig.from_recipe_name("delayed")
 STEPS = 20
@@ -73,7 +73,7 @@ def high_precision(model, x):
 
 def counters(model) -> str:
     """The delayed-scaling counters, where the library has them."""
-    fn = getattr(sys.modules["f8dist.delayed"], "delayed_scaling_counters", None)
+    fn = getattr(sys.modules["f8dist.policy.delayed"], "delayed_scaling_counters", None)
     if fn is None:
         return "n/a"
     total = {}
@@ -326,8 +326,8 @@ def threshold_table() -> str:
     share flushed to zero, and whether [Note: out of range] counts the cast (and, with
     ``rescale_out_of_range=True``, re-scales it). Gaussian data, and
     heavy-tailed data (Student's t, 3 degrees of freedom), whose bulk lies far below its max."""
-    from f8dist.delayed import in_range
-    from f8dist.scaling import amax_to_scale, saturated_cast
+    from f8dist.policy.delayed import in_range
+    from f8dist.core.scaling import amax_to_scale, saturated_cast
 
     torch.manual_seed(0)
     gauss = torch.randn(4096, 256)
@@ -357,7 +357,7 @@ def threshold_table() -> str:
 def case_data_parallel(rank, world):
     """FSDP2, different data per rank, against one device on the global batch (on the first step
     the ranks' micro-batches accumulated, each cast from its own amax: [Note: first step] in
-    f8dist/delayed/scale.py)."""
+    f8dist/policy/delayed/scale.py)."""
     from torch.distributed.fsdp import fully_shard
 
     out = {}
@@ -416,7 +416,7 @@ def _tp_drop(rank, world, config) -> str:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from f8dist.models.llama import FeedForward
-    from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
     torch.manual_seed(0)
     plain = nn.Sequential(FeedForward(64, 128), nn.Linear(64, 64, bias=False))
@@ -469,7 +469,7 @@ def case_layer_mismatch(rank, world):
     except Exception as e:  # noqa: BLE001
         out["different delayed layers per rank: first step"] = error(e)
     model = model_of()
-    set_group = getattr(sys.modules["f8dist.delayed"], "set_amax_group", None)
+    set_group = getattr(sys.modules["f8dist.policy.delayed"], "set_amax_group", None)
     try:
         if set_group is not None:
             set_group(model, dist.new_subgroups(group_size=1)[0])
@@ -508,7 +508,7 @@ def main():
     print("| case | figures |\n|---|---|")
     for case, figures in rows.items():
         print(f"| {case} | {figures} |", flush=True)
-    if "RANK" not in os.environ and hasattr(sys.modules["f8dist.delayed"], "in_range"):
+    if "RANK" not in os.environ and hasattr(sys.modules["f8dist.policy.delayed"], "in_range"):
         print("\n" + threshold_table())
     if "RANK" in os.environ:
         os._exit(0)

@@ -35,7 +35,7 @@ out=${1:-gpu_check}
 parts=${PARTS:-env block bench train bytes tests}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# the block recipes this GPU has a kernel for ([Note: the block-scaled gemm] in f8dist/gemm.py):
+# the block recipes this GPU has a kernel for ([Note: the block-scaled gemm] in f8dist/core/gemm.py):
 # DeepSeek's blocks on sm90, MXFP8 on sm100+, none elsewhere
 major=$("$py" -c "import torch; print(torch.cuda.get_device_capability()[0])" 2>/dev/null || echo 0)
 if [ "$major" -eq 9 ]; then block_recipes="blockwise"

@@ -30,7 +30,7 @@ import train  # noqa: E402  (scripts/train.py)
 from memory_report import MODES, RECIPES, build, configs, convert  # noqa: E402
 
 from f8dist import Float8LinearConfig, float8_sac_context_fn  # noqa: E402
-from f8dist.gemm import block_problems  # noqa: E402
+from f8dist.core.gemm import block_problems  # noqa: E402
 from f8dist.models import Transformer  # noqa: E402
 from f8dist.models.data import ByteBatches  # noqa: E402
 from f8dist.models.llama import ModelArgs  # noqa: E402

@@ -16,7 +16,7 @@ also torch.cuda.max_memory_allocated). --compiled adds what torch.compile's part
 backward (f8dist.testing.compiled_saved_bytes; input included, parameters excluded). The last section compares the two axiswise choices for the
 grad_weight input (keep high precision, cast in forward with f8 act, requantize the float8
 forward copy), and "f8 act" on the FFN's gradients (SQNR against fp32): the SwiGLU inputs it
-keeps in float8 (f8dist/swiglu.py) are the only numerics it changes.
+keeps in float8 (f8dist/nn/swiglu.py) are the only numerics it changes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from bench_common import check_device
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
-from f8dist.gemm import block_problems
+from f8dist.core.gemm import block_problems
 from f8dist.testing import compiled_saved_bytes, measure_fwd_bwd
 from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
 

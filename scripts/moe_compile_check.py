@@ -4,7 +4,7 @@
 
 Prints, per rank and step (each rank an uneven token count, changing between steps), whether
 the compiled layer's output, input gradient and expert-weight gradient equal eager's bits, and
-the graph breaks dynamo took ([Note: expert parallelism] in f8dist/ep/dispatch.py: the routing's
+the graph breaks dynamo took ([Note: expert parallelism] in f8dist/parallel/ep/dispatch.py: the routing's
 bincount, the host read of the all-to-all's split sizes and repeat_interleave have
 data-dependent output shapes, so ``fullgraph=True`` cannot hold). Inductor keeps bf16 roundings
 (``emulate_precision_casts``) so that the comparison is of bits. Not part of the test suite: it

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.grouped import float8_grouped_mm, grouped_mm
-from f8dist.numerics import sqnr
+from f8dist.nn.grouped import float8_grouped_mm, grouped_mm
+from f8dist.core.numerics import sqnr
 from f8dist.testing import count_collectives
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_wgrad_with_hp",
@@ -119,7 +119,7 @@ def _torchao_version() -> str:
 def dispatch_bytes(dims, tokens: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import f8dist.ep.dispatch as dispatch
+    import f8dist.parallel.ep.dispatch as dispatch
     from f8dist.models.moe import MoE, MoEArgs
     from f8dist.models.moe_parallel import parallelize_moe
 

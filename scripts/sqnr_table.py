@@ -19,7 +19,7 @@ import dataclasses
 
 from f8dist import CastConfig, Float8Linear, Float8LinearConfig
 from f8dist.config import ScaleRounding
-from f8dist.numerics import sqnr
+from f8dist.core.numerics import sqnr
 
 
 def floor_rounding(recipe: str) -> Float8LinearConfig:

@@ -56,15 +56,15 @@ from torch.distributed.tensor import DTensor
 import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
-from f8dist.agreement import canonical_name
-from f8dist.checkpoint import Float8LoadPlanner
-from f8dist.placement import reduce_over_shards
+from f8dist.core.agreement import canonical_name
+from f8dist.policy.checkpoint import Float8LoadPlanner
+from f8dist.core.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_llama
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, moe_tp_plan, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
-from f8dist.grouped import LINEAR_ONLY_OPTIONS, Float8GroupedExperts, GroupedExperts
-from f8dist.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
+from f8dist.nn.grouped import LINEAR_ONLY_OPTIONS, Float8GroupedExperts, GroupedExperts
+from f8dist.parallel.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
 
@@ -218,7 +218,7 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
         pad_inner_dim=args.pad_inner_dim)
     if args.float8_all_gather:
         # a delayed weight's first-step history comes from the whole weight, in the
-        # pre-all-gather cast ([Note: first step] in f8dist/delayed/scale.py)
+        # pre-all-gather cast ([Note: first step] in f8dist/policy/delayed/scale.py)
         config = config.replace(enable_fsdp_float8_all_gather=True)
     return config
 
@@ -226,7 +226,7 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
 def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> None:
     # the output layer (logits over the vocabulary) stays in high precision; the experts take the
     # options they implement, in a call of their own ([Note: options of grouped experts] in
-    # f8dist/grouped.py): the linears' memory flags and padding are the linears'
+    # f8dist/nn/grouped.py): the linears' memory flags and padding are the linears'
     def is_experts(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, GroupedExperts)
 
@@ -458,7 +458,7 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
     }
     if same_ranks:
         state["rng"] = {_rng_key(): torch.get_rng_state()}
-    planner = Float8LoadPlanner()  # [Note: loading across recipes] in f8dist/checkpoint.py
+    planner = Float8LoadPlanner()  # [Note: loading across recipes] in f8dist/policy/checkpoint.py
     dcp.load(state, checkpoint_id=checkpoint, planner=planner)
     set_model_state_dict(model, state["model"])
     restarted = planner.restart_missing(model)

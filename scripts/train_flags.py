@@ -23,7 +23,7 @@ __all__ = ["OPTIM_STATES", "RECIPES", "parse_flags"]
 # Every rank exits 2: one that exited 0 would drop its entry from torchrun's report (which the
 # torchrun process prints; a rank cannot shorten it), but where one rank alone refuses (a
 # directory on its own host) the others would wait for it in the process group. The recipe names
-# come from f8dist/recipe_names.py, run as a file: importing f8dist.recipe_names would run
+# come from f8dist/config/recipe_names.py, run as a file: importing f8dist.config.recipe_names would run
 # f8dist/__init__.py, which imports torch.
 
 
@@ -33,7 +33,7 @@ def _recipe_names() -> Tuple[str, ...]:
     if spec is None:
         raise ModuleNotFoundError("No module named 'f8dist'", name="f8dist")
     package = spec.submodule_search_locations[0]
-    names = runpy.run_path(os.path.join(package, "recipe_names.py"))["Float8LinearRecipeName"]
+    names = runpy.run_path(os.path.join(package, "config", "recipe_names.py"))["Float8LinearRecipeName"]
     return tuple(r.value for r in names)
 
 
@@ -241,7 +241,7 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
         p.error(f"--ep {args.ep} must divide --moe-experts ({args.moe_experts}) and the number "
                 f"of ranks ({world})")
     if args.float8_all_gather and args.ep == 1 and (args.moe_experts % (world // args.tp)):
-        # [Note: float8 all-gather of expert weights] in f8dist/fsdp/weight.py
+        # [Note: float8 all-gather of expert weights] in f8dist/core/weight.py
         p.error(f"--float8-all-gather shards the experts dim over the {world // args.tp} "
                 f"data-parallel ranks, which must divide --moe-experts ({args.moe_experts}); "
                 "change --moe-experts or use --ep")

@@ -22,7 +22,7 @@ def exact_gemm_db() -> float:
 def on_cpu(test):
     """Run ``test`` with the CPU as the default device, also under ``F8DIST_TEST_DEVICE=cuda``:
     for tests of block-scaled gemms, whose CUDA kernels need sm90 (DeepSeek's blocks) or sm100+
-    (MXFP8) ([Note: the block-scaled gemm] in f8dist/gemm.py): on CUDA they are checked against
+    (MXFP8) ([Note: the block-scaled gemm] in f8dist/core/gemm.py): on CUDA they are checked against
     the CPU kernel by scripts/cuda_block_check.py instead."""
     import functools
 

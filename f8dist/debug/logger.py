@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import torch.nn as nn
 
 from f8dist.debug.recorder import StatsRecorder, is_rank0
-from f8dist.delayed import delayed_scaling_counters
+from f8dist.policy.delayed import delayed_scaling_counters
 
 __all__ = ["Float8StatsLogger"]
 

@@ -1,7 +1,7 @@
 """Record the statistics of every float8 cast of a model, by module, gemm and operand.
 
 [Note: telemetry is free when off]
-The recorder hooks into ``f8dist.cast.cast_observers``, a plain Python list that
+The recorder hooks into ``f8dist.core.cast.cast_observers``, a plain Python list that
 ``cast_to_float8`` checks after each cast. Nothing is registered until a recorder is entered and
 it is removed on exit (also on an exception), so with telemetry off a cast runs exactly the ops
 it runs without this module, eager or traced.
@@ -9,9 +9,9 @@ it runs without this module, eager or traced.
 [Note: statistics of the logical tensor]
 Under FSDP2 or tensor parallel a cast may see DTensors: ``hp`` and a DTensor of Float8Tensors
 sharing its placements (FSDP2's float8 all-gather casts each rank's shard as a part of the
-sharded weight, f8dist/fsdp/weight.py). Each rank computes the statistics of its shard (``cast_stats_tensors``,
+sharded weight, f8dist/core/weight.py). Each rank computes the statistics of its shard (``cast_stats_tensors``,
 sums and maxima) and they are reduced over exactly the mesh dims that shard the tensor, the same
-rule as the amax (``[Note: amax]`` in f8dist/placement.py): a sum or max over the mesh axes
+rule as the amax (``[Note: amax]`` in f8dist/core/placement.py): a sum or max over the mesh axes
 whose placement shards the tensor, nothing over a Replicate one. So every rank holds the statistics of the logical tensor
 and a one-device run of the same model reports the same figures. Data parallelism does not shard
 activations: each rank records the casts of its own micro-batch, and rank 0 prints its own.
@@ -25,12 +25,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist import cast as _cast_module
+from f8dist.core import cast as _cast_module
 from f8dist.config import CastSite, Gemm, Operand
 from f8dist.debug.stats import CastStats, cast_stats_tensors
-from f8dist.grouped import WEIGHTS as EXPERT_WEIGHTS, Float8GroupedExperts
-from f8dist.linear import Float8Linear
-from f8dist.placement import has_partial, is_dtensor, local_part, reduce_over_shards
+from f8dist.nn.grouped import WEIGHTS as EXPERT_WEIGHTS, Float8GroupedExperts
+from f8dist.nn.linear import Float8Linear
+from f8dist.core.placement import has_partial, is_dtensor, local_part, reduce_over_shards
 
 __all__ = ["StatsRecorder", "record", "is_rank0"]
 
@@ -75,10 +75,10 @@ def _reduce_over_shards(
 
 class StatsRecorder:
     """Collects :class:`~f8dist.debug.stats.CastStats` for every float8 cast of ``model``'s
-    :class:`~f8dist.linear.Float8Linear` modules and expert weights (of
-    :class:`~f8dist.grouped.Float8GroupedExperts`, FQNs ``....experts.w1`` ...) while entered (a
+    :class:`~f8dist.nn.linear.Float8Linear` modules and expert weights (of
+    :class:`~f8dist.nn.grouped.Float8GroupedExperts`, FQNs ``....experts.w1`` ...) while entered (a
     context manager, re-entrant across steps). Statistics are kept per step (``set_step``) and per
-    :class:`~f8dist.cast.CastSite`; several casts of one site in a step (gradient accumulation, a
+    :class:`~f8dist.core.cast.CastSite`; several casts of one site in a step (gradient accumulation, a
     module called twice) are merged.
 
     ``callback(site, hp, fp8)``, if given, is called after each recorded cast with the tensor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping
 
-from f8dist.cast import CastSite
+from f8dist.core.cast import CastSite
 from f8dist.debug.stats import CastStats, worst_per_layer
 
 __all__ = ["format_table", "plot_history"]

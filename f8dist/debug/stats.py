@@ -9,7 +9,7 @@ per-shard ones (see ``f8dist/debug/recorder.py``):
 * ``underflow``: nonzero elements of ``hp`` whose float8 value is 0;
 * ``signal_sq``, ``error_sq``: ``sum(hp**2)`` and ``sum((hp - data / scale)**2)``, for the SQNR;
 * ``amax``, ``scale_min``, ``scale_max``: extremes;
-* block-scaled casts ([Note: block scales] in f8dist/cells.py) add, per block: ``blocks``,
+* block-scaled casts ([Note: block scales] in f8dist/config/cells.py) add, per block: ``blocks``,
   ``blocks_saturated`` and ``blocks_underflow`` (blocks with at least one saturated or underflowed
   element) and ``block_amax_log2``, a histogram of the blocks' amaxes by power of 2 (bin ``i``
   counts amaxes in [2**(i + BLOCK_HIST_LO), 2**(i + 1 + BLOCK_HIST_LO)), the ends open; all-zero
@@ -33,8 +33,8 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from f8dist.numerics import sqnr_from_energies
-from f8dist.scaling import block_amax, dequantize, expand_blocks, fp8_max
+from f8dist.core.numerics import sqnr_from_energies
+from f8dist.core.scaling import block_amax, dequantize, expand_blocks, fp8_max
 
 __all__ = [
     "CastStats",
@@ -145,7 +145,7 @@ class CastStats:
 
     Example::
 
-        >>> from f8dist.cast import cast_to_float8
+        >>> from f8dist.core.cast import cast_to_float8
         >>> hp = torch.tensor([1.0, 1e-9, 0.0, 3.0])
         >>> fp8 = cast_to_float8(hp, torch.float8_e4m3fn)
         >>> s = CastStats.from_tensors(*cast_stats_tensors(hp, fp8),

@@ -3,7 +3,7 @@
 [Note: SQNR hides outliers]
 The SQNR of a tensorwise cast is dominated by its largest values: one large outlier gets a scale
 that flushes many small elements to zero while its energy keeps the SQNR high
-(tests/test_debug_report.py). So a layer is judged by its worst cast's SQNR, saturated fraction
+(tests/debug/test_report.py). So a layer is judged by its worst cast's SQNR, saturated fraction
 and underflow fraction.
 """
 
@@ -13,7 +13,7 @@ from typing import List, Mapping, Optional
 
 import torch.nn as nn
 
-from f8dist.cast import CastSite
+from f8dist.core.cast import CastSite
 from f8dist.debug.stats import CastStats, worst_per_layer
 
 __all__ = ["rank_layers", "suggest_module_filter"]

@@ -18,7 +18,7 @@ compile, FSDP2), moves it with ``to_empty`` and initializes it with ``init_weigh
   experts of torchtitan's MoE models, e.g. deepseek_v3) with a :class:`Float8GroupedExperts.Config`:
   the same module and parameters (``w1_EFD``, ``w2_EDF``, ``w3_EFD``), whose three grouped gemms
   run through f8dist's float8 grouped gemms, cast by the recipe's table per expert
-  ([Note: grouped gemms] in f8dist/grouped.py), and their ``AllToAllTokenDispatcher.Config`` with
+  ([Note: grouped gemms] in f8dist/nn/grouped.py), and their ``AllToAllTokenDispatcher.Config`` with
   a :class:`Float8AllToAllTokenDispatcher.Config`, whose expert-parallel dispatch sends float8
   tokens; routers and combine are untouched;
 * under torchtitan's tensor parallelism (``Module.parallelize`` from each config's
@@ -71,10 +71,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # Modules, not functions: this module is also a torchtitan config registry, and torchtitan lists
 # every public callable of it as a config function when --config names none.
 import f8dist
-from f8dist import delayed, filters, fsdp, gemm, grouped, placement
-from f8dist.ep import dispatch as ep_dispatch
-from f8dist.tensor import Float8Tensor
-from f8dist.tp import style as tp_style
+from f8dist.policy import delayed, filters
+from f8dist.parallel import fsdp
+from f8dist.core import gemm, placement
+from f8dist.nn import grouped
+from f8dist.parallel.ep import dispatch as ep_dispatch
+from f8dist.core.tensor import Float8Tensor
+from f8dist.parallel.tp import style as tp_style
 from f8dist.integrations import torchtitan_assets
 
 __all__ = [
@@ -257,7 +260,7 @@ def _tp_region(sharding: ShardingConfig, mesh) -> Optional[tuple]:
     take the shard's amax (tensorwise: each rank its own scale, not one device's). So the layer
     wraps its local tensors as DTensors on the TP mesh, with the placements its ShardingConfig
     gives them, and casts as under the full_dtensor backend or f8dist's own TP styles: the amax
-    of the logical tensor ([Note: amax] in f8dist/placement.py). The placements follow the
+    of the logical tensor ([Note: amax] in f8dist/core/placement.py). The placements follow the
     weight's: colwise (S(0)) takes a replicated input, whose gradient is partial (spmd_types'
     R -> P), and gives a sharded output; rowwise (S(1)) takes a sharded input and gives a partial
     output, whose gradient is replicated (P -> R). torchtitan's redistributions around the
@@ -297,7 +300,7 @@ class _Float8Gather:
     every linear reading the input is a Float8Linear: its build drops the boundary's gather
     (``in_dst`` = ``in_src``), and its forward casts the sequence shard as the first reader's
     ``(output, input)`` spec says (the amax of the logical tensor; a delayed cast records into
-    every reader, [Note: delayed casts in the float8 styles] in f8dist/tp/style.py) and
+    every reader, [Note: delayed casts in the float8 styles] in f8dist/parallel/tp/style.py) and
     all-gathers the float8 bytes (DTensor ``redistribute``): 1 byte per element on the wire, one
     cast for all readers, which reuse the gathered bytes. Its backward reduce-scatters the
     readers' partial gradients, as torchtitan's redistribution does. Readers in high precision,
@@ -507,7 +510,7 @@ class Float8LinearConverter(QuantizationConverter):
 
 class Float8GroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` whose grouped gemms run in float8 (f8dist's
-    :func:`~f8dist.grouped.float8_grouped_mm`, cast by ``recipe_name``'s table per expert); its
+    :func:`~f8dist.nn.grouped.float8_grouped_mm`, cast by ``recipe_name``'s table per expert); its
     parameters, state dict and init are torchtitan's.
 
     Example::
@@ -545,7 +548,7 @@ class Float8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
     """torchtitan's expert-parallel ``AllToAllTokenDispatcher`` whose dispatch all-to-all sends
     float8 tokens, when the experts cast their tokens per token (rowwise, the 1 x K block
     recipes): each token cast on its source rank, as bf16 before the dispatch and the experts'
-    cast would give it ([Note: float8 dispatch] in f8dist/ep/dispatch.py), its bytes and scales
+    cast would give it ([Note: float8 dispatch] in f8dist/parallel/ep/dispatch.py), its bytes and scales
     on the wire, which the experts' grouped gemms take as they are. The count exchange, the
     combine and backward stay as torchtitan's (high precision).
     :class:`Float8GroupedExpertsConverter` puts it in place of a ``RoutedExperts``'s
@@ -686,7 +689,7 @@ def post_optimizer_build_fn(optimizers, model_parts: List[nn.Module], parallel_d
       ``f8dist.sync_float8_amax_and_scale_history`` (one all-reduce for the part);
     * after each step, if a part has float8 all-gather weights that asked for it
       (``precompute_float8_dynamic_scale_for_fsdp``):
-      ``f8dist.fsdp.precompute_float8_dynamic_scale_for_fsdp`` (one all-reduce for the part).
+      ``f8dist.parallel.fsdp.precompute_float8_dynamic_scale_for_fsdp`` (one all-reduce for the part).
 
     Has the signature of ``ModelSpec.post_optimizer_build_fn``; :func:`with_float8_hooks` puts it
     there. (torch's optimizer hooks must return None: these do.)

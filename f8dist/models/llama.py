@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from f8dist.linear import Float8Linear
+from f8dist.nn.linear import Float8Linear
 from f8dist.models.norm import RMSNorm
-from f8dist.placement import is_dtensor
-from f8dist.swiglu import swiglu_for
+from f8dist.core.placement import is_dtensor
+from f8dist.nn.swiglu import swiglu_for
 
 __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "Attention", "FeedForward"]
 
@@ -225,7 +225,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``, keeping what f8dist/swiglu.py says for backward."""
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``, keeping what f8dist/nn/swiglu.py says for backward."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()

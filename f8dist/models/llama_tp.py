@@ -1,6 +1,6 @@
 """A ready tensor + sequence parallel plan for the LLaMA-style model of ``llama.py``.
 
-The plan is torchtitan's. With ``float8=True`` every :class:`~f8dist.linear.Float8Linear` gets
+The plan is torchtitan's. With ``float8=True`` every :class:`~f8dist.nn.linear.Float8Linear` gets
 the float8 style (its shared input all-gathered in float8); linears left in high precision keep
 PyTorch's. Apply it after ``convert_to_float8_training`` and before ``fully_shard``.
 """
@@ -21,9 +21,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from f8dist import agreement
-from f8dist.linear import Float8Linear
-from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+from f8dist.core import agreement
+from f8dist.nn.linear import Float8Linear
+from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 __all__ = ["llama_tp_plan", "parallelize_llama"]
 

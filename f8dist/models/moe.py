@@ -13,11 +13,11 @@ Module names follow torchtitan's (llama4 / deepseek_v3)::
 [Note: routing]
 Each token picks its ``top_k`` experts by the router's float32 softmax scores, renormalized to sum
 to 1. The assignments are sorted stably by expert into token groups ([Note: token groups] in
-f8dist/scaling.py). ``capacity_factor``: an expert takes at most ``ceil(capacity_factor * T * k /
+f8dist/core/scaling.py). ``capacity_factor``: an expert takes at most ``ceil(capacity_factor * T * k /
 E)`` of a rank's assignments, the first in token order; the rest are dropped. The outputs are
 weighted by the scores and summed over each token's k experts in a fixed order (the same bits
 whatever rank computed them). The auxiliary loss is Switch Transformer's. Expert parallelism is
-the experts' parallel style (f8dist/ep/style.py); this module's code is one device's either way.
+the experts' parallel style (f8dist/parallel/ep/style.py); this module's code is one device's either way.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from f8dist.grouped import GroupedExperts
+from f8dist.nn.grouped import GroupedExperts
 from f8dist.models.llama import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
 from f8dist.models.norm import RMSNorm
 

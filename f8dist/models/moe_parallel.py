@@ -1,7 +1,7 @@
 """Expert parallelism for the MoE model of ``moe.py``, and EP x FSDP2.
 
 The EP ranks are also data-parallel ranks, each routing its own batch ([Note: expert
-parallelism] in f8dist/ep/dispatch.py).
+parallelism] in f8dist/parallel/ep/dispatch.py).
 
 [Note: EP x FSDP2]
 On a 2-D mesh ``(dp_shard, ep)`` FSDP2 shards the experts over ``dp_shard`` on dim 1 (an expert's
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle, PrepareModuleInputOutput, parallelize_module,
 )
 
-from f8dist.ep import Float8ExpertParallel
+from f8dist.parallel.ep import Float8ExpertParallel
 from f8dist.models.moe import MoE
 
 __all__ = ["parallelize_moe", "fully_shard_moe", "moe_tp_plan"]

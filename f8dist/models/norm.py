@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from f8dist.placement import is_dtensor
+from f8dist.core.placement import is_dtensor
 
 __all__ = ["RMSNorm"]
 

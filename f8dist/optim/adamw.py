@@ -26,7 +26,7 @@ import torch
 from f8dist.optim.states import (
     QuantizedState, StateFormat, blocks, check_block_size, decode, encode, encode_into, unblock,
 )
-from f8dist.placement import is_dtensor, like, local_part
+from f8dist.core.placement import is_dtensor, like, local_part
 
 __all__ = ["AdamW"]
 

@@ -47,7 +47,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from f8dist.scaling import amax_to_scale, dequantize, saturated_cast
+from f8dist.core.scaling import amax_to_scale, dequantize, saturated_cast
 
 __all__ = [
     "StateFormat", "QuantizedState", "blocks", "unblock", "encode", "encode_into", "decode",

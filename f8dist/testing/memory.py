@@ -156,7 +156,7 @@ def saved_tensor_bytes(module: nn.Module, x: torch.Tensor, *args) -> int:
     """Bytes of the tensors autograd saves in ``module(x.clone(), *args)``, deduplicated by
     storage, parameters and buffers excluded. Read from the graph, not with saved-tensor hooks,
     which turn off the casts sibling linears share ([Note: one cast per input] in
-    f8dist/cast.py)."""
+    f8dist/core/cast.py)."""
     state = [*module.parameters(), *module.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
     params = {st.data_ptr() for p in state for st in storages(p)}
     x = x.detach().requires_grad_(True)

@@ -1,5 +1,5 @@
 """torchrun program (2 ranks): ranks whose float8 settings disagree fail at the first step with a
-message naming the difference; ranks that agree run no collective for the check (f8dist/agreement.py).
+message naming the difference; ranks that agree run no collective for the check (f8dist/core/agreement.py).
 
 Each case builds the LLaMA-style model on every rank with a rank-dependent float8 setting (None:
 the rank never converts), shards it (FSDP2 over both ranks, tensor parallel with the ready plan or
@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 import f8dist
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.models import ModelArgs, Transformer, parallelize_llama
-from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel
+from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
 from f8dist.testing import count_collectives
 from tests.distributed.common import init, main, write_result
 

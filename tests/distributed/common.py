@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from scripts.teardown import exit_cleanly, one_gpu_per_rank
-from f8dist.numerics import sqnr  # noqa: F401  (re-exported for the programs)
+from f8dist.core.numerics import sqnr  # noqa: F401  (re-exported for the programs)
 
 ERROR_DIR_ENV = "F8DIST_TEST_ERROR_DIR"
 NESTED = False  # True while tests/distributed/several.py runs programs in its launch

@@ -8,7 +8,7 @@
   also when the weights are cast before a float8 all-gather (each rank casts its shard).
 
 Rank 0 reports the comparisons it ran (``{"checked": [...]}``); a mismatch raises on its rank.
-Run by tests/test_debug_distributed.py through tests/distributed/harness.py.
+Run by tests/debug/test_distributed.py through tests/distributed/harness.py.
 """
 
 import copy
@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import f8dist
 from f8dist import Float8LinearConfig
-from f8dist.cast import CastSite, cast_to_float8
+from f8dist.core.cast import CastSite, cast_to_float8
 from f8dist.config import CastSpec, ScalingGranularity
 from f8dist.debug import record
 from tests.distributed.common import init, main, write_result

@@ -39,8 +39,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from f8dist import Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
-from f8dist.delayed import set_amax_group
+from f8dist import Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist.core import agreement
+from f8dist.policy.delayed import set_amax_group
 from f8dist.testing import count_collectives
 from tests.distributed.common import assert_equal, init, main, sqnr, write_result
 

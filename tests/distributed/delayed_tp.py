@@ -40,11 +40,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from f8dist import DelayedScalingConfig, Float8LinearConfig, agreement, convert_to_float8_training, sync_float8_amax_and_scale_history
-from f8dist.delayed import delayed_scaling_counters
+from f8dist import DelayedScalingConfig, Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history
+from f8dist.core import agreement
+from f8dist.policy.delayed import delayed_scaling_counters
 from f8dist.testing import count_collectives
 from f8dist.models.llama import FeedForward
-from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from tests.distributed.common import init, main, sqnr, write_result
 
 B, S, DIM, HIDDEN, OUT = 2, 8, 32, 64, 32

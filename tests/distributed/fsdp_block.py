@@ -1,7 +1,7 @@
 """torchrun program: FSDP2 float8 all-gather of block-scaled weights against one device.
 
 Scenarios (comma-separated ``--scenarios``; [Note: block-scaled all-gather] in
-f8dist/fsdp/weight.py):
+f8dist/core/weight.py):
 
 * ``parity``: "mxfp8_square_weights" (32x32 e8m0 weight blocks), same data on every rank, shards
   on block boundaries: outputs and every gradient bit-identical to one device over AdamW steps,
@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.fsdp import Float8AllGatherWeight
+from f8dist.parallel.fsdp import Float8AllGatherWeight
 from f8dist.testing import count_collectives
 from tests.distributed.common import assert_equal, main, run_scenarios, scenario_args
 

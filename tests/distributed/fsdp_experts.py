@@ -1,5 +1,5 @@
 """torchrun program: FSDP2 float8 all-gather of expert weights ([Note: float8 all-gather of expert
-weights] in f8dist/fsdp/weight.py) against one device and against the high-precision all-gather.
+weights] in f8dist/core/weight.py) against one device and against the high-precision all-gather.
 
 Scenarios (``--scenario``):
 
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.fsdp import Float8AllGatherWeight
+from f8dist.parallel.fsdp import Float8AllGatherWeight
 from f8dist.models.llama import ModelArgs
 from f8dist.models.moe import MoE, MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, parallelize_moe

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.testing import count_collectives
-from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
+from f8dist.parallel.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
 from tests.distributed.common import assert_equal, main, run_scenarios, scenario_args, sqnr
 
 DIM, HIDDEN, VOCAB, HEAD = 32, 128, 16, 4

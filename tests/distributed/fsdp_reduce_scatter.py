@@ -1,4 +1,4 @@
-"""torchrun program: FSDP2 float8 gradient reduce-scatter (f8dist/fsdp/reduce_scatter.py) against
+"""torchrun program: FSDP2 float8 gradient reduce-scatter (f8dist/parallel/fsdp/reduce_scatter.py) against
 FSDP2's own reduction of the same gradients.
 
 Scenarios (comma-separated ``--scenarios``), each rank on its own data:
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.testing import count_collectives
-from f8dist.fsdp import Float8ReduceScatterConfig, enable_float8_reduce_scatter
+from f8dist.parallel.fsdp import Float8ReduceScatterConfig, enable_float8_reduce_scatter
 from tests.distributed.common import main, run_scenarios, scenario_args, sqnr
 from tests.distributed.fsdp_float8 import HEAD, VOCAB, Net
 
@@ -185,7 +185,7 @@ def disagree(device, rank, out):
     config = Float8ReduceScatterConfig(block_size=128 if rank == 0 else 256)
     try:
         enable_float8_reduce_scatter(model, config=config)
-    except RuntimeError as e:  # f8dist.agreement names the difference
+    except RuntimeError as e:  # f8dist.core.agreement names the difference
         out["disagree_error"] = str(e)
     else:
         raise AssertionError("ranks with different configs were not caught")

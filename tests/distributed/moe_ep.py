@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.ep.dispatch import _all_to_all_tokens
-from f8dist.cast import cast_to_float8
+from f8dist.parallel.ep.dispatch import _all_to_all_tokens
+from f8dist.core.cast import cast_to_float8
 from f8dist.models.moe import MoE, MoEArgs
 from f8dist.models.moe_parallel import parallelize_moe
 from f8dist.testing import count_collectives

@@ -3,7 +3,7 @@ the launch: an MoE layer in bf16 whose experts (and nothing else) are float8 wit
 recipe, each rank routing its own uneven slice of each step's batch. Checked for 3 steps, each
 followed by ``sync_float8_amax_and_scale_history``: outputs, input and expert-weight gradients,
 and every amax history and scale, bit for bit those of one device running the whole batch
-([Note: delayed experts] in f8dist/grouped.py: the first step's amaxes reduced over the EP axis
+([Note: delayed experts] in f8dist/nn/grouped.py: the first step's amaxes reduced over the EP axis
 that shards the weights and the tokens, the sync's over all ranks)."""
 
 import copy

@@ -54,7 +54,7 @@ def run(args):
         floors[name] = sqnr(grads[name].grad, g)
     worst = min(floors.values())
     # the experts' weight gradients leave the grouped gemm in bf16 ([Note: grouped gemm
-    # constraints] in f8dist/gemm.py): the ranks' bf16 partial sums, summed in float32,
+    # constraints] in f8dist/core/gemm.py): the ranks' bf16 partial sums, summed in float32,
     # against one device's bf16 sum; every other gradient is a float32 sum in another order
     assert all(v > (45 if ".experts." in k else 100) for k, v in floors.items()), floors
     # what a DCP checkpoint holds: plain tensors (DTensor shards of them), no float8 subclass

@@ -1,4 +1,4 @@
-"""torchrun program: per-op selective activation checkpointing (f8dist/sac.py) of an
+"""torchrun program: per-op selective activation checkpointing (f8dist/policy/sac.py) of an
 expert-parallel float8 MoE transformer under EP x FSDP2 ([Note: SAC around a nested FSDP2 unit]),
 against the same model without checkpointing: loss and every gradient bit for bit, and the
 all-to-alls of a training step (forward + backward) the same in number and bytes, since SAC

@@ -1,6 +1,6 @@
 """Ranks whose float8 settings disagree fail at the first step, within seconds, with a message that
 names the difference or the rank that never checked; ranks that agree run no collective for it
-([Note: ranks that disagree] in f8dist/agreement.py). The program is tests/distributed/agreement.py
+([Note: ranks that disagree] in f8dist/core/agreement.py). The program is tests/distributed/agreement.py
 (2 ranks, one launch)."""
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from tests.distributed.agreement import NEVER_CHECKS_TIMEOUT_S
 from tests.distributed.harness import run_torchrun
 
-# before f8dist/agreement.py, all but recipes_fsdp hung until the process-group timeout and then
+# before f8dist/core/agreement.py, all but recipes_fsdp hung until the process-group timeout and then
 # died with a gloo error; recipes_fsdp trained with different numerics per rank. Before the check
 # went through the store (issue 23, item 9): ddp_recipes trained silently, ddp_delayed_vs_dynamic
 # and custom_tp_plan_delayed_vs_dynamic hung in a broadcast, rank1_never_converts_* ended in

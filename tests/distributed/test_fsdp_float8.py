@@ -1,9 +1,9 @@
 """FSDP2 float8 all-gather on 2 gloo ranks against one device (program: fsdp_float8.py): the
 torchrun smoke of FSDP2 and its float8 all-gather; 3 ranks (uneven, DCP) run simulated in
-tests/sim/fsdp/test_float8.py."""
+tests/sim/parallel/fsdp/test_float8.py."""
 
 from tests.distributed.harness import launch, result
-from tests.sim.fsdp.test_float8 import check_precompute_counts
+from tests.sim.parallel.fsdp.test_float8 import check_precompute_counts
 
 TWO_RANKS = launch("fsdp_float8", 2, "--scenarios", "parity,bytes")
 

@@ -1,9 +1,9 @@
 """FSDP2 float8 gradient reduce-scatter on 2 gloo ranks (program: fsdp_reduce_scatter.py), the
 torchrun smoke of the float8 reduce-scatter, scripts/train.py's included; 3 ranks (uneven, an
-empty shard) run simulated: tests/sim/fsdp/test_reduce_scatter.py."""
+empty shard) run simulated: tests/sim/parallel/fsdp/test_reduce_scatter.py."""
 
 from tests.distributed.harness import launch, result
-from tests.sim.fsdp.test_reduce_scatter import check_bytes, check_grads, check_train, mean
+from tests.sim.parallel.fsdp.test_reduce_scatter import check_bytes, check_grads, check_train, mean
 
 TWO_RANKS = launch(
     "fsdp_reduce_scatter", 2, "--scenarios", "disagree,grads,bytes,train,train_script", timeout=300)

@@ -1,7 +1,7 @@
 """Expert parallelism against one device on 2 gloo ranks, the torchrun smoke of expert
 parallelism and its float8 all-to-all; the checks run inside tests/distributed/moe_ep.py (dynamic
 and block recipes), the figures are re-checked here. 4 ranks and delayed experts run simulated:
-tests/sim/ep/test_moe_ep.py."""
+tests/sim/parallel/ep/test_moe_ep.py."""
 
 import pytest
 

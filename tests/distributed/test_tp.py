@@ -1,9 +1,9 @@
 """Float8 TP+SP on 2 gloo ranks against one device (program: tp_llama.py, tensorwise): the torchrun
 smoke of tensor parallelism and its float8 all-gather; every recipe, FSDP2 x TP and the plans'
-errors run simulated in tests/sim/tp/test_llama.py."""
+errors run simulated in tests/sim/parallel/tp/test_llama.py."""
 
 from tests.distributed.harness import launch, result
-from tests.sim.tp.test_llama import check_recipe
+from tests.sim.parallel.tp.test_llama import check_recipe
 
 TENSORWISE = launch("tp_llama", 2, "--dp", "1", "--recipes", "tensorwise", "--only-recipes",
                     timeout=240)

@@ -85,7 +85,7 @@ def build(variant: str, mesh):
 def gathered_bytes(model, world: int) -> dict:
     """What one forward all-gathers, from the parameters alone: every parameter's padded shard
     times the world size, in bf16 (2 bytes), or 1 byte for float8 all-gather weights."""
-    from f8dist.fsdp import Float8AllGatherWeight
+    from f8dist.parallel.fsdp import Float8AllGatherWeight
 
     total = 0
     for p in model.parameters():

@@ -4,8 +4,8 @@ A column-wise linear with a sequence-sharded input (cast to float8 before its al
 row-wise linear that reduce-scatters back to sequence shards. The same model runs eagerly and
 under torch.compile (fresh copies, same data); output and weight gradients must be bit-identical.
 This catches a compiled backward traced with the wrong gradient placements ([Note: gradient
-placements under compile] in f8dist/linear.py) or gradient types ([Note: float8 gradients under
-compile] in f8dist/tp/style.py): both gave wrong weight gradients (0 dB) or failed to compile.
+placements under compile] in f8dist/nn/linear.py) or gradient types ([Note: float8 gradients under
+compile] in f8dist/parallel/tp/style.py): both gave wrong weight gradients (0 dB) or failed to compile.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
-from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel
+from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
 from tests.distributed.common import assert_equal, init, main, write_result
 
 RECIPES = ("tensorwise", "rowwise")

@@ -1,6 +1,6 @@
 """TP+SP (1-D) and FSDP2 x TP (2-D) float8 LLaMA against a one-device run of the same float8 model.
 
-Run on simulated ranks by tests/sim/tp/test_llama.py (tests/sim/programs.py), and on gloo by
+Run on simulated ranks by tests/sim/parallel/tp/test_llama.py (tests/sim/programs.py), and on gloo by
 tests/distributed/test_tp.py (tensorwise); by hand::
 
     torchrun --nproc_per_node=2 tests/distributed/tp_llama.py --recipes tensorwise --dp 1
@@ -29,15 +29,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from f8dist import Float8Linear, Float8LinearConfig, agreement, convert_to_float8_training
-from f8dist.cast import cast_to_float8
+from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8dist.core import agreement
+from f8dist.core.cast import cast_to_float8
 from f8dist.testing import count_collectives
-from f8dist.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
+from f8dist.parallel.fsdp import Float8AllGatherWeight, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.models.llama import ModelArgs, Transformer
 from f8dist.models import parallelize_llama
-from f8dist.tensor import Float8Tensor
+from f8dist.core.tensor import Float8Tensor
 from f8dist.config import Gemm, Operand
-from f8dist.tp.style import _CastGradToFloat8, _cast_input
+from f8dist.parallel.tp.style import _CastGradToFloat8, _cast_input
 from tests.distributed.common import init, main, sqnr, write_result
 
 BATCH, SEQ = 2, 16
@@ -314,7 +315,7 @@ def errors(mesh) -> dict:
 
     from f8dist import Float8Linear
     from f8dist.models.llama import FeedForward
-    from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
     tp_mesh = mesh["tp"]
     cases = {
@@ -358,7 +359,7 @@ def shared_input(mesh) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from f8dist.models.llama import FeedForward
-    from f8dist.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
     tp, r = mesh["tp"].size(), mesh["tp"].get_local_rank()
     out = {}
@@ -394,7 +395,7 @@ def padded_shard(mesh) -> float:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from f8dist import Float8Linear
-    from f8dist.tp import Float8ColwiseParallel
+    from f8dist.parallel.tp import Float8ColwiseParallel
 
     torch.manual_seed(0)
     lin = Float8Linear.from_float(nn.Linear(32, 48, bias=False), Float8LinearConfig(pad_inner_dim=True))
@@ -412,7 +413,7 @@ def rowwise_replicated_input(mesh) -> dict:
     import torch.nn as nn
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from f8dist.tp import Float8RowwiseParallel
+    from f8dist.parallel.tp import Float8RowwiseParallel
 
     out = {}
     for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
@@ -458,14 +459,14 @@ def run(args):
     for recipe in args.split_seq_recipes.split(",") if args.split_seq_recipes else ():
         # sequence shards of 8 tokens split the grad_weight gemm's token blocks: the SP input and
         # gradient travel in high precision ([Note: the grad_weight gemm under sequence
-        # parallelism] in f8dist/tp/style.py)
+        # parallelism] in f8dist/parallel/tp/style.py)
         results[recipe + "+split_seq"] = compare(args, mesh, recipe, wire_reference=False, seq=16)
     for recipe in args.float8_all_gather.split(",") if args.float8_all_gather else ():
         # FSDP2 gathers square weight blocks in float8 ([Note: block-scaled all-gather])
         results[recipe + "+float8_all_gather"] = compare(
             args, mesh, recipe, wire_reference=False, float8_all_gather=True)
     for variant in args.sp_grad_weight.split(",") if args.sp_grad_weight else ():
-        # [Note: the grad_weight operand of a gathered tensor] in f8dist/cells.py
+        # [Note: the grad_weight operand of a gathered tensor] in f8dist/config/cells.py
         recipe, mode = variant.split("+")
         results[variant] = compare(args, mesh, recipe, wire_reference=False, sp_grad_weight=mode)
     if args.sp_grad_weight:
@@ -488,7 +489,7 @@ def run(args):
         results["rowwise+float8_activations"] = compare(
             args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True)
         # w2 recomputes its Shard(-1) input from the local float8 gate and up ([Note: a
-        # recomputed input] in f8dist/linear.py); the sequence-parallel norms give no recompute,
+        # recomputed input] in f8dist/nn/linear.py); the sequence-parallel norms give no recompute,
         # so recompute_norm_output raises there (tests/models/test_llama.py)
         results["rowwise+float8_activations+recompute"] = compare(
             args, mesh, "rowwise", wire_reference=False, float8_activations_for_backward=True,

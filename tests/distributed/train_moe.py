@@ -35,7 +35,7 @@ def run(args):
         "rowwise": train.train(train.parse_args(
             common + ["--float8", "rowwise", "--ep", "2", "--checkpoint-every", str(args.every)]
             + ckpt)),
-        # experts with amax histories ([Note: delayed experts] in f8dist/grouped.py)
+        # experts with amax histories ([Note: delayed experts] in f8dist/nn/grouped.py)
         "delayed": train.train(train.parse_args(common + ["--float8", "delayed", "--ep", "2"])),
     }
     last = max(os.listdir(args.ckpt_dir), key=lambda name: int(name.split("-")[1]))

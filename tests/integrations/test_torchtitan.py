@@ -38,13 +38,13 @@ from torchtitan.models.llama3 import llama3_configs, model_registry  # noqa: E40
 import f8dist  # noqa: E402
 import f8dist.integrations.torchtitan as tt  # noqa: E402
 from f8dist.integrations.torchtitan_assets import ASSETS_ENV, BOS, EOS, make_assets  # noqa: E402
-from f8dist.fsdp import Float8AllGatherWeight  # noqa: E402
-from f8dist.numerics import sqnr  # noqa: E402
+from f8dist.parallel.fsdp import Float8AllGatherWeight  # noqa: E402
+from f8dist.core.numerics import sqnr  # noqa: E402
 from tests.distributed.harness import REPO_ROOT, launch, result  # noqa: E402
-from tests.test_grouped import run_experts  # noqa: E402
+from tests.nn.test_grouped import run_experts  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
-BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/cells.py)
+BLOCK_RECIPES = ["mxfp8", "blockwise"]  # block scales ([Note: block scales] in f8dist/config/cells.py)
 N_LINEARS = 6 * 5  # debugmodel: 6 blocks of wqkv, wo, w1, w2, w3 (lm_head filtered)
 
 

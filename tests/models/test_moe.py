@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from f8dist import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from f8dist.grouped import Float8GroupedExperts, GroupedExperts
+from f8dist.nn.grouped import Float8GroupedExperts, GroupedExperts
 from f8dist.models.llama import ModelArgs
 from f8dist.models.moe import MoE, MoEArgs, MoETransformer, load_balancing_loss
-from f8dist.numerics import sqnr
+from f8dist.core.numerics import sqnr
 
 
 def _moe(**kw):
@@ -92,7 +92,7 @@ def test_moe_args_say_what_is_wrong():
 def test_an_empty_batch_and_a_nan_token(recipe):
     """No token: an empty output and zero gradients; a NaN token turns its own output row
     non-finite (per-token scales) or all rows (tensorwise: one scale per expert), never a
-    silently finite number ([Note: non-finite values] in f8dist/scaling.py)."""
+    silently finite number ([Note: non-finite values] in f8dist/core/scaling.py)."""
     moe = _moe(top_k=2)
     if recipe is not None:
         convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name(recipe))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from f8dist.numerics import sqnr
+from f8dist.core.numerics import sqnr
 from f8dist.optim import AdamW, StateFormat
 from f8dist.optim.states import QuantizedState, decode, encode, unblock
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from f8dist.numerics import sqnr
+from f8dist.core.numerics import sqnr
 from f8dist.optim.states import StateFormat, blocks, decode, encode, encode_into, unblock
 
 BLOCKWISE = [f for f in StateFormat if f.blockwise]

@@ -89,7 +89,7 @@ def test_ffn_bytes_within_bounds(ffn):
 
 
 def test_delayed_casts_without_rescaling_move_fewer_bytes(ffn):
-    """[Note: the price of re-scaling] in f8dist/delayed/scale.py: a delayed cast with the history's
+    """[Note: the price of re-scaling] in f8dist/policy/delayed/scale.py: a delayed cast with the history's
     scale needs no amax before it, so it fuses into its producer (any torch version)."""
     counted, rescaled = (ffn[("ffn", "f8dist", r)].bytes for r in ("delayed", "delayed_rescaled"))
     tensorwise = ffn[("ffn", "f8dist", "tensorwise")].bytes
@@ -105,25 +105,25 @@ def _assert_fewer_bytes_than_patched(ffn, recipe: str) -> None:
 
 
 def test_casts_that_wait_for_their_amax_read_stored_tensors(ffn, monkeypatch):
-    """[Note: a cast that waits for its amax] in f8dist/scaling.py: without the ``in_memory``
+    """[Note: a cast that waits for its amax] in f8dist/core/scaling.py: without the ``in_memory``
     views, inductor recomputes SwiGLU's gradients in every pass of their casts (any torch)."""
-    import f8dist.cast
-    import f8dist.delayed.scale
+    import f8dist.core.cast
+    import f8dist.policy.delayed.scale
 
     def inlined(x):
         return x
 
-    monkeypatch.setattr(f8dist.cast, "in_memory", inlined)
-    monkeypatch.setattr(f8dist.delayed.scale, "in_memory", inlined)
+    monkeypatch.setattr(f8dist.core.cast, "in_memory", inlined)
+    monkeypatch.setattr(f8dist.policy.delayed.scale, "in_memory", inlined)
     _assert_fewer_bytes_than_patched(ffn, "tensorwise")
 
 
 def test_column_scaled_operands_reach_the_gemm_stored(ffn, monkeypatch):
-    """[Note: operands in their kernel layout] in f8dist/gemm.py: handed to the gemm as views,
+    """[Note: operands in their kernel layout] in f8dist/core/gemm.py: handed to the gemm as views,
     rowwise's column-scaled operands are read twice, once for the amax and once for the cast."""
-    import f8dist.gemm
+    import f8dist.core.gemm
 
-    monkeypatch.setattr(f8dist.gemm, "in_memory", lambda x: x)
+    monkeypatch.setattr(f8dist.core.gemm, "in_memory", lambda x: x)
     _assert_fewer_bytes_than_patched(ffn, "rowwise")
 
 
@@ -137,12 +137,12 @@ def test_backward_weight_casts_take_the_forward_amax(ffn, monkeypatch):
 
 
 def test_delayed_amax_records_follow_their_casts(ffn, monkeypatch):
-    """[Note: record after the cast] in f8dist/delayed/scale.py: recorded before the cast, an amax
+    """[Note: record after the cast] in f8dist/policy/delayed/scale.py: recorded before the cast, an amax
     that the cast does not wait for is a second pass over its tensor."""
-    import f8dist.delayed.state
+    import f8dist.policy.delayed.state
 
-    scale = f8dist.delayed.state.cast_scale
-    monkeypatch.setattr(f8dist.delayed.state, "cast_scale",
+    scale = f8dist.policy.delayed.state.cast_scale
+    monkeypatch.setattr(f8dist.policy.delayed.state, "cast_scale",
                         lambda *args, later=None, **kwargs: scale(*args, **kwargs))
     _assert_fewer_bytes_than_patched(ffn, "delayed")
 
@@ -204,7 +204,7 @@ def _bf16_bytes_read(acc) -> int:
 
 
 def test_block_casts_read_their_tensors_once(linear):
-    """[Note: a block cast in one pass] in f8dist/scaling.py: compiled, each MXFP8 cast of the
+    """[Note: a block cast in one pass] in f8dist/core/scaling.py: compiled, each MXFP8 cast of the
     --small linear's input, weight and gradient (1 x 32 blocks along K, 32 x 1 along the tokens)
     reads its bf16 tensor once, as each rowwise cast does: no more bf16 bytes read than rowwise.
     Before, the block amax and the cast were two kernels, each reading the tensor (2x)."""
@@ -213,7 +213,7 @@ def test_block_casts_read_their_tensors_once(linear):
 
 
 def test_a_kept_square_weight_is_not_cast_again_in_backward(linear):
-    """float8_weight_for_backward ([Note: what the matmul keeps for backward] in f8dist/linear.py):
+    """float8_weight_for_backward ([Note: what the matmul keeps for backward] in f8dist/nn/linear.py):
     compiled, the partitioner keeps the forward's float8 square-tile weight, so no backward kernel
     reads the bf16 weight (before, backward cast it again from the bf16 weight and its saved block
     amaxes: one more read), and the step moves fewer bytes than mxfp8's, which casts its weight

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from f8dist.config import ScaledMMConfig
-from f8dist.gemm import scaled_mm
-from f8dist.numerics import sqnr
+from f8dist.core.gemm import scaled_mm
+from f8dist.core.numerics import sqnr
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
 sys.path.insert(0, os.path.abspath(SCRIPTS))

@@ -20,7 +20,7 @@ generator, Python's ``random``) out and back in: every rank draws what its own p
 draw, from a fresh process's seed. The ranks' arithmetic runs as it would in their processes;
 the collectives are the threaded group's (a sum in rank order; on two ranks any order gives the
 same bits).
-What a process starts without, a run starts without too: f8dist.agreement's count of the checks
+What a process starts without, a run starts without too: f8dist.core.agreement's count of the checks
 each rank made over each group (``_rounds``; the simulated groups' names repeat from run to run).
 """
 
@@ -41,7 +41,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from f8dist import agreement
+from f8dist.core import agreement
 from tests.distributed import common
 from tests.sim.threads import run_threads
 

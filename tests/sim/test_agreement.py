@@ -1,11 +1,11 @@
-"""f8dist/agreement.py on 4 simulated ranks in one process (threads): each rank counts its own
+"""f8dist/core/agreement.py on 4 simulated ranks in one process (threads): each rank counts its own
 checks over a group, so repeated checks by ranks sharing a process agree (they hung, each thread
 bumping the round of the others), and a rank that differs is still named."""
 
 import pytest
 import torch.distributed as dist
 
-from f8dist import agreement
+from f8dist.core import agreement
 from tests.sim.threads import run_threads
 
 

@@ -1,7 +1,7 @@
 """``cast_to_float8`` of DTensors on a 2 x 2 x 4 mesh of 16 simulated ranks (LocalTensorMode,
 [Note: simulating ranks in one process] in tests/sim/__init__.py) against one device: every
 rank's float8 values and scales are those of one device's cast of the whole tensor, and the amax
-is all-reduced over exactly the mesh axes that shard it ([Note: amax] in f8dist/placement.py):
+is all-reduced over exactly the mesh axes that shard it ([Note: amax] in f8dist/core/placement.py):
 a sequence-parallel activation over tp, a K-sharded per-token cast over tp, a block cast over
 none. (16 ranks, not 64: in torch 2.13 DTensor computes every simulated rank's mesh coordinate
 per op, about 10 s a DTensor op on 64 ranks.)"""
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from f8dist import Float8LinearConfig
-from f8dist.cast import cast_to_float8
+from f8dist.core.cast import cast_to_float8
 from f8dist.config import Gemm, Operand
 from f8dist.testing import count_collectives
 from tests.sim.local import local_world, per_rank, shard

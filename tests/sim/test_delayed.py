@@ -1,4 +1,4 @@
-"""f8dist/delayed/ on 2 simulated ranks (threads): the sync across ranks that bring different
+"""f8dist/policy/delayed/ on 2 simulated ranks (threads): the sync across ranks that bring different
 data; delayed scaling under FSDP2 (default config, float8 all-gather, amax init off) and TP
 against one device, and ranks that hold different layers (tests/distributed/delayed_sync.py run by
 tests/sim/programs.py: its checks run inside, the figures are re-checked here)."""
@@ -9,10 +9,10 @@ import torch
 
 from f8dist import sync_float8_amax_and_scale_history
 from f8dist.config import E4M3
-from f8dist.scaling import amax_to_scale
+from f8dist.core.scaling import amax_to_scale
 from tests.sim.programs import simulated
 from tests.sim.threads import run_threads
-from tests.test_delayed import COUNTED, assert_buffers_equal, batches, delayed_buffers, float8_model
+from tests.policy.test_delayed import COUNTED, assert_buffers_equal, batches, delayed_buffers, float8_model
 
 
 def _step(model, x, t):

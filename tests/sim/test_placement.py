@@ -1,4 +1,4 @@
-"""f8dist/placement.py on a 2 x 2 x 4 mesh of 16 simulated ranks (LocalTensorMode, [Note:
+"""f8dist/core/placement.py on a 2 x 2 x 4 mesh of 16 simulated ranks (LocalTensorMode, [Note:
 simulating ranks in one process] in tests/sim/__init__.py): a value reduced over the axes that
 shard its tensor takes ONE all-reduce over exactly those axes, also when they are some of the
 mesh's axes (HSDP x TP: dp_shard and tp, adjacent or not), where DTensor's redistribution made
@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from f8dist.placement import reduce_over_shards
+from f8dist.core.placement import reduce_over_shards
 from f8dist.testing import count_collectives
 from tests.sim.local import local_world, per_rank
 

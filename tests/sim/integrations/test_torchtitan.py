@@ -29,7 +29,7 @@ from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
 import f8dist  # noqa: E402
 import f8dist.integrations.torchtitan as tt  # noqa: E402
-from f8dist.numerics import sqnr  # noqa: E402
+from f8dist.core.numerics import sqnr  # noqa: E402
 from f8dist.testing import count_collectives  # noqa: E402
 from tests.sim.threads import run_threads  # noqa: E402
 

@@ -1,0 +1,1 @@
+"""The float8 tensor and its math: scales (scaling.py), the one cast (cast.py), the gemms (gemm.py, grouped_gemm.py), the wire (tensor.py, weight.py) and the distributed rule (placement.py, agreement.py). Imports only f8dist.config."""

@@ -1,0 +1,1 @@
+"""What and how to cast beyond the table: delayed scaling, activation checkpointing, module filters, checkpoints. Imports f8dist.config and f8dist.core."""

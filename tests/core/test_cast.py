@@ -1,0 +1,117 @@
+"""f8dist/core/cast.py: ``cast_to_float8`` given an amax it already knows; compiled block casts."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from f8dist.core.cast import cast_to_float8
+from f8dist.config import CastSpec, ScaleRounding, ScalingGranularity
+from tests.floors import on_cpu
+
+AXISWISE = ScalingGranularity.AXISWISE
+
+
+@pytest.mark.parametrize("spec", [CastSpec(), CastSpec(granularity=AXISWISE, axis=-1)])
+def test_a_given_amax_casts_as_the_computed_one(spec):
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    amax = x.abs().float().amax(dim=-1, keepdim=True) if spec.axiswise else x.abs().float().max()
+    computed, given = cast_to_float8(x, spec), cast_to_float8(x, spec, amax=amax)
+    assert torch.equal(given._scale, computed._scale)
+    assert torch.equal(given._data.view(torch.uint8), computed._data.view(torch.uint8))
+
+
+def test_a_given_amax_sets_the_scale():
+    """The amax is taken as given, not recomputed: twice the amax, half the scale."""
+    x = torch.randn(16, 32)
+    amax = x.abs().max()
+    assert torch.equal(cast_to_float8(x, CastSpec(), amax=2 * amax)._scale,
+                       cast_to_float8(x, CastSpec())._scale / 2)
+
+
+def test_an_amax_of_the_wrong_shape_or_with_a_scale_is_rejected():
+    x = torch.randn(16, 32)
+    with pytest.raises(ValueError, match="shape of the cast's own"):
+        cast_to_float8(x, CastSpec(), amax=x.abs().amax(dim=-1, keepdim=True))
+    with pytest.raises(ValueError, match="shape of the cast's own"):
+        cast_to_float8(x, CastSpec(granularity=AXISWISE), amax=x.abs().max())
+    with pytest.raises(ValueError, match="not both"):
+        cast_to_float8(x, CastSpec(), torch.tensor(1.0), amax=x.abs().max())
+
+
+@on_cpu  # a CPU mesh
+def test_block_casts_of_dtensors_need_shards_on_block_boundaries():
+    """[Note: shards on block boundaries]: a DTensor whose shards hold whole blocks casts its
+    local shard (no collective); one whose shards would split a block raises, naming the fix."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from f8dist import Float8LinearConfig
+
+    spec = Float8LinearConfig.from_recipe_name("mxfp8").cast_spec("output", "input", "lin")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.randn(4, 64)
+        for placement in (Shard(0), Shard(1)):  # 1x32 blocks: rows, and 64 columns per rank
+            fp8 = cast_to_float8(DTensor.from_local(local, mesh, [placement]), spec)
+            assert fp8.placements == (placement,)
+            alone = cast_to_float8(local, spec)
+            assert torch.equal(fp8.to_local()._data.view(torch.uint8), alone._data.view(torch.uint8))
+        split = DTensor.from_local(torch.randn(4, 48), mesh, [Shard(1)])  # 48 columns per rank
+        with pytest.raises(NotImplementedError, match="lin:output:input: a block-scaled cast of a "
+                                                      "DTensor needs shards on block boundaries.*"
+                                                      "splits its 32-wide blocks"):
+            cast_to_float8(split, spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def _block_specs():
+    """One spec per distinct block cast of the block recipes (the block in the operand's layout,
+    dtype, scale dtype, rounding), plus MXFP8's OCP floor rounding ([Note: e8m0 rounding])."""
+    from f8dist import Float8LinearConfig
+    from f8dist.config import Gemm
+
+    specs = {}
+    for recipe in ("mxfp8", "mxfp8_square_weights", "blockwise"):
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        for gemm in Gemm:
+            for operand in gemm.operands:
+                spec = config.cast_spec(gemm, operand, "lin")
+                if spec.blockwise:
+                    key = (spec.block_shape(2), spec.dtype, spec.scale_dtype, spec.scale_rounding)
+                    specs.setdefault(key, spec)
+    mx = next(s for s in specs.values() if s.block_size == (1, 32))
+    specs["floor"] = dataclasses.replace(mx, scale_rounding=ScaleRounding.FLOOR)
+    return list(specs.values())
+
+
+@on_cpu  # compiled casts on the CPU (the Note)
+@pytest.mark.parametrize("spec", _block_specs(), ids=lambda s: "{}x{}-{}-{}".format(
+    *s.block_shape(2), str(s.scale_dtype).split(".")[1], s.scale_rounding.value))
+def test_compiled_block_casts_are_eager_bit_for_bit(spec):
+    """[Note: a block cast in one pass] in f8dist/core/scaling.py: compiled, a block cast gives eager's
+    bytes and scales, bit for bit; blocks of zeros, of float32 subnormals, of an inf, and blocks
+    whose amax sits just above e4m3's max (where floor and rceil part) included."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256) * torch.logspace(-6, 6, 256)  # [256, 256], 12 decades
+    x[:128, :128] = 0.0
+    x[128:, :32] *= 1e-40  # subnormal float32 amaxes
+    x[:32, 128:160] = 449.0 * torch.rand(32, 32).sign()
+    x[200, 250] = float("inf")
+    x = x.to(torch.bfloat16)
+
+    def cast(t):
+        fp8 = cast_to_float8(t, spec)
+        return fp8._data, fp8._scale
+
+    torch._dynamo.reset()
+    for e, c in zip(cast(x), torch.compile(cast, fullgraph=True)(x)):
+        assert e.dtype == c.dtype and e.shape == c.shape
+        nan = torch.isnan(e.float())  # the inf's block: NaN either way, its sign bit may differ
+        assert torch.equal(nan, torch.isnan(c.float()))
+        bits = {1: torch.uint8, 4: torch.int32}[e.element_size()]
+        assert torch.equal(e.view(bits)[~nan], c.view(bits)[~nan])

@@ -1,0 +1,349 @@
+"""scripts/train.py and scripts/compare_loss.py pieces that need no process group."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+import compare_loss  # noqa: E402
+import train  # noqa: E402
+import train_flags  # noqa: E402
+
+
+def test_lr_warms_up_then_decays_to_a_tenth():
+    args = train.parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1.0"])
+    assert train.lr_at(5, args) == 0.5
+    assert train.lr_at(10, args) == 1.0
+    lrs = [train.lr_at(s, args) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert train.lr_at(100, args) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--float8", "rowwise", "--float8-all-gather"], "tensorwise weight cast"),
+    (["--float8", "mxfp8", "--float8-all-gather"], "square weight blocks"),
+    (["--float8", "fp8"], "invalid choice"),
+    # 128x128 weight blocks: the fixes are flags (they were module_filter_fn and a config field)
+    (["--float8", "blockwise"], "(64 -> 64): block-scaled float8 needs the layer's dims to divide "
+     "into its blocks, got in_features=64 (block 128), out_features=64 (block 128); add "
+     "--pad-inner-dim (the last block zero-padded, exact), use --dim 128 --ffn-dim-multiplier 1.5 "
+     "or keep the linears in high precision with --float8 none (see --help)"),
+    (["--float8", "mxfp8", "--dim", "48", "--n-heads", "3"], "use --dim 96 or keep"),
+    (["--float8", "tensorwise", "--pad-inner-dim"],
+     "every linear of this model takes --float8 tensorwise as it is: it would do nothing"),
+    (["--float8", "none", "--pad-inner-dim"], "--pad-inner-dim change(s) how float8 linears"),
+    (["--float8", "mxfp8", "--dim", "48"], "in_features=48 (block 32)"),
+    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),  # was % 0
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),  # saved nothing
+    (["--tp", "0"], "argument --tp: must be a positive integer, got 0"),
+    (["--seq-len", "100000000"], "--seq-len 100000000 is longer than the training text"),  # hung
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--grad-accum-steps", "0"], "argument --grad-accum-steps: must be a positive integer, got 0"),
+    (["--batch-size", "6", "--grad-accum-steps", "4"], "--grad-accum-steps 4 must divide each rank's batch"),
+    (["--ep", "2"], "--ep shards experts: it needs --moe-experts N"),
+    (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 exceeds --moe-experts 2"),
+    (["--moe-experts", "4", "--compile"], "--moe-experts does not run with --compile"),
+    (["--max-norm", "-1"], "--max-norm must be positive (inf: no clipping), got -1.0"),  # reversed grads
+    (["--max-norm", "0"], "--max-norm must be positive"),
+    (["--max-norm", "nan"], "--max-norm must be positive"),
+    (["--checkpoint-dir", "/dev/null/ckpt"], "--checkpoint-dir /dev/null/ckpt: /dev/null is not a directory"),
+    (["--metrics-file", "/dev/null/m.json"], "--metrics-file /dev/null/m.json: /dev/null is not a directory"),
+    (["--metrics-file", "/proc/sys/m.json"], "--metrics-file /proc/sys/m.json: cannot write in /proc/sys"),
+    (["--metrics-file", "/tmp"], "--metrics-file /tmp is a directory"),
+    (["--float8-stats-every", "1", "--float8-stats-dir", "/dev/null/s"], "--float8-stats-dir /dev/null/s"),
+    # flags that would do nothing in the run: refused, not ignored
+    (["--float8", "none", "--recompute-norm-output"],
+     "--recompute-norm-output change(s) how float8 linears keep"),
+    (["--float8", "none", "--float8-activations-for-backward", "--recompute-swiglu-product"],
+     "--float8-activations-for-backward, --recompute-swiglu-product change(s)"),
+    (["--float8", "mxfp8", "--sp-grad-weight", "recast"], "add --tp N or drop it"),
+    (["--moe-top-k", "3"], "--moe-top-k picks the experts of each token: it would do nothing"),
+    (["--float8-stats-dir", "s"], "add --float8-stats-every N or drop it"),
+    (["--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+])
+def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    err = capsys.readouterr().err
+    assert match in err
+    assert err.count("\n") == 1, err  # no usage dump
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--float8", "none", "--pad-inner-dim"], "--pad-inner-dim change(s) how float8 linears"),
+    (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
+    (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+])
+def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
+    """[Note: flags before torch]: under torchrun every rank paid torch's import for it."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "train.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "WORLD_SIZE": "2", "RANK": "0"}
+    run = subprocess.run([sys.executable, "-X", "importtime", script, *argv], env=env,
+                         capture_output=True, text=True, timeout=60)
+    lines = run.stderr.splitlines()
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    message = [line for line in lines if not line.startswith("import time:")]
+    assert run.returncode == 2 and len(message) == 1 and match in message[0], run.stderr[-2000:]
+    assert "argparse" in imported and not imported & {"torch", "f8dist"}, sorted(imported)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tp", "3"], "--tp 3 must divide the number of ranks (4)"),
+    (["--batch-size", "6"], "--batch-size 6 must be a multiple of the 4 data-parallel ranks"),
+    (["--tp", "4", "--n-heads", "2"], "must be multiples of it (got 2)"),
+    (["--moe-experts", "6", "--ep", "4"], "--ep 4 must divide --moe-experts (6)"),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2"], "does not run with --tp with --ep > 1"),
+    (["--moe-experts", "6", "--float8", "tensorwise", "--float8-all-gather"],
+     "which must divide --moe-experts (6)"),
+    # 128x128 weight blocks: dim 128 over 2 tp ranks leaves 64 rows of wq per rank
+    (["--tp", "2", "--float8", "blockwise", "--dim", "128", "--ffn-dim-multiplier", "1.5"],
+     "attention.wq (128 -> 128) over 2 ranks: the output gemm's weight cast has (128, 128) blocks"),
+    (["--tp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --tp 4: sequence parallelism"),
+    (["--tp", "2", "--float8", "rowwise", "--recompute-norm-output"],
+     "under --tp the norms are sequence parallel"),
+    (["--tp", "4", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+    (["--tp", "2", "--float8", "rowwise", "--sp-grad-weight", "backward_gather"],
+     "sp_grad_weight='backward_gather'"),  # a recipe it does not apply to
+])
+def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
+                                                                            monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
+    ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
+])
+def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train.parse_args(argv).moe_experts == 4
+
+
+@pytest.mark.parametrize("argv", [
+    ["--float8", "blockwise", "--pad-inner-dim"],
+    ["--float8", "blockwise", "--dim", "128", "--ffn-dim-multiplier", "1.5"],
+    ["--float8", "mxfp8", "--dim", "96", "--n-heads", "3"],
+])
+def test_the_flags_a_float8_refusal_names_fit(argv):
+    assert train.parse_args(argv).float8 == argv[1]
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ") and "One flat loop, nanoGPT-style." in text  # the layout kept
+    options = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    assert len(options) > 30
+    lacking = [o.split()[0] for o in options if "(default: " not in " ".join(o.split())]
+    assert lacking == ["-h,"], lacking  # every flag's default (there were none)
+    assert "--steps STEPS " in text and "(default: 60)" in text
+
+
+def test_only_rank0_prints_a_flag_error(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--steps", "0"])
+    assert capsys.readouterr().err == ""
+
+
+def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
+    # step-10 is complete; step-20 has no .metadata (a save killed before train.py saved
+    # atomically); step-30.partial is a killed atomic save
+    for name, complete in (("step-10", True), ("step-20", False), ("step-30.partial", False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"shard")
+        if complete:
+            (tmp_path / name / ".metadata").write_bytes(b"meta")
+            train.write_checksums(str(tmp_path / name))
+    assert train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-10")
+    assert train.latest_checkpoint(str(tmp_path / "missing")) is None
+
+
+def test_float8_config_follows_the_flag():
+    assert train.float8_config(train.parse_args(["--float8", "none"])) is None
+    config = train.float8_config(train.parse_args(["--float8", "rowwise"]))
+    assert config.round_scales_to_power_of_2  # the rowwise recipe, not the default table
+
+
+def test_loss_table_compares_each_recipe_with_bf16():
+    curves = {"none": [5.0, 2.0, 2.0], "tensorwise": [5.0, 2.2, 2.0]}
+    table = compare_loss.loss_table(curves, tail=2, title="t")
+    assert "| bf16 | 2.0000 |  |" in table
+    assert "| tensorwise | 2.1000 | +5.00% |" in table
+
+
+def test_loss_table_compares_8bit_states_with_fp32_states():
+    curves = {"none/fp32": [5.0, 2.0, 2.0], "none/8bit": [5.0, 2.0, 2.02],
+              "tensorwise/fp32": [5.0, 2.2, 2.0], "tensorwise/8bit": [5.0, 2.2, 2.1]}
+    table = compare_loss.loss_table(curves, tail=2, title="t")
+    assert "| bf16, fp32 states | 2.0000 |  |  |" in table
+    assert "| bf16, 8bit states | 2.0100 | +0.50% | +0.50% |" in table
+    assert "| tensorwise, 8bit states | 2.1500 | +7.50% | +2.38% |" in table
+
+
+def test_optim_states_flag_picks_the_optimizer():
+    import torch
+
+    from f8dist.optim import AdamW
+
+    model = torch.nn.Linear(4, 4)
+    assert type(train.build_optimizer(model, train.parse_args([]))) is torch.optim.AdamW
+    eight = train.build_optimizer(model, train.parse_args(["--optim-states", "8bit"]))
+    assert isinstance(eight, AdamW) and eight.defaults["betas"] == (0.9, 0.95)
+
+
+def test_float8_activations_flag_sets_the_config_field():
+    args = train.parse_args(["--float8", "rowwise", "--float8-activations-for-backward"])
+    assert train.float8_config(args).float8_activations_for_backward
+    off = train.float8_config(train.parse_args(["--float8", "rowwise"]))
+    assert not off.float8_activations_for_backward
+    rc = train.float8_config(train.parse_args(
+        ["--float8", "rowwise", "--float8-activations-for-backward", "--recompute-swiglu-product"]))
+    assert rc.recompute_swiglu_product and not off.recompute_swiglu_product
+    n = train.float8_config(train.parse_args(["--float8", "rowwise", "--recompute-norm-output"]))
+    assert n.recompute_norm_output and not off.recompute_norm_output
+    assert off.sp_grad_weight == "forward_gather"
+
+
+def test_sp_grad_weight_flag_sets_the_config_field_under_tp(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sp = train.float8_config(train.parse_args(
+        ["--float8", "mxfp8", "--tp", "2", "--dim", "256", "--sp-grad-weight", "recast"]))
+    assert sp.sp_grad_weight == "recast"
+
+
+def test_memory_line_splits_params_grads_optimizer_and_activations():
+    """[Note: the memory line]: parameters, gradients and optimizer state counted from the
+    tensors themselves; activations from what autograd saves (the CPU's count)."""
+    import torch
+
+    from f8dist.models import ModelArgs, Transformer
+    from f8dist.testing import saved_tensor_bytes
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+    model = Transformer(args)
+    n, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    tokens = torch.randint(0, 256, (2, 16))
+    for states in ("fp32", "8bit"):
+        optimizer = train.build_optimizer(model, train.parse_args(["--optim-states", states]))
+        model(tokens).float().sum().backward()
+        optimizer.step()
+        split = train.memory_split(model, optimizer)
+        assert split["params"] == 4 * n + model.rope.numel() * 4
+        assert split["grads"] == 4 * n
+        if states == "fp32":  # two fp32 moments per parameter, a float32 step per tensor
+            assert split["optim"] == 8 * n + 4 * tensors
+        else:  # 2.1875 bytes per element of whole blocks of 64 (3 float32 per block)
+            assert 2.1875 * n < split["optim"] <= 2.1875 * (n + 63 * tensors) + 4 * tensors
+        model.zero_grad(set_to_none=True)
+
+    block, x = model.layers["0"], torch.randn(2, 16, 32)
+    with train.kept_for_backward(torch.device("cpu"), model, split):  # its params and buffers out
+        block(x.clone().requires_grad_(), model.rope)
+    assert split["act"] == saved_tensor_bytes(block, x, model.rope) > 0
+    line = train.memory_text(torch.device("cpu"), split)
+    assert line.startswith("memory: ")
+    assert "GiB (params 0.1MiB grads 0.1MiB optim 0.1MiB act " in line, line
+
+
+def test_directories_that_do_not_exist_yet_are_fine_where_they_can_be_made(tmp_path):
+    args = train.parse_args(["--checkpoint-dir", str(tmp_path / "a" / "b"),
+                             "--metrics-file", str(tmp_path / "c" / "m.json"), "--max-norm", "inf"])
+    assert args.max_norm == float("inf") and not (tmp_path / "a").exists()  # nothing made yet
+
+
+def test_tps_leaves_out_the_first_step():
+    # a first step of 100 s (compiling), then 1 s per step of 10 tokens: 10 tokens/s at step 10
+    # (it was 90 tokens / 109 s, the compile counted in)
+    rate = train.Throughput(now=1.0)
+    for step in range(1, 11):
+        rate.step(10, now=101.0 + step - 1)
+    assert rate.tps(now=110.0) == 10.0
+    rate.step(10, now=111.0)
+    assert rate.tps(now=111.0) == 10.0
+    only = train.Throughput(now=1.0)  # a line at the first step has nothing else to count
+    only.step(10, now=101.0)
+    assert only.tps(now=101.0) == 0.1
+
+
+def test_eta_leaves_out_the_first_step():
+    # a first step of 100 s (compiling), then 1 s per step: 9 steps left take 9 s, not 91 * 9 / 10
+    assert train.eta_seconds(now=110.0, first_step_end=101.0, done=10, left=9, start=1.0) == 9.0
+    assert train.eta_seconds(now=101.0, first_step_end=101.0, done=1, left=9, start=1.0) == 900.0
+
+
+def test_float8_linears_line_folds_the_blocks():
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.models import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=16))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda m, fqn: fqn not in ("output", "layers.1.attention.wo"))
+    text = train.float8_linears_text(model, "rowwise")
+    assert text.startswith("float8 linears (rowwise): 20 of 22: layers.*.attention.wq, "), text
+    assert "layers.{0,2}.attention.wo, layers.*.feed_forward.w1" in text, text
+    assert text.endswith("| high precision: 2: layers.{1}.attention.wo, output"), text
+
+
+def test_float8_linears_line_names_the_grouped_experts():
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.models import ModelArgs
+    from f8dist.models.moe import MoEArgs, MoETransformer
+
+    model = MoETransformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16),
+                           MoEArgs(num_experts=4, top_k=2))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda m, fqn: fqn not in ("output", "layers.1.moe.experts"))
+    text = train.float8_linears_text(model, "tensorwise")
+    # the routed experts were not in the line (it listed only the shared expert's linears)
+    assert text.endswith("| high precision: 1: output || float8 grouped experts: 1 of 2: "
+                         "layers.{0}.moe.experts | high precision: 1: layers.{1}.moe.experts"), text
+
+
+def test_recipe_names_have_one_list_that_train_reads_without_torch():
+    """train_flags.py reads Float8LinearRecipeName from f8dist/config/recipe_names.py as a file (before
+    torch); it is the enum f8dist.config and f8dist.config.recipes give, not a copy of it."""
+    import f8dist.config.recipe_names
+    from f8dist.config import Float8LinearRecipeName
+
+    assert Float8LinearRecipeName is f8dist.config.recipe_names.Float8LinearRecipeName
+    assert train_flags.RECIPES == train.RECIPES == ("none", *(r.value for r in Float8LinearRecipeName))
+
+
+def test_a_new_recipe_is_picked_up_with_what_its_config_allows(monkeypatch):
+    """The recipe lists come from Float8LinearRecipeName and each recipe's config: a recipe
+    added there is a --float8 choice, a block recipe if its casts are, a --float8-all-gather
+    one if its config takes enable_fsdp_float8_all_gather."""
+    import importlib
+    from f8dist.config import Float8LinearConfig
+
+    names = train_flags.RECIPES
+    from_name = Float8LinearConfig.from_recipe_name
+    monkeypatch.setattr(train_flags, "RECIPES", (*names, "new"))
+    monkeypatch.setattr(Float8LinearConfig, "from_recipe_name", staticmethod(
+        lambda r: from_name("mxfp8_square_weights" if str(getattr(r, "value", r)) == "new" else r)))
+    try:
+        new = importlib.reload(train)
+        assert new.RECIPES == (*names, "new")
+        assert "new" in new.BLOCK_RECIPES and "new" in new.FLOAT8_ALL_GATHER
+        assert new.parse_args(["--float8", "new"]).float8 == "new"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(train)
+    assert train.RECIPES == names
+    assert train.BLOCK_RECIPES == ("mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights",
+                                   "blockwise")
+    assert train.FLOAT8_ALL_GATHER == ("tensorwise", "delayed", "mxfp8_square_weights",
+                                       "blockwise")
