@@ -130,9 +130,9 @@ def test_column_scaled_operands_reach_the_gemm_stored(ffn, monkeypatch):
 def test_backward_weight_casts_take_the_forward_amax(ffn, monkeypatch):
     """CastSpecs.weight_amax_from_forward: rowwise_with_gw_hp's tensorwise backward weight casts
     would otherwise read every weight once more for its amax."""
-    import f8dist.config
+    import f8dist.config.linear
 
-    monkeypatch.setattr(f8dist.config, "_amax_follows", lambda *args: False)
+    monkeypatch.setattr(f8dist.config.linear, "_amax_follows", lambda *args: False)
     _assert_fewer_bytes_than_patched(ffn, "rowwise_with_gw_hp")
 
 

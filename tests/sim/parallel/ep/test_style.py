@@ -232,14 +232,3 @@ def test_style_on_torchtitan_experts_matches_one_device(float8_dispatch):
 
     run_threads(WORLD, rank_main)
 
-
-def test_f8dist_dispatch_is_a_deprecated_alias():
-    import importlib
-    import sys
-
-    import f8dist.parallel.ep
-
-    sys.modules.pop("f8dist.parallel.ep.dispatch", None)
-    with pytest.warns(DeprecationWarning, match="f8dist.parallel.ep"):
-        old = importlib.import_module("f8dist.parallel.ep.dispatch")
-    assert old.expert_parallel is f8dist.parallel.ep.expert_parallel and old.all_to_all is f8dist.parallel.ep.all_to_all
