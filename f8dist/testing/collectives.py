@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["CollectiveStats", "CollectiveCounts", "count_collectives", "record_collective", "KINDS"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "gather",
-         "scatter", "reduce")
+         "scatter", "reduce", "send", "recv")
 
 
 @dataclass
@@ -110,6 +110,8 @@ _C10D = {
     "gather_": ("gather", 1, 0),
     "scatter_": ("scatter", 1, 0),
     "reduce_": ("reduce", 0, 0),
+    "send": ("send", 0, 0),  # point to point (pipeline stages): counted by the rank that calls it
+    "recv_": ("recv", 0, 0),
 }
 _FUNCTIONAL = {
     "all_reduce": ("all_reduce", 0, "ret"),

@@ -48,6 +48,7 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # functional collectives per thread
     ProcessLocalGroup.reset()
     counted = _count_python_collectives(ProcessLocalGroup)
+    counted.update(_point_to_point(ProcessLocalGroup))
     try:
         threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
         for t in threads:
@@ -59,7 +60,10 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
             raise TimeoutError(f"a simulated rank ran past {timeout} s")
     finally:
         for name, method in counted.items():
-            setattr(ProcessLocalGroup, name, method)
+            if method is None:
+                delattr(ProcessLocalGroup, name)
+            else:
+                setattr(ProcessLocalGroup, name, method)
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         _uninstall_threaded_pg()
         ProcessLocalGroup.reset()
@@ -104,4 +108,54 @@ def _count_python_collectives(pg_class) -> dict:
     # a barrier (the threaded group's runs an all-reduce) is not counted, as on gloo
     originals["barrier"] = pg_class.barrier
     pg_class.barrier = lambda self, opts=None: originals["allreduce"](self, [torch.ones(1)])
+    return originals
+
+
+def _point_to_point(pg_class) -> dict:
+    """Give the threaded group ``send`` and ``recv`` (torch's has none; pipeline stages need
+    them): a sent tensor is copied into a mailbox per (group, source, destination, tag), in
+    order, and a receive completes when its message is there. Counted as ``send`` / ``recv``
+    ([Note: what is counted]); returns the methods to restore (None: none before)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+    from torch.futures import Future
+
+    from f8dist.testing.collectives import record_collective
+
+    lock = threading.Lock()
+    mail: dict = {}  # key -> list of tensors sent, not yet received
+    waiting: dict = {}  # key -> list of (tensor to fill, future) posted before their message
+
+    def done() -> "dist.Work":
+        fut = Future()
+        fut.set_result(None)
+        return _create_work_from_future(fut)
+
+    def send(self, tensors, dst, tag=0):
+        record_collective("send", tensors, tensors, self)
+        key = (self.pg_name, self._rank, dst, tag)
+        message = tensors[0].detach().view(-1).view(torch.uint8).clone()  # its bytes, as they are
+        with lock:
+            if waiting.get(key):
+                tensor, fut = waiting[key].pop(0)
+            else:
+                mail.setdefault(key, []).append(message)
+                return done()
+        tensor.view(-1).view(torch.uint8).copy_(message)
+        fut.set_result(None)
+        return done()
+
+    def recv(self, tensors, src, tag=0):
+        record_collective("recv", tensors, tensors, self)
+        key = (self.pg_name, src, self._rank, tag)
+        with lock:
+            if not mail.get(key):
+                fut = Future()
+                waiting.setdefault(key, []).append((tensors[0].detach(), fut))
+                return _create_work_from_future(fut)
+            message = mail[key].pop(0)
+        tensors[0].detach().view(-1).view(torch.uint8).copy_(message)
+        return done()
+
+    originals = {name: pg_class.__dict__.get(name) for name in ("send", "recv")}
+    pg_class.send, pg_class.recv = send, recv
     return originals
