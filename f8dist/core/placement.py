@@ -44,6 +44,7 @@ __all__ = [
     "reduce_partial",
     "reduce_over_shards",
     "all_reduce",
+    "all_gather",
     "blocks_split_by_shards",
     "expert_token_placements",
 ]
@@ -130,6 +131,17 @@ def all_reduce(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
     if getattr(group, "ndim", 1) > 1:  # a multi-dimensional device mesh
         group = _whole_mesh_group(group)
     return funcol.wait_tensor(funcol.all_reduce(t, op, group if group is not None else dist.group.WORLD))
+
+
+def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Functional all-gather of ``t`` along ``dim`` over ``group`` (a process group or a 1-D
+    device mesh); ``t`` itself without a process group."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return t
+    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), dim, group))
 
 
 def _whole_mesh_group(mesh) -> Optional[object]:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from f8dist.core.cast import cast_to_float8
 from f8dist.config import Float8LinearConfig, Gemm, Operand, ScalingType
 from f8dist.core.placement import (
-    blocks_split_by_shards, is_dtensor, like, local_part, reduce_over_shards,
+    all_gather, blocks_split_by_shards, is_dtensor, like, local_part, reduce_over_shards,
 )
 from f8dist.core.scaling import amax_to_scale, tensor_amax
 from f8dist.core.tensor import Float8Tensor, wrapper_like
@@ -165,14 +165,19 @@ class Float8AllGatherWeight(torch.Tensor):
     def _scale_for_all_gather(self, mesh, module, spec) -> torch.Tensor:
         """The scale of the whole weight: delayed, precomputed, or from an amax all-reduce."""
         if spec.scaling_type is ScalingType.DELAYED:
-            # a copy: the sync updates the buffer in place ([Note: eval forwards under FSDP2])
-            return module.delayed.all_gather_scale(
-                self._tensor, *_sharding_of(self, module, mesh)
-            ).clone()
+            return self._delayed_scale(mesh, module)
         if self._precomputed is not None and self._precomputed[1] == self._tensor._version:
             return self._precomputed[0]
         amax = self._whole_weight_amax(mesh, module)
         return amax_to_scale(amax, spec.dtype, round_to_power_of_2=spec.round_scales_to_power_of_2)
+
+    def _delayed_scale(self, mesh, module) -> torch.Tensor:
+        """The delayed scale of the whole weight, from its amax history (a Float8Linear's, or
+        the ExpertWeightScaling of an expert weight); recorded, as a forward's weight cast is."""
+        scaling = getattr(module, "delayed_scaling", None)  # grouped experts: one per weight
+        state = module.delayed if scaling is None else scaling[_param_name(self, module)].delayed
+        # a copy: the sync updates the buffer in place ([Note: eval forwards under FSDP2])
+        return state.all_gather_scale(self._tensor, *_sharding_of(self, module, mesh)).clone()
 
     def _whole_weight_amax(self, mesh, module) -> torch.Tensor:
         """amax of the logical weight: one all-reduce over the axes sharding it."""
@@ -194,17 +199,9 @@ class Float8AllGatherWeight(torch.Tensor):
 
 
 def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
-    from torch.distributed.tensor import Shard
-
     block = spec.block_shape(2)
     rows_per_block, padded_rows = block[0], -(-outer_size[0] // mesh.size())  # FSDP2's chunk
-    split = blocks_split_by_shards(outer_size, block, [mesh.size()], [Shard(0)])
-    if split:  # [Note: shards on block boundaries] in f8dist/core/placement.py
-        raise ValueError(
-            f"{spec.site}: the float8 all-gather of a block-scaled weight needs shards on block "
-            f"boundaries, got {split}: change the number of ranks or the layer's size, or set "
-            "enable_fsdp_float8_all_gather=False"
-        )
+    _check_whole_blocks(spec, outer_size, mesh, 0)
     # cast as part of the logical weight ([Note: statistics of the logical tensor])
     shard = weight._tensor  # [rows, K]
     fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
@@ -216,30 +213,27 @@ def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, mod
 
 # [Note: float8 all-gather of expert weights]
 # A Float8GroupedExperts' w1, w2, w3 ([experts, out, in]) are wrapped like a Float8Linear's
-# weight, with one dynamic scale per expert ([Note: grouped casts] in f8dist/config/specs.py); the
-# experts' delayed and block-scaled weights are gathered in high precision (``gathers_float8``;
-# convert_to_float8_training warns, since refusing the config would also take the linears'
-# float8 gather). Each rank casts its shard as part of the logical weight ([Note: amax] in
-# f8dist/core/placement.py):
+# weight and cast as their output gemm's weight spec says ([Note: grouped casts] in
+# f8dist/config/specs.py): one dynamic scale per expert [E, 1, 1], a delayed scale of the whole
+# weight (its ExpertWeightScaling's history, [Note: delayed experts] in f8dist/nn/grouped.py), or
+# square blocks per expert (1, rows, cols). Each rank casts its shard as part of the logical
+# weight ([Note: amax] in f8dist/core/placement.py), so the gathered bytes and scales are those of
+# a cast of the whole weight:
 #
-# * FSDP2 on dim 1 ([Note: EP x FSDP2] in f8dist/models/moe_parallel.py): one all-reduce of the
-#   local experts' amaxes; the scales are then equal on every rank and ride as metadata;
-# * FSDP2 on dim 0: each rank holds whole experts, whose scales differ between ranks and are
-#   gathered with the bytes; FSDP2's uneven shards then need num_experts % ranks == 0.
-
-
-def gathers_float8(spec) -> bool:
-    """Whether FSDP2 all-gathers an expert weight with output-gemm cast ``spec`` in float8: a
-    dynamic per-expert cast ([Note: float8 all-gather of expert weights])."""
-    return (spec.enabled and not spec.axiswise and not spec.blockwise
-            and spec.scaling_type is ScalingType.DYNAMIC)
+# * FSDP2 on dim 0: each rank holds whole experts, whose per-expert scales and block grids travel
+#   with the bytes along dim 0 ([Note: the wire] in f8dist/core/tensor.py); FSDP2's uneven shards
+#   then need num_experts % ranks == 0;
+# * FSDP2 on dim 1 ([Note: EP x FSDP2] in f8dist/models/moe_parallel.py): FSDP2 chunk-cats every
+#   all-gather output in the shape of the weight's shard (torch 2.13), so nothing else rides
+#   with the bytes: per-expert scales come from one all-reduce of the local experts' amaxes, a
+#   block grid from one all-gather of the shards' grids (each shard holding whole blocks), and
+#   stay home, in the WireMeta, as a delayed scale does (the same on every rank).
+#
+# A block shard that would split a block raises at the all-gather, naming the fix.
 
 
 def _experts_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):
     shard = weight._tensor  # [E_local, N, K] sharded on dim 0 or 1 by FSDP2
-    if not gathers_float8(spec):  # Float8GroupedExperts wraps no such weight
-        raise NotImplementedError(f"{spec.site}: float8 all-gather of expert weights is dynamic "
-                                  "tensorwise")
     fsdp_dim = 0 if tuple(shard.shape[1:]) == tuple(outer_size[1:]) else 1
     if fsdp_dim == 0 and outer_size[0] % mesh.size():
         raise ValueError(
@@ -248,9 +242,31 @@ def _experts_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, m
             "ranks; change the number of experts or ranks, shard on dim 1 (fully_shard_moe), or "
             "set enable_fsdp_float8_all_gather=False"
         )
-    fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec))
-    # [E_local, N, K] bytes; the [E_local, 1, 1] scales travel on dim 0 only
-    return _to_wire(fp8, fsdp_dim)
+    if spec.blockwise:
+        _check_whole_blocks(spec, outer_size, mesh, fsdp_dim)
+    scale = weight._delayed_scale(mesh, module) if spec.scaling_type is ScalingType.DELAYED \
+        else None
+    fp8 = local_part(cast_to_float8(like(_sharded_param(weight, module), shard), spec, scale))
+    wire, meta = _to_wire(fp8, fsdp_dim)  # [E_local, N, K] bytes (and the scales on dim 0)
+    if fsdp_dim == 1 and len(wire) > 1:  # the block grid of the whole dim 1 stays home
+        grid = all_gather(wire[1], 1, mesh).view(meta.scale_dtype)  # [E_local, N / rows, K / cols]
+        wire, meta = wire[:1], meta._replace(scale=grid)
+    return wire, meta
+
+
+def _check_whole_blocks(spec, outer_size, mesh, dim: int) -> None:
+    """Raise unless FSDP2's shards of a weight of ``outer_size`` on ``dim`` hold whole blocks of
+    ``spec`` ([Note: shards on block boundaries] in f8dist/core/placement.py)."""
+    from torch.distributed.tensor import Shard
+
+    block = spec.block_shape(len(outer_size))
+    split = blocks_split_by_shards(outer_size, block, [mesh.size()], [Shard(dim)])
+    if split:
+        raise ValueError(
+            f"{spec.site}: the float8 all-gather of a block-scaled weight needs shards on block "
+            f"boundaries, got {split}: change the number of ranks or the layer's size, or set "
+            "enable_fsdp_float8_all_gather=False"
+        )
 
 
 def _to_wire(fp8: Float8Tensor, dim: int):
@@ -265,13 +281,18 @@ def _weight_spec(local: torch.Tensor, module, config: Float8LinearConfig):
     from FSDP2's 1-argument hook: the wrapper's config)."""
     specs = getattr(module, "specs", None)
     if isinstance(specs, dict):  # grouped experts: which of w1, w2, w3
-        for name, p in module.named_parameters(recurse=False):
-            if p is local or getattr(p, "_local_tensor", None) is local:
-                return specs[name][Gemm.OUTPUT, Operand.WEIGHT]
-        raise RuntimeError(f"{type(module).__name__} holds no parameter {type(local).__name__}")
+        return specs[_param_name(local, module)][Gemm.OUTPUT, Operand.WEIGHT]
     if specs is not None:
         return specs[Gemm.OUTPUT, Operand.WEIGHT]
     return config.cast_spec(Gemm.OUTPUT, Operand.WEIGHT)
+
+
+def _param_name(local: torch.Tensor, module) -> str:
+    """The name of ``module``'s parameter whose local tensor is ``local``."""
+    for name, p in module.named_parameters(recurse=False):
+        if p is local or getattr(p, "_local_tensor", None) is local:
+            return name
+    raise RuntimeError(f"{type(module).__name__} holds no parameter {type(local).__name__}")
 
 
 def _sharded_param(local: torch.Tensor, module):

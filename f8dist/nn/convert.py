@@ -142,7 +142,6 @@ def convert_to_float8_training(
                 new.register_module(child_name, child)
         if parent is not None:
             setattr(parent, name, new)
-    _note_high_precision_gathers(swaps)
     ignore_in_ddp(out)  # [Note: ranks that disagree]
     agreement.check_before_first_forward(out)
     if skipped_subclasses:
@@ -160,19 +159,6 @@ def convert_to_float8_training(
             len(skipped), "; ".join(skipped),
         )
     return out
-
-
-def _note_high_precision_gathers(swaps) -> None:
-    """Warn once naming the expert weights FSDP2 all-gathers in high precision ([Note: float8
-    all-gather of expert weights] in f8dist/core/weight.py)."""
-    weights = [w for _, _, old, new in swaps if isinstance(new, Float8GroupedExperts)
-               and new is not old for w in new.high_precision_gathered]
-    if weights:
-        logger.warning(
-            "f8dist: enable_fsdp_float8_all_gather: FSDP2 all-gathers %d expert weight(s) in high "
-            "precision: %s. Float8 all-gather of expert weights is implemented for dynamic "
-            "tensorwise casts only, not for these delayed or block-scaled ones; the linears' "
-            "weights are gathered in float8.", len(weights), ", ".join(dict.fromkeys(weights)))
 
 
 def _resolve_config(config) -> Float8LinearConfig:

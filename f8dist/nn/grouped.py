@@ -21,7 +21,9 @@ and operand, per tensor, not per expert: (1) a history predicts the next step's 
 expert's token group changes with the routing every step, while the layer's tokens do not;
 (2) the state stays a few replicated scalars, so checkpoints reshard across EP degrees. Under
 expert parallelism the first step's amaxes are reduced over the EP axis ([Note: tokens of sharded
-experts] in f8dist/core/placement.py), so every history is that of one device.
+experts] in f8dist/core/placement.py), so every history is that of one device. Under FSDP2's
+float8 all-gather the weight is cast with its history's scale, and its amax recorded, where it
+is gathered ([Note: float8 all-gather of expert weights] in f8dist/core/weight.py).
 
 [Note: one cast of the tokens]
 When w1's and w3's input cast is per token, :class:`Float8GroupedExperts` casts the tokens once
@@ -31,11 +33,11 @@ each group (a second rounding, exact but for e4m3 subnormals with power-of-2 sca
 
 [Note: options of grouped experts]
 Every Float8LinearConfig field takes effect in the experts or is refused at conversion
-(``check_grouped_options``). Dynamic tensorwise expert weights gather in float8, delayed and
-block-scaled ones in high precision, with a warning ([Note: float8 all-gather of expert weights]
-in f8dist/core/weight.py); ``pad_inner_dim`` does not pad experts; ``sp_grad_weight`` has nothing
-to choose ([Note: MoE under tensor parallelism] in f8dist/models/moe_parallel.py); the options of
-what a linear keeps for backward (``LINEAR_ONLY_OPTIONS``) raise, naming the fix.
+(``check_grouped_options``). ``enable_fsdp_float8_all_gather`` gathers the expert weights in
+float8 ([Note: float8 all-gather of expert weights] in f8dist/core/weight.py); ``pad_inner_dim``
+does not pad experts; ``sp_grad_weight`` has nothing to choose ([Note: MoE under tensor
+parallelism] in f8dist/models/moe_parallel.py); the options of what a linear keeps for backward
+(``LINEAR_ONLY_OPTIONS``) raise, naming the fix.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, O
 from f8dist.policy.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
 )
-from f8dist.core.weight import gathers_float8, wrap_weight_for_float8_all_gather
+from f8dist.core.weight import wrap_weight_for_float8_all_gather
 from f8dist.core.gemm import pad_groups, scatter_rows, shape_problems
 from f8dist.core.placement import expert_token_placements, is_dtensor, local_part
 
@@ -399,18 +401,8 @@ class Float8GroupedExperts(GroupedExperts):
 
     def _wrap_for_float8_all_gather(self) -> None:
         """[Note: float8 all-gather of expert weights] in f8dist/core/weight.py."""
-        if self.config.enable_fsdp_float8_all_gather and not self.high_precision_gathered:
+        if self.config.enable_fsdp_float8_all_gather:
             wrap_weight_for_float8_all_gather(self, WEIGHTS)
-
-    @property
-    def high_precision_gathered(self) -> List[str]:
-        """The weights (FQNs) FSDP2 all-gathers in high precision despite
-        ``enable_fsdp_float8_all_gather`` ([Note: float8 all-gather of expert weights] in
-        f8dist/core/weight.py)."""
-        if not self.config.enable_fsdp_float8_all_gather or all(
-                gathers_float8(self.specs[name][OUTPUT, WEIGHT]) for name in WEIGHTS):
-            return []
-        return [f"{self.fqn}.{name}" if self.fqn else name for name in WEIGHTS]
 
     @property
     def token_spec(self) -> Optional[CastSpec]:

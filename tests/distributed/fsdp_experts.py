@@ -12,6 +12,7 @@ Scenarios (``--scenario``):
 
 Both count the bytes of the experts' own all-gather (``unshard()`` of their FSDP2 unit), float8
 against bf16 (``MixedPrecisionPolicy(param_dtype=bf16)``), and the amax all-reduce.
+``--recipe`` (``ep_fsdp``): the experts' recipe, with dims whose dim-1 shards hold whole blocks.
 """
 
 import copy
@@ -31,10 +32,13 @@ from f8dist.testing import count_collectives
 from tests.distributed.common import assert_equal, init, main, sqnr, write_result
 
 DIM, HIDDEN, EXPERTS = 64, 32, 4
+# recipe -> (dim, hidden) of the ep_fsdp scenario: dp_shard's shards of dim 1 hold whole blocks
+DIMS = {"tensorwise": (DIM, HIDDEN), "delayed": (DIM, HIDDEN), "mxfp8_square_weights": (64, 64),
+        "blockwise": (256, 256)}
 
 
-def _config(float8_all_gather: bool) -> Float8LinearConfig:
-    return Float8LinearConfig.from_recipe_name("tensorwise").replace(
+def _config(float8_all_gather: bool, recipe: str = "tensorwise") -> Float8LinearConfig:
+    return Float8LinearConfig.from_recipe_name(recipe).replace(
         enable_fsdp_float8_all_gather=float8_all_gather)
 
 
@@ -52,14 +56,14 @@ def _all_gather_bytes(experts) -> dict:
             "all_reduce": counts["all_reduce"].output_bytes}
 
 
-def _bytes(shard_experts) -> dict:
+def _bytes(shard_experts, recipe: str = "tensorwise") -> dict:
     """float8 vs bf16 all-gather bytes of the experts' unit, sharded by ``shard_experts``."""
     out = {}
     for name, fp8, mp in (("float8", True, MixedPrecisionPolicy()),
                           ("bf16", False, MixedPrecisionPolicy(param_dtype=torch.bfloat16))):
-        moe = MoE(DIM, HIDDEN, MoEArgs(num_experts=EXPERTS, top_k=2, shared_expert=False))
+        moe = MoE(*DIMS[recipe], MoEArgs(num_experts=EXPERTS, top_k=2, shared_expert=False))
         moe.init_weights(0.02, torch.Generator().manual_seed(0))
-        convert_to_float8_training(moe, config=_config(fp8))
+        convert_to_float8_training(moe, config=_config(fp8, recipe))
         out[name] = _all_gather_bytes(shard_experts(moe, mp))
     return out
 
@@ -93,13 +97,15 @@ def fsdp(world: int) -> dict:
     return {"world": world, "bytes": _bytes(shard), "checked": sorted(ref_grads)}
 
 
-def _transformer(float8_all_gather: bool) -> MoETransformer:
-    model = MoETransformer(ModelArgs(dim=DIM, n_layers=1, n_heads=4, max_seq_len=16),
-                           MoEArgs(num_experts=EXPERTS, top_k=2, aux_loss_coef=0.0))
+def _transformer(float8_all_gather: bool, recipe: str) -> MoETransformer:
+    dim, hidden = DIMS[recipe]
+    model = MoETransformer(ModelArgs(dim=dim, n_layers=1, n_heads=4, max_seq_len=16),
+                           MoEArgs(num_experts=EXPERTS, top_k=2, aux_loss_coef=0.0,
+                                   hidden_dim=hidden))
     model.init_weights(seed=0)
     # only the experts in float8: a tensorwise activation scale of a data-parallel linear follows
     # each rank's batch (a per-expert token group's sees the expert's whole group, as on one device)
-    convert_to_float8_training(model, config=_config(float8_all_gather),
+    convert_to_float8_training(model, config=_config(float8_all_gather, recipe),
                                module_filter_fn=lambda mod, fqn: "experts" in fqn)
     return model
 
@@ -109,16 +115,16 @@ def _loss(model, tokens):
     return logits, F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def ep_fsdp(world: int) -> dict:
+def ep_fsdp(world: int, recipe: str) -> dict:
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "ep"))
     ep = mesh["ep"].get_local_rank()
-    ref = _transformer(True)
+    ref = _transformer(True, recipe)
     runs = {}
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     for fp8 in (True, False):
-        model = fully_shard_moe(parallelize_moe(_transformer(fp8), mesh["ep"]), mesh)
+        model = fully_shard_moe(parallelize_moe(_transformer(fp8, recipe), mesh["ep"]), mesh)
         w1 = model.layers["0"].moe.experts.w1
-        assert w1.to_local().shape == (EXPERTS // 2, w1.shape[1] // 2, DIM), w1.shape
+        assert w1.to_local().shape == (EXPERTS // 2, w1.shape[1] // 2, w1.shape[2]), w1.shape
         logits, loss = _loss(model, tokens[ep:ep + 1])  # each EP rank its own sequence
         loss.backward()
         runs[fp8] = (logits, _grads(model))
@@ -140,16 +146,21 @@ def ep_fsdp(world: int) -> dict:
         fully_shard(moe.experts, mesh=mesh["dp_shard"], shard_placement_fn=lambda p: Shard(1),
                     mp_policy=mp)
         return moe.experts
-    return {"world": world, "bytes": _bytes(shard), "min_sqnr_db_other": min(floors.values())}
+    return {"world": world, "bytes": _bytes(shard, recipe),
+            "min_sqnr_db_other": min(floors.values())}
 
 
 def run(args):
     rank, world, device = init()
-    write_result(args, {"fsdp": fsdp, "ep_fsdp": ep_fsdp}[args.scenario](world))
+    if args.scenario == "fsdp":
+        write_result(args, fsdp(world))
+    else:
+        write_result(args, ep_fsdp(world, args.recipe))
 
 
 def _args(parser):
     parser.add_argument("--scenario", choices=("fsdp", "ep_fsdp"), required=True)
+    parser.add_argument("--recipe", choices=tuple(DIMS), default="tensorwise")
 
 
 if __name__ == "__main__":

@@ -394,13 +394,10 @@ def test_pad_inner_dim_does_not_pad_experts_and_says_so():
         convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True))
 
 
-@pytest.mark.parametrize("recipe, float8_gather", [
-    ("tensorwise", True), ("delayed", False), ("mxfp8_square_weights", False),
-    ("blockwise", False)])
-def test_experts_gathered_in_high_precision_under_float8_all_gather_are_named(
-        recipe, float8_gather, caplog):
-    """[Note: float8 all-gather of expert weights]: the linears gather float8 whatever the
-    experts do; the experts whose weights cannot are named once, at conversion."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8_square_weights", "blockwise"])
+def test_float8_all_gather_wraps_expert_weights_of_every_recipe_that_takes_it(recipe, caplog):
+    """[Note: float8 all-gather of expert weights]: the experts' weights gather in float8 like
+    the linears' of the same config, without a warning."""
     from f8dist.core.weight import Float8AllGatherWeight
     dim = 128 if recipe == "blockwise" else 32
     config = Float8LinearConfig.from_recipe_name(recipe).replace(
@@ -412,8 +409,5 @@ def test_experts_gathered_in_high_precision_under_float8_all_gather_are_named(
         convert_to_float8_training(model, config=config)
     experts = model["moe"]["experts"]
     assert isinstance(model["moe"]["shared"].weight, Float8AllGatherWeight)
-    assert isinstance(experts.w1, Float8AllGatherWeight) is float8_gather
-    named = "moe.experts.w1, moe.experts.w2, moe.experts.w3"
-    assert experts.high_precision_gathered == ([] if float8_gather else named.split(", "))
-    assert (f"all-gathers 3 expert weight(s) in high precision: {named}" in caplog.text) \
-        is not float8_gather
+    assert all(isinstance(getattr(experts, w), Float8AllGatherWeight) for w in ("w1", "w2", "w3"))
+    assert "high precision" not in caplog.text

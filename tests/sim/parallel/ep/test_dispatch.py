@@ -68,12 +68,12 @@ def _step_matches_one_device(ep, ref, rank, sizes, x, grad, out, x_ref):
     return o
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8_square_weights"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8_square_weights"])
 def test_expert_parallel_with_float8_all_gather_on_a_one_rank_dp_group(recipe):
     """dp_shard 1 x ep 2 (``train.py --ep 2`` on 2 ranks): FSDP2 shards the experts on dim 1 over
     a one-rank group and runs no all-gather ([Note: one-rank FSDP2 group] in
-    f8dist/core/weight.py); tensorwise experts send their bytes and per-expert scales. Outputs,
-    input and expert gradients one device's bit for bit."""
+    f8dist/core/weight.py); the experts hand over their float8 bytes and scales (per expert,
+    delayed or in blocks). Outputs, input and expert gradients one device's bit for bit."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -99,5 +99,4 @@ def test_expert_parallel_with_float8_all_gather_on_a_one_rank_dp_group(recipe):
         return type(ep.experts.w1.to_local()).__name__
 
     gathered = run_threads(world, rank_main)
-    # experts gather in float8 with a dynamic tensorwise cast only (gathers_float8)
-    assert gathered == ["Float8AllGatherWeight" if recipe == "tensorwise" else "Tensor"] * world
+    assert gathered == ["Float8AllGatherWeight"] * world
