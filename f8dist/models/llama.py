@@ -187,6 +187,23 @@ def _hooked(module: nn.Module) -> bool:
                 or m._global_forward_pre_hooks)
 
 
+class ScaledDotProductAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` of ``q`` [B, Hq, S, D] over ``k``, ``v`` [B, Hkv, S, D],
+    each kv head serving ``Hq / Hkv`` query heads (grouped-query attention). A module of its own,
+    as torchtitan's attention, so that a context-parallel style
+    (:class:`~f8dist.parallel.cp.Float8ContextParallel`) hooks its inputs: it gathers K and V
+    before the heads are repeated."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=1)  # [B, Hq, S, D]
+            v = v.repeat_interleave(n_rep, dim=1)  # [B, Hq, S, D]
+        return F.scaled_dot_product_attention(  # [B, Hq, S, D]
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -195,6 +212,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()  # what context parallelism hooks
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, recompute=None) -> torch.Tensor:
         """``recompute``: ``(fn, tensors)`` giving ``x`` again, for readers with
@@ -205,12 +223,8 @@ class Attention(nn.Module):
         q, k, v = (linear(x, **_norm_reader(linear, recompute)).view(b, s, -1, self.head_dim)
                    for linear in (self.wq, self.wk, self.wv))  # [B, S, Hq | Hkv | Hkv, D]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=2)  # [B, S, Hq, D]
-            v = v.repeat_interleave(n_rep, dim=2)  # [B, S, Hq, D]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, Hq, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, Hq, S, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, Hq | Hkv | Hkv, S, D]
+        out = self.sdpa(q, k, v, is_causal=True)  # [B, Hq, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, Hq * D]
         return self.wo(out)  # [B, S, dim]
 

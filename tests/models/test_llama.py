@@ -71,6 +71,7 @@ def test_sharded_heads_run_with_local_head_count():
         shard.wk = torch.nn.Linear(ARGS.dim, hd, bias=False)
         shard.wv = torch.nn.Linear(ARGS.dim, hd, bias=False)
         shard.wo = torch.nn.Linear(2 * hd, ARGS.dim, bias=False)
+        shard.sdpa = attn.sdpa
         with torch.no_grad():
             shard.wq.weight.copy_(attn.wq.weight[q_rows])
             shard.wk.weight.copy_(attn.wk.weight[kv_rows])
