@@ -1,0 +1,77 @@
+"""The LLaMA model under float8 context parallelism (f8dist/models/llama_cp.py, [Note: the LLaMA
+model under context parallelism]) on 2 and 4 simulated ranks against one device whose attention
+quantizes K and V the same way (``quantize_kv`` hooks): logits bit for bit (every op but attention
+is per token, attention's outputs are one device's), parameter gradients summed over the cp ranks
+at >= 120 dB in fp32 (each rank sums its tokens' contributions: summation order only)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.core.numerics import sqnr
+from f8dist.models import ModelArgs, Transformer, parallelize_llama_cp
+from f8dist.parallel.cp import quantize_kv
+from f8dist.testing import count_collectives
+from tests.sim.threads import run_threads
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32)
+B, S = 2, 32
+
+
+def _quantize_kv_hook(module, args, kwargs):
+    q, k, v = args
+    return (q, quantize_kv(k), quantize_kv(v)), kwargs
+
+
+def _loss(logits, targets, total):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / total
+
+
+@pytest.mark.parametrize("world,recipe", [(2, None), (4, None), (2, "rowwise")])
+def test_llama_context_parallel_matches_one_device(world, recipe):
+    """``rowwise``: float8 linears cast per token in forward, so the logits are one device's too;
+    their grad_weight casts scale over the rank's tokens ([Note: the LLaMA model under context
+    parallelism]), so gradients are compared in high precision only."""
+    model = Transformer(ARGS)
+    model.init_weights()
+    if recipe is not None:
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                   module_filter_fn=lambda mod, fqn: fqn != "output")
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, ARGS.vocab_size, (B, S), generator=g) for _ in range(2))
+    ref = copy.deepcopy(model)
+    for block in ref.layers.values():
+        block.attention.sdpa.register_forward_pre_hook(_quantize_kv_hook, with_kwargs=True)
+    logits = ref(tokens)
+    _loss(logits, targets, B * S).backward()
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        mine = parallelize_llama_cp(copy.deepcopy(model), mesh)
+        shard = slice(rank * S // world, (rank + 1) * S // world)
+        with count_collectives() as counts:
+            out = mine(tokens[:, shard])
+            _loss(out, targets[:, shard], B * S).backward()
+        assert counts.expect("all_gather").calls == 4 * ARGS.n_layers  # K, V: bytes, scales
+        return out.detach(), {n: p.grad for n, p in mine.named_parameters()}
+
+    results = run_threads(world, rank_main)
+    assert torch.equal(torch.cat([r[0] for r in results], dim=1), logits)
+    if recipe is None:
+        for name, p in ref.named_parameters():
+            summed = sum(r[1][name] for r in results)
+            assert sqnr(p.grad, summed) >= 120, (name, sqnr(p.grad, summed))
+
+
+def test_llama_context_parallel_needs_the_whole_sequence_in_max_seq_len():
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        model = parallelize_llama_cp(Transformer(ARGS), mesh)
+        model(torch.zeros(1, ARGS.max_seq_len, dtype=torch.long))
+
+    with pytest.raises(ValueError, match="needs ModelArgs.max_seq_len >= 64, got 32"):
+        run_threads(2, rank_main)
