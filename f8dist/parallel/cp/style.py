@@ -74,7 +74,8 @@ def causal_mask(q_len: int, kv_len: int, offset: int, device=None) -> torch.Tens
 
 
 def _all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """``t``'s shards gathered along ``dim``; a float8 one as its wire tensors ([Note: the wire])."""
+    """``t``'s shards gathered along ``dim``; a float8 one as its wire tensors ([Note: the
+    wire])."""
     if isinstance(t, Float8Tensor):
         wire, meta = t.to_wire(dim)
         return Float8Tensor.from_wire(meta, [_all_gather(w, dim, group) for w in wire])
@@ -101,7 +102,8 @@ def _reduce_scatter(grad: torch.Tensor, dim: int, group, spec: Optional[CastSpec
     """The sum over ``group`` of ``grad``'s ``dim`` chunk of this rank: reduce-scattered in its
     dtype, or (``spec``) cast, its chunks' bytes and scales exchanged and summed in fp32."""
     if spec is None:
-        return funcol.wait_tensor(funcol.reduce_scatter_single(grad.contiguous(), "sum", dim, group))
+        out = funcol.reduce_scatter_single(grad.contiguous(), "sum", dim, group)
+        return funcol.wait_tensor(out)  # [B, H, S / W, D]
     sent, meta = grad_to_wire(grad, dim, torch.distributed.get_world_size(group), spec)
     got = [funcol.wait_tensor(funcol.all_to_all_single(w, None, None, group)) for w in sent]
     return sum_from_wire(got, meta, grad.dtype)
