@@ -30,12 +30,11 @@ combine casts the experts' outputs per token, e4m3 (``COMBINE_SPEC``); backward 
 gradients it sends (the combine's output gradient to the experts' ranks, the dispatch's token
 gradient back to the tokens' ranks) per token, e4m3 too (``GRAD_SPEC``): with a scale per token
 e5m2's range buys nothing and its lost mantissa bit costs the gradients precision (measured in
-docs/moe.md). Each crosses as bytes and a
-float32 scale per token and is dequantized on arrival, to the dtype it was. A per-token cast
-depends on its token alone, so an EP run equals, bit for bit, one device casting and
-dequantizing the same rows at the same points (the experts' outputs; the gradients of their
-outputs and inputs). Off by default: they change the numbers (docs/moe.md measures by how much),
-where float8 dispatch does not.
+docs/moe.md). Each crosses as bytes and a float32 scale per token and is dequantized on arrival,
+to the dtype it was. A per-token cast depends on its token alone, so an EP run equals, bit for
+bit, one device casting and dequantizing the same rows at the same points (the experts' outputs;
+the gradients of their outputs and inputs). Off by default: they change the numbers (docs/moe.md
+measures by how much), where float8 dispatch does not.
 """
 
 from __future__ import annotations
