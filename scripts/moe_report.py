@@ -10,6 +10,10 @@
 3. Under torchrun (2+ ranks): the bytes each rank's token dispatch sends, by the collective
    counter (``f8dist.testing.count_collectives``), float8 dispatch against bf16 dispatch, for an
    expert-parallel MoE layer at several model dims; and that both give the same outputs.
+4. Under torchrun: the float8 combine and backward ([Note: float8 combine and backward] in
+   f8dist/parallel/ep/dispatch.py): SQNR of an expert-parallel MoE layer's output and gradients
+   against one fp32 device, with each combination of the options, and the bytes of each of
+   rank 0's all-to-alls in a training step.
 
 ::
 
@@ -22,6 +26,7 @@ The loss table comes from scripts/compare_loss.py with train.py's MoE flags (doc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 
@@ -161,6 +166,137 @@ def dispatch_bytes(dims, tokens: int) -> str:
     return "\n".join(rows)
 
 
+def _sqnr_over_ranks(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """SQNR in dB of the ranks' pieces ``x`` of a tensor against theirs of ``ref``, over all."""
+    ref, x = ref.detach().double(), x.detach().double()
+    powers = torch.stack([ref.square().sum(), (ref - x).square().sum()])
+    dist.all_reduce(powers)
+    return (10 * torch.log10(powers[0] / powers[1])).item()
+
+
+class _BytesPerAllToAll:
+    """Counts the bytes each of the EP all-to-alls sends on this rank (the dispatch's and the
+    combine's autograd functions wrapped while it is active)."""
+
+    STEPS = (("_Dispatch", "forward", "dispatch"), ("_Combine", "forward", "combine"),
+             ("_Combine", "backward", "combine grad"), ("_Dispatch", "backward", "dispatch grad"))
+
+    def __enter__(self):
+        import f8dist.parallel.ep.dispatch as dispatch
+
+        self.bytes, self.saved = {name: 0 for *_, name in self.STEPS}, []
+        for cls_name, method, name in self.STEPS:
+            cls = getattr(dispatch, cls_name)
+            fn = getattr(cls, method)
+            self.saved.append((cls, method, fn))
+            setattr(cls, method, staticmethod(self._counted(fn, name)))
+        return self
+
+    def _counted(self, fn, name):
+        def counted(*args):
+            with count_collectives() as counts:
+                out = fn(*args)
+            self.bytes[name] += counts["all_to_all"].input_bytes
+            return out
+        return counted
+
+    def __exit__(self, *exc):
+        for cls, method, fn in self.saved:
+            setattr(cls, method, staticmethod(fn))
+
+
+# (float8_combine, float8_backward, the gradients' float8 dtype: f8dist's e4m3, or e5m2)
+COMBINE_OPTIONS = ((False, False, None), (True, False, None), (False, True, "e4m3"),
+                   (True, True, "e4m3"), (False, True, "e5m2"), (True, True, "e5m2"))
+
+
+@contextlib.contextmanager
+def _grad_dtype(name):
+    """The float8 backward's gradients cast as ``name``: e5m2 where ``GRAD_SPEC`` says e4m3, to
+    measure the choice ([Note: float8 combine and backward])."""
+    import dataclasses
+
+    import f8dist.parallel.ep.style as style
+
+    spec = style.GRAD_SPEC
+    if name == "e5m2":
+        style.GRAD_SPEC = dataclasses.replace(spec, dtype=torch.float8_e5m2)
+    try:
+        yield
+    finally:
+        style.GRAD_SPEC = spec
+
+
+def combine_tables(dim: int, hidden: int, experts: int, tokens: int) -> str:
+    """SQNR with and without the float8 combine and backward, and the bytes of each all-to-all."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from f8dist.models.moe import MoE, MoEArgs
+    from f8dist.models.moe_parallel import parallelize_moe
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    base = MoE(dim, hidden, MoEArgs(num_experts=experts, top_k=2, shared_expert=False))
+    base.init_weights(0.02, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, world * tokens, dim, generator=g)
+    grad = torch.randn(1, world * tokens, dim, generator=g)
+    mine, local = slice(rank * tokens, (rank + 1) * tokens), slice(
+        rank * experts // world, (rank + 1) * experts // world)
+    ref, x_ref = copy.deepcopy(base), x.clone().requires_grad_()  # one fp32 device, whole batch
+    out_ref = ref(x_ref)
+    out_ref.backward(grad)
+    names = ("w1", "w2", "w3")
+    ref_experts = torch.cat([getattr(ref.experts, w).grad[local].flatten() for w in names])
+    title = (f"an expert-parallel MoE layer (dim {dim}, {experts} experts of hidden {hidden}, "
+             f"top-2, {tokens} gaussian tokens per rank, {world} ranks, bf16) against one fp32 "
+             f"device, torch {torch.__version__}, cpu")
+    sqnr_rows = [title, "", "| experts | float8 combine | float8 backward | output (dB) | "
+                 "input grad (dB) | experts' weight grads (dB) | router grad (dB) |",
+                 "|---|---|---|---|---|---|---|"]
+    byte_rows = ["bytes rank 0 sends per training step, same layer", "",
+                 "| experts | dispatch | combine | backward | counts | dispatch | combine | "
+                 "combine grad | dispatch grad | step | step / bf16 |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+    bf16_step = None
+    for recipe in (None, "rowwise", "mxfp8"):
+        # bf16 experts dispatch bf16 either way; rowwise: today's bf16 dispatch too
+        options = [(recipe is not None, *o) for o in COMBINE_OPTIONS]
+        if recipe == "rowwise":
+            options.insert(0, (False, False, False, None))
+        for fd, fc, fb, grad_dtype in options:
+            moe = copy.deepcopy(base).to(torch.bfloat16)
+            if recipe is not None:
+                convert_to_float8_training(moe, config=Float8LinearConfig.from_recipe_name(recipe))
+            parallelize_moe(moe, mesh, float8_dispatch=fd, float8_combine=fc, float8_backward=fb)
+            xi = x[:, mine].bfloat16().requires_grad_()
+            with _grad_dtype(grad_dtype), count_collectives() as counts, \
+                    _BytesPerAllToAll() as each:
+                o = moe(xi)
+                o.backward(grad[:, mine].bfloat16())
+            step = counts["all_to_all"].input_bytes
+            moved = sum(each.bytes.values())
+            bf16_step = step if bf16_step is None else bf16_step
+            gate = moe.router.gate.grad.clone()
+            dist.all_reduce(gate)
+            ours = torch.cat([getattr(moe.experts, w).grad.to_local().flatten() for w in names])
+            label = recipe or "bf16"
+            if fd == (recipe is not None):
+                figures = (_sqnr_over_ranks(out_ref[:, mine], o),
+                           _sqnr_over_ranks(x_ref.grad[:, mine], xi.grad),
+                           _sqnr_over_ranks(ref_experts, ours), sqnr(ref.router.gate.grad, gate))
+                sqnr_rows.append(f"| {label} | {fc} | {grad_dtype or False} | "
+                                 + " | ".join(f"{f:.1f}" for f in figures) + " |")
+            if grad_dtype == "e5m2":  # the same bytes as e4m3
+                continue
+            byte_rows.append(
+                f"| {label} | {'float8' if fd else 'bf16'} | {'float8' if fc else 'bf16'} | "
+                f"{'float8' if fb else 'bf16'} | {step - moved:,} | "
+                + " | ".join(f"{each.bytes[name]:,}" for *_, name in _BytesPerAllToAll.STEPS)
+                + f" | {step:,} | {step / bf16_step:.3f} |")
+    return "\n".join(sqnr_rows) + "\n\n" + "\n".join(byte_rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -169,6 +305,9 @@ def main():
     p.add_argument("--out-features", type=int, default=256)
     p.add_argument("--dispatch-dims", default="64,256,1024")
     p.add_argument("--dispatch-tokens", type=int, default=256)
+    p.add_argument("--combine-dim", type=int, default=256)
+    p.add_argument("--combine-experts", type=int, default=8)
+    p.add_argument("--combine-tokens", type=int, default=512)
     args = p.parse_args()
     distributed = "RANK" in os.environ
     if distributed:
@@ -183,6 +322,8 @@ def main():
     if distributed:
         table = dispatch_bytes([int(d) for d in args.dispatch_dims.split(",")],
                                args.dispatch_tokens)
+        table += "\n\n" + combine_tables(args.combine_dim, 2 * args.combine_dim,
+                                          args.combine_experts, args.combine_tokens)
         if dist.get_rank() == 0:
             print(table)
         dist.barrier()

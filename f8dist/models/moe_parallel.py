@@ -34,10 +34,12 @@ from f8dist.models.moe import MoE
 __all__ = ["parallelize_moe", "fully_shard_moe", "moe_tp_plan"]
 
 
-def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: bool = True
-                    ) -> nn.Module:
-    """Shard the experts of every :class:`MoE` in ``model`` over ``ep_mesh`` (in place);
-    ``float8_dispatch``: [Note: float8 dispatch]. Convert to float8 before, FSDP2 after.
+def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: bool = True,
+                    float8_combine: bool = False, float8_backward: bool = False) -> nn.Module:
+    """Shard the experts of every :class:`MoE` in ``model`` over ``ep_mesh`` (in place) with
+    :class:`~f8dist.parallel.ep.Float8ExpertParallel` and these options of it
+    (``float8_dispatch``: [Note: float8 dispatch]; ``float8_combine``, ``float8_backward``:
+    [Note: float8 combine and backward]). Convert to float8 before, FSDP2 after.
 
     Example::
 
@@ -56,7 +58,8 @@ def parallelize_moe(model: nn.Module, ep_mesh: DeviceMesh, *, float8_dispatch: b
             raise ValueError(f"expert parallelism over {w} ranks needs num_experts ({e}) to be "
                              f"a multiple of it")
         parallelize_module(moe.experts, ep_mesh, Float8ExpertParallel(
-            float8_dispatch=float8_dispatch))
+            float8_dispatch=float8_dispatch, float8_combine=float8_combine,
+            float8_backward=float8_backward))
     return model
 
 

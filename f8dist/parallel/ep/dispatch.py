@@ -13,15 +13,28 @@ f8dist/models/moe.py), so each rank's tokens are one contiguous chunk:
 3. the local experts run their grouped gemms;
 4. combine: the inverse permutation and the reverse all-to-all.
 
-Backward runs the same all-to-alls the other way, in high precision.
+Backward runs the same all-to-alls the other way (in high precision unless [Note: float8
+combine and backward]).
 
 [Note: float8 dispatch]
 When the experts cast their tokens per token, or in blocks along a token's row (``token_spec``
 of :class:`~f8dist.nn.grouped.Float8GroupedExperts`), the tokens are cast on the source rank and
 the all-to-all carries the float8 bytes and scales as uint8 (gloo has no float8). Such a scale
 depends on the token alone, so this equals casting after the dispatch, bit for bit, and the
-grouped gemm takes the bytes as they are. The combine (summed with router weights) and backward
-run in high precision.
+grouped gemm takes the bytes as they are.
+
+[Note: float8 combine and backward]
+Opt-in (``float8_combine``, ``float8_backward`` of
+:class:`~f8dist.parallel.ep.Float8ExpertParallel`): the other all-to-alls carry float8 too. The
+combine casts the experts' outputs per token, e4m3 (``COMBINE_SPEC``); backward casts both
+gradients it sends (the combine's output gradient to the experts' ranks, the dispatch's token
+gradient back to the tokens' ranks) per token, e4m3 too (``GRAD_SPEC``): with a scale per token
+e5m2's range buys nothing and its lost mantissa bit costs the gradients precision (measured in
+docs/moe.md). Each crosses as bytes and a float32 scale per token and is dequantized on arrival,
+to the dtype it was. A per-token cast depends on its token alone, so an EP run equals, bit for
+bit, one device casting and dequantizing the same rows at the same points (the experts' outputs;
+the gradients of their outputs and inputs). Off by default: they change the numbers (docs/moe.md
+measures by how much), where float8 dispatch does not.
 """
 
 from __future__ import annotations
@@ -33,11 +46,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from f8dist.core.cast import cast_to_float8
-from f8dist.config import CastSpec
+from f8dist.config import E4M3, CastSpec, ScalingGranularity
 from f8dist.core.placement import local_part
 from f8dist.core.tensor import Float8Tensor, as_wire
 
-__all__ = ["expert_parallel", "all_to_all", "dispatch", "combine", "Plan"]
+__all__ = ["expert_parallel", "all_to_all", "dispatch", "combine", "Plan", "COMBINE_SPEC",
+           "GRAD_SPEC"]
+
+# [Note: float8 combine and backward]: a scale per token (row), over its features
+COMBINE_SPEC = CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1)
+GRAD_SPEC = CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1)
 
 
 def all_to_all(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
@@ -55,6 +73,14 @@ def _all_to_all_tokens(x: torch.Tensor, send, recv, group) -> torch.Tensor:
     return all_to_all(x, send, recv, group)
 
 
+def _send_rows(x: torch.Tensor, send, recv, group, spec: Optional[CastSpec]) -> torch.Tensor:
+    """:func:`all_to_all` of high-precision rows, cast with ``spec`` before and dequantized on
+    arrival where ``spec`` is given ([Note: float8 combine and backward])."""
+    if spec is None:
+        return all_to_all(x, send, recv, group)
+    return _all_to_all_tokens(cast_to_float8(x, spec), send, recv, group).to_original_precision()
+
+
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]``, also for per-token float8 rows (their wire tensors' rows)."""
     if isinstance(x, Float8Tensor):
@@ -68,12 +94,14 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 
 class _Dispatch(torch.autograd.Function):
-    """Step 2 of [Note: expert parallelism], cast first with ``spec`` ([Note: float8 dispatch]).
+    """Step 2 of [Note: expert parallelism], cast first with ``spec`` ([Note: float8 dispatch]);
+    backward sends the gradient cast with ``grad_spec`` ([Note: float8 combine and backward]).
     The cast is inside so no float8 tensor needing a gradient crosses the graph break."""
 
     @staticmethod
-    def forward(ctx, x, perm, send, recv, group, spec: Optional[CastSpec]):
-        ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+    def forward(ctx, x, perm, send, recv, group, spec: Optional[CastSpec],
+                grad_spec: Optional[CastSpec]):
+        ctx.perm, ctx.send, ctx.recv, ctx.group, ctx.grad_spec = perm, send, recv, group, grad_spec
         if spec is not None:
             x = cast_to_float8(x, spec)  # [M, dim] per-token float8
         return _rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
@@ -81,22 +109,26 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = _rows(grad.contiguous(), _inverse(ctx.perm))  # source-rank order
-        return all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None, None
+        grad = _send_rows(grad, ctx.recv, ctx.send, ctx.group, ctx.grad_spec)  # [M, dim]
+        return grad, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """Step 4 of [Note: expert parallelism]: outputs back to their assignments' ranks."""
+    """Step 4 of [Note: expert parallelism]: outputs back to their assignments' ranks, cast with
+    ``spec`` and the gradient with ``grad_spec`` where given ([Note: float8 combine and
+    backward])."""
 
     @staticmethod
-    def forward(ctx, out, perm, send, recv, group):
-        ctx.perm, ctx.send, ctx.recv, ctx.group = perm, send, recv, group
+    def forward(ctx, out, perm, send, recv, group, spec: Optional[CastSpec],
+                grad_spec: Optional[CastSpec]):
+        ctx.perm, ctx.send, ctx.recv, ctx.group, ctx.grad_spec = perm, send, recv, group, grad_spec
         out = _rows(out, _inverse(perm))  # source-rank order
-        return all_to_all(out, recv, send, group)  # [M, dim]
+        return _send_rows(out, recv, send, group, spec)  # [M, dim]
 
     @staticmethod
     def backward(ctx, grad):
-        grad = all_to_all(grad.contiguous(), ctx.send, ctx.recv, ctx.group)
-        return _rows(grad, ctx.perm), None, None, None, None
+        grad = _send_rows(grad.contiguous(), ctx.send, ctx.recv, ctx.group, ctx.grad_spec)
+        return _rows(grad, ctx.perm), None, None, None, None, None, None
 
 
 class Plan(NamedTuple):
@@ -133,19 +165,24 @@ def _plan(counts: torch.Tensor, group) -> Plan:
     return Plan(send, recv, perm, received.sum(dim=0))
 
 
-def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group,
-             spec: Optional[CastSpec] = None) -> Tuple[torch.Tensor, Plan]:
+def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group, spec: Optional[CastSpec] = None,
+             grad_spec: Optional[CastSpec] = None) -> Tuple[torch.Tensor, Plan]:
     """Steps 1 and 2: ``tokens`` [M, dim] sorted by expert, ``counts`` [E] per expert ->
     (this rank's experts' tokens [M_recv, dim], expert-major; the plan :func:`combine` takes).
-    ``spec``: the cast made before the dispatch ([Note: float8 dispatch]), or None."""
+    ``spec``: the cast made before the dispatch ([Note: float8 dispatch]), or None;
+    ``grad_spec``: that of the tokens' gradient in backward ([Note: float8 combine and
+    backward]), or None."""
     plan = _plan(counts, group)
-    return _Dispatch.apply(tokens, plan.perm, plan.send, plan.recv, group, spec), plan
+    return _Dispatch.apply(tokens, plan.perm, plan.send, plan.recv, group, spec, grad_spec), plan
 
 
-def combine(out: torch.Tensor, plan: Plan, group) -> torch.Tensor:
+def combine(out: torch.Tensor, plan: Plan, group, spec: Optional[CastSpec] = None,
+            grad_spec: Optional[CastSpec] = None) -> torch.Tensor:
     """Step 4: the local experts' outputs [M_recv, dim] back to the rank and position of their
-    assignments: [M, dim]."""
-    return _Combine.apply(local_part(out), plan.perm, plan.send, plan.recv, group)
+    assignments: [M, dim]. ``spec``, ``grad_spec``: the casts of the outputs and of their
+    gradient ([Note: float8 combine and backward]), or None."""
+    return _Combine.apply(local_part(out), plan.perm, plan.send, plan.recv, group, spec,
+                          grad_spec)
 
 
 def expert_parallel(experts: torch.nn.Module, tokens: torch.Tensor, counts: torch.Tensor,

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tens
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from f8dist.core import agreement
-from f8dist.parallel.ep.dispatch import Plan, combine, dispatch
+from f8dist.parallel.ep.dispatch import COMBINE_SPEC, GRAD_SPEC, Plan, combine, dispatch
 from f8dist.nn.grouped import GroupedExperts, token_spec
 
 __all__ = ["Float8ExpertParallel"]
@@ -40,6 +40,11 @@ class Float8ExpertParallel(ParallelStyle):
     Keyword Args:
         float8_dispatch (bool, optional): dispatch float8 tokens where the experts cast per
             token ([Note: float8 dispatch] in f8dist/parallel/ep/dispatch.py). Default True.
+        float8_combine (bool, optional): combine the experts' outputs as e4m3 per token
+            ([Note: float8 combine and backward]); other numbers than one device's run without
+            it. Default False.
+        float8_backward (bool, optional): send both backward all-to-alls' gradients as e4m3 per
+            token (the same note). Default False.
 
     Example::
 
@@ -48,12 +53,19 @@ class Float8ExpertParallel(ParallelStyle):
         >>> parallelize_module(model.layers[0].moe.experts, ep_mesh, Float8ExpertParallel())
     """
 
-    def __init__(self, *, float8_dispatch: bool = True):
+    def __init__(self, *, float8_dispatch: bool = True, float8_combine: bool = False,
+                 float8_backward: bool = False):
         super().__init__()
         self.float8_dispatch = float8_dispatch
+        self.float8_combine = float8_combine
+        self.float8_backward = float8_backward
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(float8_dispatch={self.float8_dispatch})"
+        # the ranks' agreement check compares reprs (f8dist/core/agreement.py): the options off
+        # by default show when set
+        extra = "".join(f", {name}=True" for name in ("float8_combine", "float8_backward")
+                        if getattr(self, name))
+        return f"{type(self).__name__}(float8_dispatch={self.float8_dispatch}{extra})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
@@ -87,10 +99,13 @@ class Float8ExpertParallel(ParallelStyle):
         counts = torch.diff(sizes, prepend=sizes.new_zeros(1)).long() if offsets else sizes
         specs = getattr(module, "specs", None)
         spec = token_spec(specs) if self.float8_dispatch and specs is not None else None
-        local, plan = dispatch(tokens, counts, group, spec)  # [M_recv, dim]
+        grad_spec = GRAD_SPEC if self.float8_backward else None
+        local, plan = dispatch(tokens, counts, group, spec, grad_spec)  # [M_recv, dim]
         pending[0] = plan
         return local, plan.local_offsets if offsets else plan.local_counts.to(sizes.dtype)
 
     def _combine(self, group, pending, module: nn.Module, inputs, out):
         plan, pending[0] = pending[0], None
-        return combine(out, plan, group)  # [M, dim]
+        spec = COMBINE_SPEC if self.float8_combine else None
+        grad_spec = GRAD_SPEC if self.float8_backward else None
+        return combine(out, plan, group, spec, grad_spec)  # [M, dim]

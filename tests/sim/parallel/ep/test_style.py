@@ -2,8 +2,9 @@
 simulated ranks ([Note: simulating ranks in one process] in tests/sim/__init__.py): an MoE's
 experts (also under activation checkpointing) and a bare experts module, each rank with its own
 uneven tokens, equal one device bit for bit; float8 dispatch sends ``dim + 4`` bytes per rowwise
-token where bf16 sends ``2 * dim``; the style's repr, its errors, and that the hooks are the only
-expert-parallel code path (the MoE model holds no EP state and imports none)."""
+token where bf16 sends ``2 * dim``; the float8 combine and backward equal one device casting the
+same rows, and every all-to-all's bytes are exact; the style's repr, its errors, and that the
+hooks are the only expert-parallel code path (the MoE model holds no EP state and imports none)."""
 
 import copy
 
@@ -16,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.core import agreement
+from f8dist.core.cast import cast_to_float8
+from f8dist.parallel.ep.dispatch import COMBINE_SPEC, GRAD_SPEC
 from f8dist.parallel.ep import Float8ExpertParallel
 from f8dist.models.moe import MoE, MoEArgs
 from f8dist.testing import count_collectives
@@ -30,6 +33,9 @@ def test_repr():
     assert repr(Float8ExpertParallel()) == "Float8ExpertParallel(float8_dispatch=True)"
     assert (repr(Float8ExpertParallel(float8_dispatch=False))
             == "Float8ExpertParallel(float8_dispatch=False)")
+    assert (repr(Float8ExpertParallel(float8_combine=True, float8_backward=True))
+            == "Float8ExpertParallel(float8_dispatch=True, float8_combine=True, "
+               "float8_backward=True)")
 
 
 def test_the_style_is_the_only_expert_parallel_code_path():
@@ -135,6 +141,106 @@ def test_float8_dispatch_sends_float8_bytes():
         assert torch.equal(out8, out16)
         assignments = mine.shape[1] * ref.args.top_k  # every one sent (to a rank, maybe this)
         assert bytes16 - bytes8 == assignments * (2 * DIM - (DIM + 4)), (bytes16, bytes8)
+
+    run_threads(WORLD, rank_main)
+
+
+class _OnWire(torch.autograd.Function):
+    """One device's float8 combine and backward: rows cast with ``spec`` and dequantized (as
+    they are where None), their gradient likewise with ``grad_spec``."""
+
+    @staticmethod
+    def forward(ctx, x, spec, grad_spec):
+        ctx.grad_spec = grad_spec
+        return x.clone() if spec is None else cast_to_float8(x, spec).to_original_precision()
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.grad_spec
+        if spec is not None:
+            grad = cast_to_float8(grad, spec).to_original_precision()
+        return grad, None, None
+
+
+def _quantize_as_the_wire(experts, combine, backward):
+    """Hooks on one device's ``experts``: their outputs and the gradients of their outputs and
+    inputs cast and dequantized where the float8 combine and backward cast them."""
+    grad_spec = GRAD_SPEC if backward else None
+    experts.register_forward_pre_hook(
+        lambda mod, args: (_OnWire.apply(args[0], None, grad_spec), *args[1:]))
+    experts.register_forward_hook(
+        lambda mod, args, out: _OnWire.apply(out, COMBINE_SPEC if combine else None, grad_spec))
+
+
+@pytest.mark.parametrize("recipe,combine,backward", [(None, True, True), ("rowwise", True, False),
+                                                     ("rowwise", False, True),
+                                                     ("mxfp8", True, True)])
+def test_float8_combine_and_backward_match_one_device_with_the_same_casts(recipe, combine,
+                                                                         backward):
+    """[Note: float8 combine and backward]: outputs, input and expert gradients bit for bit
+    those of one device casting and dequantizing the same rows (``_quantize_as_the_wire``), and
+    not those of one device without the casts."""
+    plain = _moe(recipe, WORLD)
+    ref = copy.deepcopy(plain)
+    _quantize_as_the_wire(ref.experts, combine, backward)
+    layers = [copy.deepcopy(plain) for _ in range(WORLD)]
+    sizes = SIZES[:WORLD]
+    x, grad = _batch(sum(sizes))
+    results = []
+    for model in (ref, plain):
+        x_ref = x.clone().requires_grad_()
+        out = model(x_ref)
+        out.backward(grad)
+        results.append((out, x_ref))
+    (out, x_ref), (plain_out, plain_x) = results
+    assert not torch.equal(x_ref.grad if backward else out, plain_x.grad if backward else plain_out)
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+        moe = layers[rank]
+        parallelize_module(moe.experts, mesh, Float8ExpertParallel(
+            float8_combine=combine, float8_backward=backward))
+        _step_matches_one_device(moe, ref, rank, sizes, x, grad, out, x_ref)
+
+    run_threads(WORLD, rank_main)
+
+
+def test_float8_combine_and_backward_bytes():
+    """Every all-to-all's bytes, exactly: the token counts (8 bytes per expert), then per row
+    ``dim + 4`` bytes in float8 (a float32 scale per token), ``2 * dim`` in bf16; the dispatch
+    and the combine's backward move this rank's assignments, the combine and the dispatch's
+    backward the rows its experts received."""
+    ref = _moe("rowwise", WORLD)
+    sizes = SIZES[:WORLD]
+    x, grad = _batch(sum(sizes))
+    e, k = ref.args.num_experts, ref.args.top_k
+    routed = torch.bincount(ref.router(x[0])[1].reshape(-1), minlength=e)  # [E]
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+        mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        sent = sizes[rank] * k  # this rank's assignments
+        received = int(routed.view(WORLD, -1)[rank].sum())  # rows for this rank's experts
+        f8, bf16 = DIM + 4, 2 * DIM
+        for options, (dispatched, combined, back) in {
+            (False, False, False): (bf16, bf16, bf16),
+            (True, False, False): (f8, bf16, bf16),
+            (True, True, False): (f8, f8, bf16),
+            (True, True, True): (f8, f8, f8),
+            (False, False, True): (bf16, bf16, f8),
+        }.items():
+            moe = copy.deepcopy(ref)
+            parallelize_module(moe.experts, mesh, Float8ExpertParallel(
+                float8_dispatch=options[0], float8_combine=options[1],
+                float8_backward=options[2]))
+            xi = x[:, mine].clone().requires_grad_()
+            with count_collectives() as forward:
+                o = moe(xi)
+            with count_collectives() as backward:
+                o.backward(grad[:, mine])
+            assert (forward["all_to_all"].input_bytes
+                    == 8 * e + sent * dispatched + received * combined), options
+            assert backward["all_to_all"].input_bytes == (sent + received) * back, options
 
     run_threads(WORLD, rank_main)
 
