@@ -1,8 +1,8 @@
 """Pretrain a small LLaMA-style model on the Python standard library's source, with float8.
 
 One flat loop, nanoGPT-style. Launch with torchrun (FSDP2 over the data-parallel ranks, tensor
-parallel over ``--tp`` ranks of a 2-D mesh), or as plain ``python scripts/train.py`` (one process,
-world size 1)::
+parallel over ``--tp`` ranks of a 2-D mesh, or ``--pp`` pipeline stages with FSDP2 inside each),
+or as plain ``python scripts/train.py`` (one process, world size 1)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/train.py \\
         --float8 tensorwise --steps 60
@@ -12,8 +12,9 @@ Every rank logs nothing; rank 0 prints one line per ``--log-every`` steps, torch
     step: 60  loss: 2.5563  grad_norm: 0.4370  memory: 0.40GiB (params 0.3MiB grads 0.3MiB ...
     ... optim 0.5MiB act 2.0MiB)  tps: 6,425  [60/60 eta 0:00:00]
 
-The order of model transformations is torchtitan's: float8 conversion, tensor parallel,
-activation checkpointing, torch.compile (per block), FSDP2 (per block, then the root).
+The order of model transformations is torchtitan's: float8 conversion, tensor parallel, the
+pipeline split, activation checkpointing, torch.compile (per block), FSDP2 (per block, then the
+root).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -60,10 +62,12 @@ from f8dist.core.agreement import canonical_name
 from f8dist.policy.checkpoint import Float8LoadPlanner
 from f8dist.core.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_llama
+from f8dist.models.llama_pp import LlamaStage, pipeline_stage, split_llama
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, moe_tp_plan, parallelize_moe
 from f8dist.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from f8dist.nn.grouped import LINEAR_ONLY_OPTIONS, Float8GroupedExperts, GroupedExperts
+from f8dist.policy.delayed import set_amax_group
 from f8dist.parallel.fsdp import enable_float8_reduce_scatter, precompute_float8_dynamic_scale_for_fsdp
 from f8dist.testing.memory import storages
 from teardown import exit_cleanly, one_gpu_per_rank  # scripts/teardown.py
@@ -118,9 +122,7 @@ def float8_misfit(args: argparse.Namespace) -> Optional[str]:
     sharded over --tp), or None. [Note: the flags that fit] says which part of f8dist's error
     is kept."""
     try:
-        with torch.device("meta"):
-            model = Transformer(model_args(args))
-            convert_float8(model, float8_config(args), skip_incompatible=False)
+        model = meta_model(args, skip_incompatible=False)
         if args.tp > 1 and not args.moe_experts:  # TP shards must keep blocks whole
             for fqn, style in llama_tp_plan(model).items():
                 if hasattr(style, "check_blocks"):
@@ -128,6 +130,16 @@ def float8_misfit(args: argparse.Namespace) -> Optional[str]:
     except ValueError as e:
         return str(e).replace("\n", " ").split(". Make the layer")[0].rstrip(".")
     return None
+
+
+def meta_model(args: argparse.Namespace, **kwargs) -> Transformer:
+    """The dense model of ``args`` on the meta device, converted to its --float8 recipe (``kwargs``
+    for ``convert_to_float8_training``)."""
+    with torch.device("meta"):
+        model = Transformer(model_args(args))
+        if args.float8 != "none":
+            convert_float8(model, float8_config(args), **kwargs)
+    return model
 
 
 # [Note: the flags that fit]
@@ -185,10 +197,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_mesh(tp: int, device: torch.device, ep: int = 1) -> DeviceMesh:
+def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1) -> DeviceMesh:
     """(dp, tp); with expert parallelism (dp_shard, ep), every rank data-parallel
-    (:func:`dp_mesh_of`)."""
+    (:func:`dp_mesh_of`); with pipeline stages (pp, dp)."""
     world = dist.get_world_size()
+    if pp > 1:
+        return init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
     if ep > 1:
         return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
     return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
@@ -238,7 +252,8 @@ def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> 
     convert_to_float8_training(model, config=experts_config, module_filter_fn=is_experts, **kwargs)
 
 
-def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> Transformer:
+def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """The model this rank trains: the whole model, or with --pp its stage (:func:`split_stage`)."""
     margs = model_args(args)
     if args.moe_experts:
         model = MoETransformer(margs, MoEArgs(num_experts=args.moe_experts, top_k=args.moe_top_k))
@@ -254,6 +269,8 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
                           ffn_plan=moe_tp_plan if args.moe_experts else None)
     if args.ep > 1:  # experts over the ep ranks; float8 token dispatch with per-token casts
         parallelize_moe(model, mesh["ep"])
+    if args.pp > 1:
+        model = split_stage(model, mesh, float8=config is not None)
     for name, block in list(model.layers.items()):
         block = apply_ac(block, args.ac)
         if args.compile:
@@ -271,6 +288,53 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
         enable_float8_reduce_scatter(model)
     model.to(device)
     return model
+
+
+# [Note: pipeline stages in train.py]
+# --pp N splits the converted model into N stages of whole layers (split_llama: the modules are
+# the model's own, FQNs kept), one per row of the (pp, dp) mesh, before activation checkpointing
+# and FSDP2, which then shard each stage over its dp ranks. With a --float8 recipe, activations
+# and their gradients cross the stage boundaries in float8 ([Note: the float8 stage boundary] in
+# f8dist/parallel/pp/boundary.py), else in the compute dtype. Every rank builds and initializes
+# the whole model (the same weights as without --pp) and keeps its stage. Delayed amaxes are
+# reduced over the stage's dp ranks (the other stages hold other layers). The schedule splits
+# each rank's batch into --pp-microbatches, the first stage reads the tokens, the last computes
+# the loss of each micro-batch (gradients averaged over them, as --grad-accum-steps does), and the
+# logged loss is the last stage's, summed over the world from zeros on the other stages.
+
+
+def split_stage(model: Transformer, mesh: DeviceMesh, float8: bool) -> LlamaStage:
+    """This rank's stage of ``model`` ([Note: pipeline stages in train.py])."""
+    pp = mesh["pp"]
+    stage = split_llama(model, pp.get_local_rank(), pp.size(), float8=float8)
+    set_amax_group(stage, mesh["dp"])
+    return stage
+
+
+def build_schedule(stage: LlamaStage, args: argparse.Namespace, mesh: DeviceMesh):
+    """The pipeline schedule of ``stage`` (built by :func:`build_model`, on its device), its
+    micro-batches' shapes given statically."""
+    pp, n = mesh["pp"], args.pp_microbatches
+    microbatch = (args.batch_size // mesh["dp"].size() // n, args.seq_len)
+    piped = pipeline_stage(stage, pp.get_local_rank(), pp.size(), microbatch, pp.get_group(),
+                           getattr(torch, args.dtype))
+    schedule = Schedule1F1B if args.pp_schedule == "1f1b" else ScheduleGPipe
+    return schedule(piped, n, loss_fn=next_byte_loss)  # scale_grads: gradients / n
+
+
+def pipeline_step(pipe, stage: LlamaStage, inputs: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+    """One step of ``pipe`` on the batch ``inputs``, ``targets`` [b, S] (forward and backward of
+    every micro-batch): their mean loss on the last stage, 0 on the others."""
+    losses: List[torch.Tensor] = []
+    pipe.step(*[inputs] if stage.is_first else [], target=targets if stage.is_last else None,
+              losses=losses)
+    return torch.stack(losses).detach().mean() if losses else torch.zeros((), device=inputs.device)
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` [b, S, V] (in fp32) against the next bytes ``targets`` [b, S]."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
 def apply_ac(block: nn.Module, mode: str) -> nn.Module:
@@ -309,11 +373,12 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: List[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip by the global norm over all ranks. Gradients of one model can live on different
     meshes (FSDP's dp mesh, or dp x tp) with different placements: the squares of each sharding's
     local gradients are summed over the mesh axes that shard them, one all-reduce each (DTensor's
-    norm would reduce a 2-D partial norm with one all-reduce per mesh axis, and warns so)."""
+    norm would reduce a 2-D partial norm with one all-reduce per mesh axis, and warns so).
+    ``pp_group``: the ranks of the other pipeline stages, whose squares are summed in too."""
     by_sharding, by_mesh = defaultdict(list), defaultdict(list)
     for p in params:
         if p.grad is not None:
@@ -325,7 +390,10 @@ def clip_grad_norm_(params: List[nn.Parameter], max_norm: float) -> torch.Tensor
         local = [g.to_local() if sharding else g for g in grads]
         sq = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
         squares.append(sq if sharding is None else reduce_over_shards(sq, *sharding, "sum"))
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
     for group in by_mesh.values():  # foreach ops take one mesh at a time
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
@@ -667,13 +735,15 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     """Run the training loop; returns ``{"losses": [...], "steps": [...]}`` (losses averaged over
     data-parallel ranks) on every rank."""
     device = init_distributed()
-    mesh = build_mesh(args.tp, device, args.ep)
+    mesh = build_mesh(args.tp, device, args.ep, args.pp)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = dp_mesh_of(mesh).get_local_rank(), dp_mesh_of(mesh).size()
     torch.manual_seed(args.seed)
 
-    model = build_model(args, mesh, device)
+    model = build_model(args, mesh, device)  # with --pp: this rank's stage
     margs = model.args
+    pipe = build_schedule(model, args, mesh) if args.pp > 1 else None
+    whole = meta_model(args) if args.pp > 1 else model  # for the lines that describe the model
     optimizer = build_optimizer(model, args)
     batches = ByteBatches(seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                           dp_rank=dp_rank, dp_size=dp_size)
@@ -701,15 +771,17 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
                 print(change, flush=True)
 
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for p in whole.parameters())
         print(f"model: {margs.n_layers} layers, dim {margs.dim}, {n_params:,} params | "
               f"float8: {args.float8} | optim states: {args.optim_states} | "
-              f"mesh: dp={dp_size} tp={args.tp} ep={args.ep} | ac: {args.ac} | "
+              f"mesh: dp={dp_size} tp={args.tp} ep={args.ep}"
+              + (f" pp={args.pp} ({args.pp_schedule}, {args.pp_microbatches} micro-batches)"
+                 if pipe else "") + f" | ac: {args.ac} | "
               + (f"moe: {args.moe_experts} experts top-{args.moe_top_k} | " if args.moe_experts else "")
               + f"compile: {args.compile} | {device.type} x {world}", flush=True)
 
     if rank == 0:
-        print(float8_linears_text(model, args.float8), flush=True)
+        print(float8_linears_text(whole, args.float8), flush=True)
 
     peak = bf16_peak_flops(device)
     tokens_per_step = args.batch_size // dp_size * args.seq_len  # per rank
@@ -735,17 +807,21 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         split: Dict[str, int] = {}  # [Note: the memory line], on logged steps
         # --float8-stats-every N: record this step's float8 casts if step % N == 0
         with stats.step(step) if stats is not None else contextlib.nullcontext():
-            loss = 0.0
-            for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):  # [b / accum, S]
-                measured = kept_for_backward(device, model, split) if logged else None
-                with measured or contextlib.nullcontext():
-                    logits = model(x)  # [b / accum, S, V]
-                    micro = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(0, 1)) / accum
-                    if args.moe_experts:  # the load-balancing loss ([Note: routing], moe.py)
-                        micro = micro + model.aux_loss() / accum
-                micro.backward()
-                loss = loss + micro.detach()
-        grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm)
+            if pipe is not None:  # the memory line measures no act
+                loss = pipeline_step(pipe, model, inputs, targets)
+            else:
+                loss = 0.0
+                for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):  # [b / accum, S]
+                    measured = kept_for_backward(device, model, split) if logged else None
+                    with measured or contextlib.nullcontext():
+                        logits = model(x)  # [b / accum, S, V]
+                        micro = next_byte_loss(logits, y) / accum
+                        if args.moe_experts:  # the load-balancing loss ([Note: routing], moe.py)
+                            micro = micro + model.aux_loss() / accum
+                    micro.backward()
+                    loss = loss + micro.detach()
+        grad_norm = clip_grad_norm_(list(model.parameters()), args.max_norm,
+                                    mesh["pp"].get_group() if pipe else None)
         if args.compile and rank == 0 and step == start + 1:
             print(f"compiled: step {step} took {time.perf_counter() - t_start:.0f}s", flush=True)
         if args.float8 == "delayed":  # one MAX all-reduce: the step's amaxes into the histories
@@ -760,7 +836,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
 
         global_loss = loss.clone()
         dist.all_reduce(global_loss)  # sum over all ranks; tp ranks hold equal losses
-        global_loss = float(global_loss) / world
+        global_loss = float(global_loss) / (world // args.pp)  # --pp: the last stage's ranks
         steps.append(step)
         losses.append(global_loss)
         now = time.perf_counter()
@@ -773,7 +849,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             line = (f"step: {step}  loss: {global_loss:.4f}  grad_norm: {float(grad_norm):.4f}  "
                     f"{memory_text(device, split)}  tps: {tps:,.0f}")
             if peak is not None:
-                mfu = 100 * margs.flops_per_token(args.seq_len) * tps / peak
+                mfu = 100 * margs.flops_per_token(args.seq_len) / args.pp * tps / peak
                 line += f"  mfu(vs bf16 peak): {mfu:.2f}%"
             eta = eta_seconds(now, first_step_end, step - start, args.steps - step, t_start)
             print(f"{line}  [{step}/{args.steps} eta {_eta(eta)}]", flush=True)

@@ -110,6 +110,15 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
+    p.add_argument("--pp", type=positive, default=1,
+                   help="pipeline stages: the layers split evenly over a (pp, dp) mesh, FSDP2 "
+                        "inside each stage, activations and their gradients cross in float8 "
+                        "with a --float8 recipe (bf16 with none)")
+    p.add_argument("--pp-microbatches", type=positive, default=None,
+                   help="with --pp: micro-batches per step of each rank's batch (None: --pp, "
+                        "the fewest 1F1B takes)")
+    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="with --pp: torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
                    help="activation checkpointing per block: selective (op-level) or full")
@@ -167,14 +176,18 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     args.moe_top_k = 2 if args.moe_top_k is None else args.moe_top_k
     args.float8_stats_dir = args.float8_stats_dir or "float8_stats"
     _check_moe_args(p, args, world)
+    _check_pp_args(p, args, world)
     if world % args.tp:
         p.error(f"--tp {args.tp} must divide the number of ranks ({world})")
-    if args.batch_size % (world // args.tp):
-        p.error(f"--batch-size {args.batch_size} must be a multiple of the {world // args.tp} "
+    dp = world // (args.tp * args.pp)
+    if args.batch_size % dp:
+        p.error(f"--batch-size {args.batch_size} must be a multiple of the {dp} "
                 "data-parallel ranks")
-    if (args.batch_size // (world // args.tp)) % args.grad_accum_steps:
-        p.error(f"--grad-accum-steps {args.grad_accum_steps} must divide each rank's batch "
-                f"({args.batch_size // (world // args.tp)} sequences); change --batch-size")
+    flag, micro = (("--pp-microbatches", args.pp_microbatches) if args.pp > 1
+                   else ("--grad-accum-steps", args.grad_accum_steps))
+    if (args.batch_size // dp) % micro:
+        p.error(f"{flag} {micro} must divide each rank's batch ({args.batch_size // dp} "
+                "sequences); change --batch-size")
     for heads in (args.n_heads, args.n_kv_heads or args.n_heads):
         if heads % args.tp:
             p.error(f"--tp {args.tp} shards attention heads: --n-heads and --n-kv-heads must be "
@@ -221,9 +234,14 @@ def _check_no_silent_flags(p: argparse.ArgumentParser, args: argparse.Namespace,
              ("--float8-stats-dir", args.float8_stats_dir is not None
               and not args.float8_stats_every, "is where --float8-stats-every writes",
               "--float8-stats-every N"),
-             ("--float8-reduce-scatter", args.float8_reduce_scatter and world // args.tp == 1,
+             ("--float8-reduce-scatter",
+              args.float8_reduce_scatter and world // (args.tp * args.pp) == 1,
               "reduce-scatters gradients over the data-parallel ranks; with one, FSDP2 runs no "
-              "reduce-scatter", "more ranks than --tp")]
+              "reduce-scatter", "more ranks than --tp" + (" x --pp" if args.pp > 1 else "")),
+             ("--pp-microbatches", args.pp_microbatches is not None and args.pp == 1,
+              "splits each rank's batch for the pipeline's schedule", "--pp N"),
+             ("--pp-schedule", args.pp_schedule != "1f1b" and args.pp == 1,
+              "picks the pipeline's schedule", "--pp N")]
     for flag, unused, what, fix in needs:
         if unused:
             p.error(f"{flag} {what}: it would do nothing in this run; add {fix} or drop it")
@@ -256,6 +274,32 @@ def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world:
         p.error(f"--moe-experts does not run with {', '.join(bad)} in train.py: the MoE model "
                 "trains with data parallelism (FSDP2), expert parallelism (--ep) or tensor-parallel "
                 "attention (--tp), every float8 recipe, in eager mode")
+
+
+def _check_pp_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """--pp and the flags train.py runs with it (the others are refused)."""
+    if args.pp == 1:
+        return
+    if world % args.pp or args.pp > args.n_layers:
+        p.error(f"--pp {args.pp} must divide the number of ranks ({world}) and be at most "
+                f"--n-layers ({args.n_layers}): each stage takes whole layers")
+    args.pp_microbatches = args.pp_microbatches or args.pp
+    if args.pp_schedule == "1f1b" and args.pp_microbatches < args.pp:
+        p.error(f"--pp-microbatches {args.pp_microbatches} is fewer than the {args.pp} stages: "
+                "1F1B keeps every stage busy with one micro-batch each; raise it to --pp or use "
+                "--pp-schedule gpipe")
+    refused = {
+        "--tp": args.tp > 1, "--moe-experts": args.moe_experts > 0, "--compile": args.compile,
+        "--grad-accum-steps (use --pp-microbatches)": args.grad_accum_steps > 1,
+        "--checkpoint-dir": args.checkpoint_dir is not None,
+        "--float8-stats-every": args.float8_stats_every > 0,
+    }
+    bad = [flag for flag, on in refused.items() if on]
+    if bad:
+        p.error(f"--pp does not run with {', '.join(bad)} in train.py yet: a pipeline stage "
+                "trains with FSDP2 over its data-parallel ranks (every --float8 recipe, --ac, "
+                "the float8 FSDP2 options, 8-bit AdamW states), without tensor or expert "
+                "parallelism, checkpoints, compile or float8 stats; drop them or --pp")
 
 
 def _unwritable(directory: str) -> Optional[str]:

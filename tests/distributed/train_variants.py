@@ -1,7 +1,8 @@
 """torchrun program: scripts/train.py several times in one launch, one run per ``--variant``
 (flags appended to ``--train``, later flags winning); reports each run's steps and losses, what it
 printed on rank 0, and every warning torch raised or logged in it (see
-tests/distributed/test_train.py)."""
+tests/distributed/test_train.py); a ``--count-sends NAME`` run also the bytes rank 0 sent point to
+point (pipeline stages)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shlex
 import sys
 import warnings
 
+from f8dist.testing import count_collectives
 from tests.distributed.common import init, main, write_result
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
@@ -23,6 +25,7 @@ import train  # noqa: E402
 def _args(parser):
     parser.add_argument("--train", default="", help="flags of every run, one string")
     parser.add_argument("--variant", action="append", default=[], help="NAME=FLAGS, one per run")
+    parser.add_argument("--count-sends", action="append", default=[], help="NAME of a run to count")
 
 
 def run(args):
@@ -35,9 +38,13 @@ def run(args):
     for variant in args.variant:
         name, _, flags = variant.partition("=")
         printed = io.StringIO()
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+        counted = count_collectives() if name in args.count_sends else contextlib.nullcontext()
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed), \
+                counted as counts:
             warnings.simplefilter("always")
             result[name] = train.train(train.parse_args(shlex.split(args.train) + shlex.split(flags)))
+        if counts is not None:
+            result[name]["sent_bytes"] = counts["send"].input_bytes
         print(printed.getvalue(), end="", flush=True)
         result[name]["stdout"] = printed.getvalue()
         result[name]["torch_warnings"] = [str(w.message) for w in caught] + logged

@@ -78,6 +78,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--float8", "none", "--pad-inner-dim"], "--pad-inner-dim change(s) how float8 linears"),
     (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
     (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+    (["--pp", "2", "--tp", "2"], "--pp does not run with --tp in train.py yet"),
 ])
 def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     """[Note: flags before torch]: under torchrun every rank paid torch's import for it."""
@@ -110,6 +111,20 @@ def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     (["--tp", "4", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
     (["--tp", "2", "--float8", "rowwise", "--sp-grad-weight", "backward_gather"],
      "sp_grad_weight='backward_gather'"),  # a recipe it does not apply to
+    # pipeline stages: the flags that do not compose with --pp yet, and the schedule's rules
+    (["--pp", "3"], "--pp 3 must divide the number of ranks (4) and be at most --n-layers (2)"),
+    (["--pp", "4"], "be at most --n-layers (2): each stage takes whole layers"),
+    (["--pp", "2", "--tp", "2", "--compile"], "--pp does not run with --tp, --compile in train.py"),
+    (["--pp", "2", "--moe-experts", "4"], "--pp does not run with --moe-experts"),
+    (["--pp", "2", "--checkpoint-dir", "ckpt"], "--pp does not run with --checkpoint-dir"),
+    (["--pp", "2", "--float8-stats-every", "1"], "--pp does not run with --float8-stats-every"),
+    (["--pp", "2", "--grad-accum-steps", "2"], "--grad-accum-steps (use --pp-microbatches)"),
+    (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is fewer than the 2 stages"),
+    (["--pp", "2", "--pp-microbatches", "3"], "--pp-microbatches 3 must divide each rank's batch"),
+    (["--pp", "4", "--n-layers", "4", "--float8-reduce-scatter"], "more ranks than --tp x --pp"),
+    (["--pp-microbatches", "2"], "--pp-microbatches splits each rank's batch for the pipeline's "
+     "schedule: it would do nothing in this run; add --pp N or drop it"),
+    (["--pp-schedule", "gpipe"], "add --pp N or drop it"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
                                                                             monkeypatch):
@@ -127,6 +142,16 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
 def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train.parse_args(argv).moe_experts == 4
+
+
+@pytest.mark.parametrize("argv, microbatches", [
+    (["--pp", "2"], 2),  # as many as stages, the fewest 1F1B takes
+    (["--pp", "2", "--pp-schedule", "gpipe", "--pp-microbatches", "1"], 1),
+    (["--pp", "2", "--float8-reduce-scatter", "--ac", "sac", "--float8", "delayed"], 2),
+])
+def test_pp_flags_that_run_parse_on_torchruns_ranks(argv, microbatches, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train.parse_args(argv).pp_microbatches == microbatches
 
 
 @pytest.mark.parametrize("argv", [
