@@ -194,7 +194,7 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
                     f"multiples of it (got {heads})")
     if args.float8_stats_every and (args.float8 == "none" or args.compile):
         p.error("--float8-stats-every records float8 casts in eager mode: it needs a --float8 "
-                f"--float8 {' or '.join(FLOAT8_ALL_GATHER)}")
+                "recipe and no --compile")
     if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
         p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
     if args.tp > 1 and args.seq_len % args.tp:

@@ -79,6 +79,9 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
     (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
     (["--pp", "2", "--tp", "2"], "--pp does not run with --tp in train.py yet"),
+    (["--float8", "none", "--float8-stats-every", "1"],
+     "--float8-stats-every records float8 casts in eager mode: it needs a --float8 recipe and no "
+     "--compile"),
 ])
 def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     """[Note: flags before torch]: under torchrun every rank paid torch's import for it."""
