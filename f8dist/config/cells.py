@@ -21,14 +21,17 @@ import torch
 
 __all__ = [
     "ScalingType", "ScalingGranularity", "ScaleRounding", "Gemm", "Operand", "CastConfig",
-    "SavedInput", "SPGradWeight", "E4M3", "E5M2", "E8M0",
+    "SavedInput", "SPGradWeight", "E4M3", "E5M2", "E8M0", "E2M1",
 ]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-_FLOAT8_DTYPES = (E4M3, E5M2)
+E2M1 = torch.float4_e2m1fn_x2  # NVFP4's elements ([Note: NVFP4])
+_FLOAT8_DTYPES = (E4M3, E5M2, E2M1)
 E8M0 = torch.float8_e8m0fnu  # a power of 2 per byte: MX block scales
-_SCALE_DTYPES = (torch.float32, E8M0)
+_SCALE_DTYPES = (torch.float32, E8M0, E4M3)
+# NVFP4's blocks (outer, inner): 1x16 activations and gradients, 16x16 weights
+_NVFP4_BLOCKS = ((1, 16), (16, 16))
 
 
 class _Name(str, enum.Enum):
@@ -153,6 +156,18 @@ class ScaleRounding(_Name):
 # Byte figures: docs/performance.md. Linears sharing one input (``PrepareFloat8ModuleInput``) get
 # its named linear's cast; one whose config finds no fitting grad_weight operand raises.
 #
+# [Note: NVFP4]
+# ``target_dtype=E2M1`` (torch.float4_e2m1fn_x2, NVIDIA's NVFP4): e2m1 values (0, 0.5, 1, 1.5, 2,
+# 3, 4, 6 and their negatives) in 1x16 blocks (16x16 for weights), each block with an e4m3 scale,
+# and one float32 scale for the whole tensor under them (two levels: a block's e4m3 scale is
+# amax_block / 6 / tensor_scale, the tensor scale amax / (448 * 6), so the block scales use
+# e4m3's range). Both scales are decode scales (what dequantizing multiplies by: 1 / e4m3 is no
+# e4m3), the tensor scale read from the logical tensor's amax ([Note: amax]). E2M1 goes with
+# block scales in e4m3 only, and e4m3 block scales with E2M1 only; the scale math is
+# ``nvfp4_cast`` in f8dist/core/scaling.py, the gemm ``[Note: the NVFP4 gemm]`` in
+# f8dist/core/gemm.py. This slice stores e2m1 values one per byte (as e4m3 bytes, every e2m1
+# value being one), not packed two per byte in float4_e2m1fn_x2.
+#
 # [Note: e8m0 rounding]
 # RCEIL (default; NVIDIA's cvt.rp.satfinite.ue8m0, cuBLAS, Transformer Engine, torchao) picks
 # 2**ceil(log2(amax / fp8_max)), so no element saturates. FLOOR (OCP MX v1.0) is
@@ -186,7 +201,8 @@ class CastConfig:
         if self.target_dtype is not None and self.target_dtype not in _FLOAT8_DTYPES:
             raise ValueError(
                 f"CastConfig.target_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 "
-                f"(or None for the operand's default), got {self.target_dtype}"
+                f"(or torch.float4_e2m1fn_x2 for NVFP4 blocks, or None for the operand's "
+                f"default), got {self.target_dtype}"
             )
         if (
             self.scaling_type is ScalingType.DELAYED
@@ -208,10 +224,10 @@ class CastConfig:
         return self.scaling_granularity is ScalingGranularity.BLOCKWISE
 
     def short_str(self) -> str:
-        dtype = {None: "dflt", E4M3: "e4m3", E5M2: "e5m2"}[self.target_dtype]
+        dtype = {None: "dflt", E4M3: "e4m3", E5M2: "e5m2", E2M1: "e2m1"}[self.target_dtype]
         gran = self.scaling_granularity.short_str()
         if self.blockwise:
-            scale = "e8m0" if self.scale_dtype == E8M0 else "f32"
+            scale = {E8M0: "e8m0", E4M3: "e4m3"}.get(self.scale_dtype, "f32")
             gran = f"{gran}{self.block_size[0]}x{self.block_size[1]}{scale}"
         return f"{self.scaling_type.short_str()}_{gran}_{dtype}"
 
@@ -220,6 +236,7 @@ def _check_block(cc: "CastConfig") -> None:
     """The block fields of a CastConfig ([Note: block scales]), with the fix in each message."""
     object.__setattr__(cc, "scale_rounding",
                        ScaleRounding.coerce(cc.scale_rounding, "CastConfig.scale_rounding"))
+    _check_nvfp4(cc)
     if not cc.blockwise:
         if (cc.block_size is not None or cc.scale_dtype != torch.float32
                 or cc.scale_rounding is not ScaleRounding.RCEIL):
@@ -245,8 +262,8 @@ def _check_block(cc: "CastConfig") -> None:
         )
     if cc.scale_dtype not in _SCALE_DTYPES:
         raise ValueError(
-            f"CastConfig.scale_dtype must be torch.float32 or torch.float8_e8m0fnu, got "
-            f"{cc.scale_dtype}"
+            f"CastConfig.scale_dtype must be torch.float32, torch.float8_e8m0fnu or (NVFP4) "
+            f"torch.float8_e4m3fn, got {cc.scale_dtype}"
         )
     if cc.scale_rounding is not ScaleRounding.RCEIL and cc.scale_dtype != E8M0:
         raise ValueError(
@@ -254,6 +271,27 @@ def _check_block(cc: "CastConfig") -> None:
             "are exact (set Float8LinearConfig.round_scales_to_power_of_2 for powers of 2): "
             "use scale_dtype=torch.float8_e8m0fnu or leave scale_rounding at RCEIL"
         )
+
+
+def _check_nvfp4(cc: "CastConfig") -> None:
+    """NVFP4's combination of fields ([Note: NVFP4]): e2m1 data with e4m3 block scales in
+    1x16 / 16x16 blocks, and e4m3 block scales with e2m1 data only."""
+    nvfp4 = dict(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E2M1,
+                 scale_dtype=E4M3)
+    fix = (f"NVFP4 is CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, "
+           f"target_dtype=torch.float4_e2m1fn_x2, block_size=(1, 16) or (16, 16), "
+           f"scale_dtype=torch.float8_e4m3fn) (the 'nvfp4' recipe)")
+    if cc.target_dtype == E2M1:
+        bad = [f"{k}={getattr(cc, k)}" for k, v in nvfp4.items() if getattr(cc, k) != v]
+        if cc.block_size not in _NVFP4_BLOCKS:
+            bad.append(f"block_size={cc.block_size}")
+        if bad:
+            raise ValueError(f"CastConfig.target_dtype=torch.float4_e2m1fn_x2 takes NVFP4's "
+                             f"block scales only, got {', '.join(bad)}: {fix}")
+    elif cc.scale_dtype == E4M3:
+        raise ValueError(f"CastConfig.scale_dtype=torch.float8_e4m3fn is NVFP4's block scale, "
+                         f"for e2m1 data only, got target_dtype={cc.target_dtype}: {fix}")
+
 
 class SPGradWeight(_Name):
     """How the grad_weight gemm gets a sequence-parallel operand that a tensor-parallel style

@@ -18,3 +18,6 @@ class Float8LinearRecipeName(enum.Enum):
     MXFP8_WGRAD_WITH_HP = "mxfp8_wgrad_with_hp"  # mxfp8, grad_weight gemm in high precision
     MXFP8_SQUARE_WEIGHTS = "mxfp8_square_weights"  # mxfp8 with 32x32 weight blocks
     BLOCKWISE = "blockwise"  # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights
+    # e2m1 in 1x16 blocks (16x16 weights), e4m3 block scales, a float32 tensor scale ([Note:
+    # NVFP4] in f8dist/config/cells.py)
+    NVFP4 = "nvfp4"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from f8dist.config.cells import E4M3, E8M0, CastConfig, ScalingGranularity, ScalingType
+from f8dist.config.cells import E2M1, E4M3, E8M0, CastConfig, ScalingGranularity, ScalingType
 from f8dist.config.recipe_names import Float8LinearRecipeName
 
 __all__ = ["Float8LinearRecipeName", "recipe_fields"]
@@ -21,6 +21,13 @@ def _deepseek(block_size: Tuple[int, int]) -> CastConfig:
     """A DeepSeek-V3 blockwise cast: e4m3 with one float32 scale per ``block_size`` block."""
     return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3,
                       block_size=block_size)
+
+
+def _nvfp4(block_size: Tuple[int, int] = (1, 16)) -> CastConfig:
+    """An NVFP4 cast: e2m1 with one e4m3 scale per ``block_size`` block under a float32 tensor
+    scale ([Note: NVFP4] in f8dist/config/cells.py)."""
+    return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E2M1,
+                      block_size=block_size, scale_dtype=E4M3)
 
 
 def recipe_fields(recipe_name: str) -> Dict[str, object]:
@@ -92,5 +99,12 @@ def recipe_fields(recipe_name: str) -> Dict[str, object]:
         return dict(
             cast_config_input=_deepseek((1, 128)), cast_config_weight=_deepseek((128, 128)),
             cast_config_grad_output=_deepseek((1, 128)))
+
+    if recipe_name is Float8LinearRecipeName.NVFP4:
+        # NVIDIA's NVFP4 training recipe, less its random Hadamard transform of the grad_weight
+        # gemm's operands and stochastic rounding of gradients (not yet): 16x16 weight blocks,
+        # so one cast serves both of the weight's gemms
+        return dict(cast_config_input=_nvfp4(), cast_config_weight=_nvfp4((16, 16)),
+                    cast_config_grad_output=_nvfp4())
 
     raise AssertionError(recipe_name)

@@ -99,8 +99,8 @@ class CastSpec:
             raise TypeError(f"CastSpec.axis must be an int (a dim of the operand), got {self.axis!r}")
         # the rest is validated where it comes from (CastConfig)
         CastConfig(scaling_type=self.scaling_type, scaling_granularity=self.granularity,
-                   block_size=self.block_size, scale_dtype=self.scale_dtype,
-                   scale_rounding=self.scale_rounding)
+                   target_dtype=self.dtype, block_size=self.block_size,
+                   scale_dtype=self.scale_dtype, scale_rounding=self.scale_rounding)
 
     @property
     def enabled(self) -> bool:

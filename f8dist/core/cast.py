@@ -25,8 +25,8 @@ from f8dist.core.placement import (
     blocks_split_by_shards, is_dtensor, layout, like, local_part, reduce_partial, with_layout,
 )
 from f8dist.core.scaling import (
-    amax_to_scale, block_cast, group_amax, group_ids, in_memory, saturated_cast, stored_scale,
-    tensor_amax,
+    E2M1, amax_to_scale, block_cast, group_amax, group_ids, in_memory, nvfp4_cast, saturated_cast,
+    stored_scale, tensor_amax,
 )
 from f8dist.core.tensor import Block, Float8Tensor, KeptShard, block_of
 
@@ -287,6 +287,13 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
                 "layer in high precision (module_filter_fn; enable_fsdp_float8_all_gather=False "
                 "for an FSDP2 weight)"
             )
+    if spec.dtype == E2M1:  # two levels: [Note: NVFP4] in f8dist/config/cells.py
+        t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]
+        data, scale, tensor_scale = nvfp4_cast(  # the tensor scale from the logical amax
+            local_part(t), _block(spec, t.dim()), local_part(logical_amax(t)))
+        out = like(t, Float8Tensor(data, scale, t.dtype, mm_config=spec.mm_config,
+                                   block=_block(spec, t.dim()), tensor_scale=tensor_scale))
+        return _observed(spec, t, out)
     local = in_memory(local_part(t))  # read twice: [Note: a cast that waits for its amax]
     data, scale = block_cast(  # [R, C] float8, [ceil(R / rows), ceil(C / cols)] float32
         local, block, spec.dtype, scale_dtype=spec.scale_dtype, rounding=spec.scale_rounding,

@@ -110,7 +110,9 @@ import torch
 import torch.nn.functional as F
 
 from f8dist.config import E4M3, E8M0, ScaledMMConfig
-from f8dist.core.scaling import expand_blocks, group_ids, in_memory, stored_scale
+from f8dist.core.scaling import (
+    expand_blocks, group_ids, in_memory, nvfp4_dequantize, stored_scale,
+)
 
 __all__ = ["float8_mm", "kernel_block", "scaled_mm", "scaled_grouped_mm",
            "block_scaled_grouped_mm", "grouped_scales", "pad_groups", "scatter_rows",
@@ -674,6 +676,47 @@ def kernel_block(block) -> Optional[Tuple[int, int]]:
     return rows, cols
 
 
+# [Note: the NVFP4 gemm]
+# NVFP4 operands ([Note: NVFP4] in f8dist/config/cells.py) carry e4m3 decode scales per 1x16 (or
+# 16x16) block and a float32 decode scale per tensor ([Note: two-level scales] in
+# f8dist/core/tensor.py). The gemm is the block-scaled one ([Note: the block-scaled gemm]) on the
+# block scales, its float32 result multiplied by the product of the tensor scales, as CUDA's
+# NVFP4 kernels take it (block scales in the kernel, the tensor scales as its alpha):
+#
+#     out = ta * tb * sum over k-blocks j of (sum_{k in j} a[m, k] b[k, n]) sa[m, j] sb[j, n]
+#
+# On the CPU ``f8dist::cpu_block_scaled_mm``: e2m1 products are exact in float32, and so is the
+# product of two e4m3 scales. Emulation dequantizes each operand (``nvfp4_dequantize``) and runs
+# a float32 matmul. CUDA's NVFP4 ``scaled_mm`` (sm100+) is not wired up yet: off the CPU the gemm
+# raises naming ``emulate=True``. Grouped NVFP4 gemms are not defined (experts raise).
+
+
+def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_scales, *,
+              out_dtype, mm_config) -> torch.Tensor:
+    """The gemm of two NVFP4 operands ([Note: the NVFP4 gemm])."""
+    ta, tb = tensor_scales
+    if ta is None or tb is None or a_block is None:
+        raise TypeError("an NVFP4 operand meets another format: both operands of an NVFP4 gemm "
+                        "need e4m3 block scales and a tensor scale (the config's gemm cells must "
+                        "agree)")
+    if offs is not None:
+        raise NotImplementedError("NVFP4 grouped gemms are not defined: keep the experts in "
+                                  "another recipe ([Note: the NVFP4 gemm] in f8dist/core/gemm.py)")
+    if mm_config.emulate:
+        return torch.mm(nvfp4_dequantize(a_data, a_scale, a_block, ta, torch.float32),
+                        nvfp4_dequantize(b_data, b_scale, b_block, tb, torch.float32)
+                        ).to(out_dtype)
+    if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
+        raise NotImplementedError(
+            f"f8dist runs NVFP4 gemms on the CPU (an exact kernel) only: torch's NVFP4 scaled_mm "
+            f"(sm100+) is not wired up, so on {a_data.device.type} set {_EMULATE} or use another "
+            "recipe ([Note: the NVFP4 gemm] in f8dist/core/gemm.py)")
+    out = cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, a_scale.to(torch.float32),
+                              b_scale.to(torch.float32), list(a_block), list(b_block),
+                              torch.float32)  # [M, N]
+    return (out * (ta * tb)).to(out_dtype)
+
+
 # [Note: one gemm entry]
 # ``float8_mm`` is the float8 gemm of every kind: dense or grouped (token groups ``offs``), with
 # per-tensor / per-row scales or block scales. It reads the kind off the operands' blocks (block
@@ -687,12 +730,15 @@ def kernel_block(block) -> Optional[Tuple[int, int]]:
 
 def float8_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_block, b_data: torch.Tensor,
               b_scale: torch.Tensor, b_block, offs: Optional[torch.Tensor] = None, *,
-              out_dtype: torch.dtype, mm_config: ScaledMMConfig) -> torch.Tensor:
+              out_dtype: torch.dtype, mm_config: ScaledMMConfig,
+              tensor_scales: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+              ) -> torch.Tensor:
     """``a_hp @ b_hp`` for float8 data and quantizing scales (``x_hp = x_data / x_scale``), each
     scale a grid over its operand's ``block`` ([Note: one scale layout] in f8dist/core/tensor.py;
     None: one scale): dense, ``a_data`` [M, K] @ ``b_data`` [K, N]; grouped over the token groups
     ``offs``, [M, K] @ [E, K, N] -> [M, N] or [N, M] @ [M, K] -> [E, N, K] ([Note: one gemm
-    entry])."""
+    entry]). ``tensor_scales``: NVFP4's second level of each operand, whose ``*_scale`` grids are
+    then e4m3 decode scales ([Note: the NVFP4 gemm])."""
     if offs is None and 0 in (a_data.shape[0], a_data.shape[1], b_data.shape[1]):
         # an empty batch: nothing to multiply, or a sum of nothing
         return a_data.new_zeros((a_data.shape[0], b_data.shape[1]), dtype=out_dtype)
@@ -700,6 +746,9 @@ def float8_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_block, b_data: torc
     blocks = a_block is not None or b_block is not None
     if blocks:
         _check_block_pair(a_block, b_block)
+    if any(t is not None for t in tensor_scales):
+        return _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_scales,
+                         out_dtype=out_dtype, mm_config=mm_config)
     return _GEMMS[offs is not None, blocks](a_data, a_scale, a_block, b_data, b_scale, b_block,
                                            offs, out_dtype=out_dtype, mm_config=mm_config)
 

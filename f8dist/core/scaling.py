@@ -84,14 +84,21 @@ __all__ = [
     "stored_scale",
     "E8M0_MIN_EXP",
     "E8M0_MAX_EXP",
+    "E2M1",
+    "round_to_e2m1",
+    "nvfp4_cast",
+    "nvfp4_dequantize",
 ]
 
 # The largest scale: an all-zero tensor gets it ([Note: tiny magnitudes])
 MAX_SCALE = 2.0 ** 126
 
+E2M1 = torch.float4_e2m1fn_x2  # NVFP4's elements ([Note: NVFP4] in f8dist/config/cells.py)
+
 FP8_MAX = {
     torch.float8_e4m3fn: 448.0,
     torch.float8_e5m2: 57344.0,
+    E2M1: 6.0,
 }
 
 
@@ -403,6 +410,67 @@ def block_cast(
         return data_t.t(), scale_t.t()  # [R, C] column-major, [R / rows, C]
     scale = block_scale(block_amax(x, block), float8_dtype, **kw)
     return saturated_cast(x, expand_blocks(scale, block, x.shape), float8_dtype), scale
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4: e2m1 elements, e4m3 block scales, a float32 tensor scale ([Note: NVFP4] in
+# f8dist/config/cells.py), NVIDIA's two-level math as torchao's ``nvfp4_quantize`` computes it
+# ---------------------------------------------------------------------------------------------
+
+_E4M3_MAX = FP8_MAX[torch.float8_e4m3fn]
+_E2M1_MAX = FP8_MAX[E2M1]
+_F32 = torch.finfo(torch.float32)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` in [-6, 6] rounded to the nearest e2m1 value, ties to even: e2m1 is spaced
+    0.5 below 2, 1 below 4 and 2 up to 6, and an even multiple of the spacing has an even
+    mantissa, so ``torch.round`` (half to even) of ``x / spacing`` is the rounding."""
+    mag = x.abs()
+    spacing = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    return torch.round(x / spacing) * spacing  # a power of 2 divides and multiplies exactly
+
+
+def _grid_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:
+    """max(|x|) of each block of an N-D ``x``, ``block`` one length per dim (None: the whole
+    dim), float32 [ceil(n / b) per dim]; edge blocks zero-padded."""
+    lengths = [n if b is None else b for n, b in zip(x.shape, block)]
+    pad = [p for n, b in reversed(list(zip(x.shape, lengths))) for p in (0, -n % max(b, 1))]
+    x = torch.nn.functional.pad(torch.abs(x), pad)
+    x = x.reshape([v for n, b in zip(x.shape, lengths) for v in (n // max(b, 1), b)])
+    dims = tuple(range(1, x.dim(), 2))
+    if x.numel() == 0:  # torch.amax of an empty reduction raises; no magnitudes give 0
+        return x.sum(dim=dims).to(torch.float32)
+    return torch.amax(x, dim=dims).to(torch.float32)
+
+
+def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor) -> tuple:
+    """``(data, block_scales, tensor_scale)``: ``x`` in NVFP4 ([Note: NVFP4] in
+    f8dist/config/cells.py) from ``amax``, the logical tensor's (a 0-dim float32). ``block``: a
+    length per dim of ``x`` (None: whole). The decode scales: ``tensor_scale = amax / (448 * 6)``
+    (float32, []); each block's ``amax_block / 6 / tensor_scale`` in e4m3 (clamped to e4m3's
+    range). The data: ``x * (1 / tensor_scale) / block_scale``, clamped to 6, rounded to e2m1 and
+    stored as e4m3 bytes (one per element). torchao's ``nvfp4_quantize`` to the bit, but that a
+    tensor scale below float32's smallest normal (amax < 2688 * 2**-126, all-zero tensors
+    included) is raised to it, so nothing divides by 0.
+    """
+    tensor_scale = torch.clamp(amax.to(torch.float32) / (_E4M3_MAX * _E2M1_MAX), min=_F32.tiny)
+    block_amax = _grid_amax(x, block)  # [ceil(n / b) per dim]
+    block_scale = torch.clamp(block_amax / _E2M1_MAX / tensor_scale,
+                              min=torch.finfo(torch.float8_e4m3fn).tiny, max=_E4M3_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn)  # e4m3 decode scales
+    encode = torch.clamp((1.0 / tensor_scale) / block_scale.to(torch.float32), max=_F32.max)
+    scaled = x.to(torch.float32) * expand_blocks(encode, block, x.shape)
+    data = round_to_e2m1(scaled.clamp_(min=-_E2M1_MAX, max=_E2M1_MAX))
+    return data.to(torch.float8_e4m3fn), block_scale, tensor_scale
+
+
+def nvfp4_dequantize(data: torch.Tensor, block_scale: torch.Tensor, block: tuple,
+                     tensor_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The value of NVFP4 ``data`` (:func:`nvfp4_cast`): ``data * (tensor_scale * block_scale)``
+    in float32 (torchao's order), then ``dtype``."""
+    decode = tensor_scale * expand_blocks(block_scale, block, data.shape)
+    return (data.to(torch.float32) * decode).to(dtype)
 
 
 # [Note: token groups]

@@ -10,6 +10,8 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
   is whole (tensorwise);
 * ``_orig_dtype``: the dtype it dequantizes to and that gemm outputs take;
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation);
+* ``_tensor_scale``: None, or NVFP4's second-level float32 scale under a grid of e4m3 block
+  scales ([Note: two-level scales]);
 * ``_companion``: None, or a second Float8Tensor of the same values cast for the operand's other
   gemm ([Note: two casts of one tensor]), or a :class:`KeptShard` of one (the cast of this rank's
   shard, gathered later).
@@ -52,6 +54,17 @@ whole dim (on the wire it then stays home, [Note: the wire]); dequantizing expan
 entry]) runs the block kernel when an operand has block lengths along both dims of a matrix
 (``kernel_block``), the tensorwise / per-row one otherwise.
 
+[Note: two-level scales]
+NVFP4 ([Note: NVFP4] in f8dist/config/cells.py) scales each block by an e4m3 scale and the tensor
+by a float32 one under them: ``_scale`` is the grid of e4m3 block scales (the one layout above),
+``_tensor_scale`` the 0-dim float32 scale, whole along every dim. Both are decode scales (the
+value is ``data * block_scale * tensor_scale``, ``f8dist.core.scaling.nvfp4_dequantize``) and
+the data holds e2m1 values one per byte, as e4m3 bytes: ``float8_layout`` names the format's
+dtype, e2m1. The tensor scale comes from the logical tensor's amax, so it is the same on every
+rank: views, transposes, split, cat and the wire keep it as it is (it stays home, in the
+WireMeta, as a tensorwise scale does), and the gemm takes both levels ([Note: the NVFP4 gemm] in
+f8dist/core/gemm.py).
+
 [Note: two casts of one tensor]
 A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
 gemms may scale it along different axes: the output gemm's input in 1 x K row blocks, the
@@ -80,7 +93,7 @@ import torch
 
 from f8dist.config import ScaledMMConfig
 from f8dist.core.gemm import float8_mm, kernel_block
-from f8dist.core.scaling import dequantize, expand_blocks
+from f8dist.core.scaling import E2M1, dequantize, expand_blocks, nvfp4_dequantize
 
 __all__ = ["Block", "Float8Tensor", "KeptShard", "Layout", "WireMeta", "as_wire", "block_of",
            "rewrap", "wrapper_like"]
@@ -153,6 +166,7 @@ class WireMeta(NamedTuple):
     orig_dtype: torch.dtype
     block: Block
     mm_config: ScaledMMConfig
+    tensor_scale: Optional[torch.Tensor] = None  # [Note: two-level scales]: stays home
 
 
 class KeptShard:
@@ -188,13 +202,15 @@ class Float8Tensor(torch.Tensor):
     _orig_dtype: torch.dtype
     _mm_config: ScaledMMConfig
     _block: Block
+    _tensor_scale: Optional[torch.Tensor]
     _companion: Optional[Union["Float8Tensor", KeptShard]]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
                 axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig(),
                 block: Optional[Sequence[Optional[int]]] = None,
-                companion: Optional[Union["Float8Tensor", KeptShard]] = None):
+                companion: Optional[Union["Float8Tensor", KeptShard]] = None,
+                tensor_scale: Optional[torch.Tensor] = None):
         block = block_of(data.dim(), axiswise_dim=axiswise_dim, block=block)
         whole = [d for d, b in enumerate(block) if b is None]
         grid = (len(whole) == len(block) if scale.dim() == 0 else
@@ -208,6 +224,10 @@ class Float8Tensor(torch.Tensor):
         self = wrapper_like(cls, data, orig_dtype)
         self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
         self._mm_config, self._block = mm_config, block
+        if tensor_scale is not None and tensor_scale.dim() != 0:
+            raise ValueError(f"a Float8Tensor's tensor scale is 0-dim, got "
+                             f"{tuple(tensor_scale.shape)} ([Note: two-level scales])")
+        self._tensor_scale = tensor_scale
         if isinstance(companion, Float8Tensor) and companion.shape != data.shape:
             raise ValueError(f"a companion cast {tuple(companion.shape)} of a Float8Tensor "
                              f"{tuple(data.shape)} must have its shape")
@@ -229,14 +249,15 @@ class Float8Tensor(torch.Tensor):
         # f8dist/parallel/tp/style.py): no traced subclass holds one
         carried = isinstance(self._companion, Float8Tensor)
         inner = ["_data", "_scale"] + (["_companion"] if carried else [])
-        return inner, meta
+        return inner + (["_tensor_scale"] if self._tensor_scale is not None else []), meta
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
         orig_dtype, mm_config, block = metadata
         return Float8Tensor(inner_tensors["_data"], inner_tensors["_scale"], orig_dtype,
                             mm_config=mm_config, block=block,
-                            companion=inner_tensors.get("_companion"))
+                            companion=inner_tensors.get("_companion"),
+                            tensor_scale=inner_tensors.get("_tensor_scale"))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -275,7 +296,9 @@ class Float8Tensor(torch.Tensor):
     def float8_layout(self) -> Layout:
         """The float8 dtype, the block and the scales' dtype ([Note: one scale layout]); a
         property, which dynamo traces on a Float8Tensor made inside a graph (a method it cannot)."""
-        return Layout(self._data.dtype, self._block, self._scale.dtype)
+        # e2m1 values stored as e4m3 bytes: [Note: two-level scales]
+        dtype = E2M1 if self._tensor_scale is not None else self._data.dtype
+        return Layout(dtype, self._block, self._scale.dtype)
 
     @property
     def is_axiswise(self) -> bool:
@@ -302,7 +325,7 @@ class Float8Tensor(torch.Tensor):
         inner = (self._data, self._scale) if travels else (self._data,)
         wire = tuple(t.contiguous().view(torch.uint8) for t in inner)
         return wire, WireMeta(self._data.dtype, self._scale.dtype, None if travels else self._scale,
-                              self._orig_dtype, self._block, self._mm_config)
+                              self._orig_dtype, self._block, self._mm_config, self._tensor_scale)
 
     @staticmethod
     def from_wire(meta: WireMeta, wire: Sequence[torch.Tensor], *,
@@ -316,7 +339,8 @@ class Float8Tensor(torch.Tensor):
         scale = meta.scale if meta.scale is not None else wire[1].view(meta.scale_dtype)
         if out is None:
             return Float8Tensor(data, scale, orig_dtype or meta.orig_dtype,
-                                mm_config=meta.mm_config, block=meta.block)
+                                mm_config=meta.mm_config, block=meta.block,
+                                tensor_scale=meta.tensor_scale)
         for mine, new in ((out._data, data), (out._scale, scale)):
             if mine.untyped_storage().data_ptr() != new.untyped_storage().data_ptr():
                 mine.copy_(new[: mine.shape[0]] if mine.dim() else new)
@@ -330,13 +354,19 @@ class Float8Tensor(torch.Tensor):
 
     def scale_per_element(self) -> torch.Tensor:
         """The float32 scale to divide ``_data`` by, broadcasting against it: the grid with its
-        blocks expanded ([Note: one scale layout])."""
-        return expand_blocks(self._scale, self._block, self._data.shape)
+        blocks expanded ([Note: one scale layout]); two levels of decode scales, the reciprocal
+        of their product ([Note: two-level scales])."""
+        grid = expand_blocks(self._scale, self._block, self._data.shape)
+        if self._tensor_scale is None:
+            return grid
+        return (self._tensor_scale * grid).reciprocal()
 
 
 class _Dequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Float8Tensor):
+        if t._tensor_scale is not None:  # [Note: two-level scales]
+            return nvfp4_dequantize(t._data, t._scale, t._block, t._tensor_scale, t._orig_dtype)
         return dequantize(t._data, t.scale_per_element(), t._orig_dtype)
 
     @staticmethod
@@ -420,6 +450,7 @@ def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, *, block=None, mm_co
         t._orig_dtype if orig_dtype is None else orig_dtype,
         mm_config=t._mm_config if mm_config is None else mm_config,
         block=t._block if block is None else block,
+        tensor_scale=t._tensor_scale,
     )
 
 
@@ -523,7 +554,8 @@ def _gemm(a: Float8Tensor, b: Float8Tensor, offs, out_dtype) -> torch.Tensor:
     """The float8 gemm of two Float8Tensors, dense or grouped: [Note: one gemm entry] in
     f8dist/core/gemm.py, which reads the kind off their blocks."""
     return float8_mm(a._data, a._scale, a._block, b._data, b._scale, b._block, offs,
-                     out_dtype=out_dtype, mm_config=a._mm_config)
+                     out_dtype=out_dtype, mm_config=a._mm_config,
+                     tensor_scales=(a._tensor_scale, b._tensor_scale))
 
 
 def _grouped_mm_args(self, mat2, offs=None, bias=None, out_dtype=None):
@@ -660,7 +692,8 @@ def _cat(func, args, kwargs):
     if not all(isinstance(t, Float8Tensor) for t in tensors):
         raise TypeError("cat of Float8Tensors needs every piece in float8")
     dim = dim % first._data.dim()
-    if any(t._block != first._block or t._scale.dtype != first._scale.dtype for t in tensors):
+    if any(t._block != first._block or t._scale.dtype != first._scale.dtype
+           or (t._tensor_scale is None) != (first._tensor_scale is None) for t in tensors):
         raise ValueError(
             f"cat of Float8Tensors needs one block shape and scale dtype, got "
             f"{[(t._block, t._scale.dtype) for t in tensors]}")
@@ -670,6 +703,10 @@ def _cat(func, args, kwargs):
         raise ValueError(
             f"cat of Float8Tensors along dim {dim}, along which their scales do not vary (blocks "
             f"{first._block}: tensorwise, or the whole dim), needs one shared scale")
+    if first._tensor_scale is not None and any(
+            not torch.equal(t._tensor_scale, first._tensor_scale) for t in tensors):
+        raise ValueError("cat of NVFP4 Float8Tensors needs one shared tensor scale (each piece's "
+                         "came from the logical tensor's amax: [Note: two-level scales])")
     # the pieces' wire tensors put together ([Note: the wire])
     wires = [t.to_wire(dim)[0] for t in tensors]
     return Float8Tensor.from_wire(first.to_wire(dim)[1], [func(list(w), dim) for w in zip(*wires)])

@@ -51,6 +51,7 @@ CAST_BYTES = {
     Float8LinearRecipeName.MXFP8_WGRAD_WITH_HP: (3, 3, 6),
     Float8LinearRecipeName.MXFP8_SQUARE_WEIGHTS: (6, 6, 3),
     Float8LinearRecipeName.BLOCKWISE: (6, 6, 3),
+    Float8LinearRecipeName.NVFP4: (6, 6, 3),
 }
 
 

@@ -283,3 +283,35 @@ def test_sp_grad_weight_is_validated_and_reaches_the_cast_specs():
     for recipe in ("tensorwise", "rowwise"):
         with pytest.raises(ValueError, match="leave sp_grad_weight at 'forward_gather'"):
             Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight="recast")
+
+
+def test_nvfp4_cells_take_e2m1_with_e4m3_block_scales_only():
+    # [Note: NVFP4]: e2m1 data with e4m3 scales in 1x16 / 16x16 blocks, and nothing else
+    from f8dist.config.cells import E2M1, E4M3
+
+    nvfp4 = dict(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E2M1,
+                 scale_dtype=E4M3)
+    for block in [(1, 16), (16, 16)]:
+        assert CastConfig(block_size=block, **nvfp4).short_str() == f"dyn_blk{block[0]}x16e4m3_e2m1"
+    for bad, words in [
+        (dict(nvfp4, block_size=(1, 32)), r"block_size=\(1, 32\).*\(1, 16\) or \(16, 16\)"),
+        (dict(nvfp4, block_size=(1, 16), scale_dtype=torch.float32), "scale_dtype=torch.float32"),
+        (dict(target_dtype=E2M1), "scaling_granularity=ScalingGranularity.TENSORWISE"),
+        (dict(nvfp4, block_size=(1, 16), target_dtype=torch.float8_e4m3fn),
+         "scale_dtype=torch.float8_e4m3fn is NVFP4's block scale.*target_dtype="
+         "torch.float8_e4m3fn"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            CastConfig(**bad)
+    # a gemm whose operands mix NVFP4 and MXFP8 blocks is refused by the gemm-pair rule
+    with pytest.raises(ValueError, match="differ along the contraction"):
+        Float8LinearConfig.from_recipe_name("nvfp4").replace(
+            cast_config_weight=Float8LinearConfig.from_recipe_name("mxfp8").cast_config_weight)
+
+
+def test_nvfp4_recipe_is_one_row():
+    config = Float8LinearConfig.from_recipe_name("nvfp4")
+    spec = config.cast_spec("output", "weight", "w")
+    assert (spec.dtype, spec.block_size, spec.scale_dtype) == (
+        torch.float4_e2m1fn_x2, (16, 16), torch.float8_e4m3fn)
+    assert config.cast_spec("grad_weight", "grad_output", "w").block_size == (1, 16)

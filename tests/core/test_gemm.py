@@ -635,3 +635,50 @@ def test_one_entry_runs_every_kind_of_gemm(monkeypatch):
         torch._grouped_mm(cast_to_float8(x, grouped["output", "input"]),
                           cast_to_float8(w3, grouped["output", "weight"]).transpose(-2, -1), offs=offsets)
         assert ran[-2:] == [(False, blocks), (True, blocks)]
+
+
+def _nvfp4_operands(m, k, n, emulate=False, b_block=(16, 16)):
+    from f8dist.config.cells import E2M1
+
+    torch.manual_seed(0)
+    a, b = torch.randn(m, k) * torch.logspace(-2, 2, k), torch.randn(k, n)
+
+    def spec(block, axis):
+        return CastSpec(dtype=E2M1, granularity=BLOCKWISE, axis=axis, block_size=block,
+                        scale_dtype=E4M3, mm_config=ScaledMMConfig(emulate=emulate))
+
+    return a, b, cast_to_float8(a, spec((1, 16), 1)), cast_to_float8(b, spec(b_block, 0))
+
+
+@on_cpu  # [Note: the NVFP4 gemm]: CUDA's NVFP4 kernel is not wired up
+def test_nvfp4_gemm_is_exact_and_torchaos_emulation():
+    # [Note: the NVFP4 gemm]: block products of e2m1 values, e4m3 block scales, the tensor scales
+    # as alpha; against float64 on the dequantized operands and torchao's dequantize-then-matmul
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    a, b, fa, fb = _nvfp4_operands(32, 96, 48)
+    assert fa.float8_layout.dtype == torch.float4_e2m1fn_x2 and fa._tensor_scale.dim() == 0
+    out = torch.mm(fa, fb)
+    a_hp, b_hp = fa.to_original_precision(), fb.to_original_precision()
+    assert sqnr(a_hp.double() @ b_hp.double(), out) > exact_gemm_db()
+    assert sqnr(a @ b, out) > 15  # e2m1: about 17 dB on gaussian data
+    _, _, ea, eb = _nvfp4_operands(32, 96, 48, emulate=True)
+    assert sqnr(torch.mm(ea, eb), out) > exact_gemm_db()
+
+    def torchao(x):  # torchao's NVFP4 emulation: 1x16 blocks along the last dim, dequantized
+        scale = nvfp4.per_tensor_amax_to_scale(x.abs().max())
+        return nvfp4.NVFP4Tensor.to_nvfp4(x.contiguous(), per_tensor_scale=scale).dequantize(
+            torch.float32)
+
+    # the same blocks as torchao's (b in 1x16 blocks along K): the same values, bit for bit
+    _, _, fa, fb = _nvfp4_operands(32, 96, 48, b_block=(1, 16))
+    assert torch.equal(fa.to_original_precision(), torchao(a))
+    assert torch.equal(fb.to_original_precision(), torchao(b.t()).t())
+    assert sqnr(torchao(a) @ torchao(b.t()).t(), torch.mm(fa, fb)) > exact_gemm_db()
+
+
+@on_cpu
+def test_nvfp4_gemm_needs_nvfp4_on_both_sides():
+    _, _, fa, _ = _nvfp4_operands(16, 64, 32)
+    _, _, _, mx = _block_operands(16, 64, 32, (1, 16), (16, 16), torch.float32)
+    with pytest.raises(TypeError, match="NVFP4 operand meets another format"):
+        torch.mm(fa, mx)

@@ -237,3 +237,43 @@ def test_group_amax_per_column_of_each_token_group():
     assert amax.shape == (3, 3) and amax.dtype == torch.float32
     assert torch.equal(amax[0], x[:4].abs().amax(0)) and torch.equal(amax[1], torch.zeros(3))
     assert torch.equal(amax[2], x[4:9].abs().amax(0))
+
+
+def test_round_to_e2m1_is_round_to_nearest_even():
+    from f8dist.core.scaling import round_to_e2m1
+
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.9, 0.3, -2.6, -0.0, 6.0])
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 0.5, -3.0, -0.0, 6.0]
+    assert round_to_e2m1(x).tolist() == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_cast_is_torchaos_to_the_bit(dtype):
+    # [Note: NVFP4]: the two-level scale math of torchao's nvfp4_quantize, its bytes and scales
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from f8dist.core.scaling import nvfp4_cast, nvfp4_dequantize
+
+    torch.manual_seed(0)
+    x = (torch.randn(32, 64) * torch.logspace(-3, 3, 64)).to(dtype)  # blocks of every magnitude
+    amax = tensor_amax(x)
+    data, block_scale, tensor_scale = nvfp4_cast(x, (1, 16), amax)
+    ref_tensor_scale = nvfp4.per_tensor_amax_to_scale(amax)
+    ref_scale, ref_data = nvfp4.nvfp4_quantize(x, 16, ref_tensor_scale)
+    assert torch.equal(tensor_scale, ref_tensor_scale)
+    assert torch.equal(block_scale.view(torch.uint8), ref_scale.view(torch.uint8).view(32, 4))
+    assert torch.equal(data.float(), f4_unpacked_to_f32(unpack_uint4(ref_data)).view(32, 64))
+    ref = nvfp4.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=ref_tensor_scale).dequantize(dtype)
+    assert torch.equal(nvfp4_dequantize(data, block_scale, (1, 16), tensor_scale, dtype), ref)
+
+
+def test_nvfp4_cast_of_zeros_and_square_blocks():
+    from f8dist.core.scaling import nvfp4_cast, nvfp4_dequantize
+
+    data, _, tensor_scale = nvfp4_cast(torch.zeros(16, 32), (16, 16), torch.zeros(()))
+    assert torch.equal(data.float(), torch.zeros(16, 32)) and tensor_scale > 0
+    x = torch.randn(32, 48)
+    data, scale, ts = nvfp4_cast(x, (16, 16), tensor_amax(x))
+    assert scale.shape == (2, 3) and scale.dtype == torch.float8_e4m3fn
+    from f8dist.core.numerics import sqnr
+    assert sqnr(x, nvfp4_dequantize(data, scale, (16, 16), ts, torch.float32)) > 15

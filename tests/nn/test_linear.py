@@ -742,3 +742,27 @@ def test_output_is_no_view(compiled):
     assert y._base is None and y.shape == (2, 8, 32)
     y.sum().backward()
     assert x.grad.shape == x.shape
+
+
+# e2m1 (3 bits of magnitude) gives about 17 dB per gemm on gaussian data
+NVFP4_FLOOR = 15.0
+
+
+@on_cpu  # [Note: the NVFP4 gemm] in f8dist/core/gemm.py: the CPU kernel or emulation
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_recipe_sqnr_and_emulation(dtype):
+    # 2 x 21 tokens: the grad_weight gemm's 16-token blocks end in a partial block
+    ref, f8 = _pair("nvfp4", dtype, in_features=128, out_features=64)
+    _, emu = _pair("nvfp4", dtype, in_features=128, out_features=64, emulate=True)
+    x, grad = torch.randn(2, 21, 128, dtype=dtype), torch.randn(2, 21, 64, dtype=dtype)
+    results, ref_results = _run(f8, x, grad), _run(ref, x, grad)
+    for r, a, e in zip(ref_results, results, _run(emu, x, grad)):
+        assert sqnr(r, a) > NVFP4_FLOOR
+        assert sqnr(e, a) > (exact_gemm_db() if dtype == torch.float32 else 40)
+
+
+@on_cpu
+def test_nvfp4_layer_dims_must_divide_into_16():
+    with pytest.raises(ValueError,
+                       match=r"lin \(40 -> 32\).*multiples of 16, got K=40.*pad_inner_dim"):
+        _pair("nvfp4", torch.float32, in_features=40, out_features=32)
