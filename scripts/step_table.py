@@ -51,7 +51,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]
 from bench_common import report  # noqa: E402
 from f8dist import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from f8dist.models import ModelArgs, Transformer  # noqa: E402
-from f8dist.parallel.cp import KV_SPEC, Float8ContextParallel, causal_mask  # noqa: E402
+from f8dist.parallel.cp import KV_SPEC, Float8ContextParallel  # noqa: E402
 from f8dist.testing import count_collectives  # noqa: E402
 from tests.sim.threads import run_threads  # noqa: E402  (simulated ranks: the tests' harness)
 
@@ -128,15 +128,9 @@ class HighPrecisionContextParallel(Float8ContextParallel):
     """The bf16 baseline of ``Float8ContextParallel``: K and V all-gathered in their dtype, dK and
     dV reduce-scattered (torch's all-gather context parallelism)."""
 
-    def _gather(self, mesh, module, args, kwargs):
-        q, k, v = args
-        k, v = (funcol.wait_tensor(funcol.all_gather_single_autograd(
+    def _gather_kv(self, k, v, mesh):
+        return tuple(funcol.wait_tensor(funcol.all_gather_single_autograd(
             t.contiguous(), self.seq_dim, mesh.get_group())) for t in (k, v))  # [B, Hkv, S, D]
-        if kwargs.get("is_causal"):
-            q_len, kv_len = q.shape[self.seq_dim], k.shape[self.seq_dim]
-            mask = causal_mask(q_len, kv_len, mesh.get_local_rank() * q_len, q.device)
-            kwargs = {**kwargs, "is_causal": False, "attn_mask": mask}  # [S / W, S]
-        return (q, k, v), kwargs
 
 
 def _model(layout: str, variant: Variant, margs: ModelArgs):
