@@ -36,7 +36,6 @@ float8 reduce-scatter's all-to-all compares with the reduce-scatter it replaces 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 from typing import NamedTuple, Tuple
