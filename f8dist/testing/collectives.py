@@ -13,7 +13,9 @@ Example::
 A collective is counted once, when issued, on the rank that runs it, at the c10d dispatcher ops,
 after tensor subclasses have run (so by what it actually sends). Bytes are per rank, summed:
 ``input_bytes`` read, ``output_bytes`` written (an all-gather's whole buffer). ``groups`` counts
-calls by process group and reduce op (``calls_over(mesh["tp"], "max")``). Under
+calls by process group and reduce op (``calls_over(mesh["tp"], "max")``), ``wires`` calls, input
+and output bytes by process group and the dtype written (what a float8 wire carries: uint8 bytes
+and scales, against a high-precision one's bfloat16 or float32). Under
 ``LocalTensorMode`` ([Note: simulating ranks in one process] in tests/sim/__init__.py) a
 collective is counted once, with one rank's bytes.
 """
@@ -42,6 +44,9 @@ class CollectiveStats:
     output_bytes: int = 0
     # calls per (global ranks of the group, reduce op or None)
     groups: Dict[Tuple[Tuple[int, ...], Optional[str]], int] = field(default_factory=dict)
+    # [calls, input bytes, output bytes] per (global ranks of the group, dtype written, e.g.
+    # "bfloat16")
+    wires: Dict[Tuple[Tuple[int, ...], str], list] = field(default_factory=dict)
 
     def calls_over(self, group, op: Optional[str] = None) -> int:
         """Calls over exactly ``group``'s ranks (a 1-D device mesh, a process group or the ranks
@@ -138,6 +143,13 @@ def _defers(t: type) -> bool:
             and t.__name__ != "LocalTensor")  # every simulated rank's plain tensor at once
 
 
+def _dtype_of(x) -> str:
+    """The dtype name of a tensor, or of a list's first tensor (\"-\" for none)."""
+    if isinstance(x, (list, tuple)):
+        return _dtype_of(x[0]) if x else "-"
+    return str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else "-"
+
+
 def _ranks_of(group) -> Tuple[int, ...]:
     """The sorted global ranks of a 1-D device mesh, a process group (or its name) or a list."""
     import torch.distributed as dist
@@ -200,6 +212,10 @@ class _CountingMode(TorchDispatchMode):
         stats.input_bytes += _nbytes(read)
         stats.output_bytes += _nbytes(written)
         stats.groups[(ranks, op)] = stats.groups.get((ranks, op), 0) + 1
+        wire = stats.wires.setdefault((ranks, _dtype_of(written)), [0, 0, 0])
+        wire[0] += 1
+        wire[1] += _nbytes(read)
+        wire[2] += _nbytes(written)
 
 
 def record_collective(kind: str, read, written, group, op: Optional[str] = None) -> None:

@@ -34,6 +34,24 @@ def test_counts_per_group_and_op_on_threads():
     assert run_threads(4, rank_main) == [(2, 1, 0, 1, 1, 32, 1, 64)] * 4
 
 
+
+def test_counts_bytes_per_group_and_dtype_on_threads():
+    """``wires``: [calls, input bytes, output bytes] per (group ranks, dtype written): what a
+    float8 wire (uint8) and a high-precision one carry, apart."""
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with count_collectives() as counts:
+            for t in (torch.ones(4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.uint8)):
+                funcol.wait_tensor(funcol.all_gather_tensor(t, 0, mesh["tp"]))
+            dist.all_reduce(torch.ones(2), group=mesh["dp"].get_group())
+        tp, dp = (tuple(dist.get_process_group_ranks(mesh[d].get_group())) for d in ("tp", "dp"))
+        gathers = {(tp, "bfloat16"): [1, 8, 16], (tp, "uint8"): [1, 4, 8]}
+        return (counts["all_gather"].wires == gathers
+                and counts["all_reduce"].wires == {(dp, "float32"): [1, 8, 8]})
+
+    assert run_threads(4, rank_main) == [True] * 4
+
 def test_counts_once_per_simulated_collective_under_local_tensor_mode():
     with local_world(8) as mode:
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))

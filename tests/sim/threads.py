@@ -18,12 +18,18 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from f8dist.core import agreement
+
 
 def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
                 store: Optional[dist.Store] = None) -> List[object]:
     """``fn(rank)`` on ``world`` simulated ranks, each in a default process group of its own
     thread; their results, by rank. The first rank to raise fails every rank's collectives (no
-    hang) and its exception is re-raised here. ``store``: the group's (a fresh HashStore)."""
+    hang) and its exception is re-raised here. ``store``: the group's (a fresh HashStore).
+
+    Ranks start as fresh processes do: without f8dist.core.agreement's count of the checks each
+    rank made over each group (``_rounds``; the simulated groups' names repeat from run to run,
+    and a count left by a run of other ranks would set this run's ranks apart)."""
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg,
     )
@@ -44,6 +50,8 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    saved_rounds = dict(agreement._rounds)
+    agreement._rounds.clear()
     _install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # functional collectives per thread
     ProcessLocalGroup.reset()
@@ -67,6 +75,8 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         _uninstall_threaded_pg()
         ProcessLocalGroup.reset()
+        agreement._rounds.clear()
+        agreement._rounds.update(saved_rounds)
     if errors:
         raise errors[0]
     return results

@@ -180,14 +180,19 @@ class Float8ContextParallel(ParallelStyle):
             functools.partial(self._gather, device_mesh), with_kwargs=True)
         return module
 
+    def _gather_kv(self, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh):
+        """The whole sequence's K and V from the shards (step 2 of [Note: float8 context
+        parallelism]); a baseline of another wire overrides it (scripts/step_table.py)."""
+        return gather_kv(k, v, mesh.get_group(), seq_dim=self.seq_dim, spec=self.kv_spec,
+                         grad_spec=self.grad_spec)
+
     def _gather(self, mesh: DeviceMesh, module: nn.Module, args, kwargs):
         q, k, v = args
         if kwargs.get("attn_mask") is not None:
             raise NotImplementedError(
                 f"{type(self).__name__}: attn_mask is not sharded over the sequence; pass "
                 "is_causal=True (the shard's causal mask is made here) or none")
-        k, v = gather_kv(k, v, mesh.get_group(), seq_dim=self.seq_dim, spec=self.kv_spec,
-                         grad_spec=self.grad_spec)  # [B, Hkv, S, D] each
+        k, v = self._gather_kv(k, v, mesh)  # [B, Hkv, S, D] each
         if kwargs.get("is_causal"):
             q_len, kv_len = q.shape[self.seq_dim], k.shape[self.seq_dim]
             mask = causal_mask(q_len, kv_len, mesh.get_local_rank() * q_len, q.device)
