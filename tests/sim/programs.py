@@ -19,9 +19,8 @@ store, the store barrier of a new group) and that carries each rank's random sta
 generator, Python's ``random``) out and back in: every rank draws what its own process would
 draw, from a fresh process's seed. The ranks' arithmetic runs as it would in their processes;
 the collectives are the threaded group's (a sum in rank order; on two ranks any order gives the
-same bits).
-What a process starts without, a run starts without too: f8dist.core.agreement's count of the checks
-each rank made over each group (``_rounds``; the simulated groups' names repeat from run to run).
+same bits). Each run starts without earlier runs' agreement checks ([Note: a run starts as
+processes do] in tests/sim/threads.py).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from f8dist.core import agreement
 from tests.distributed import common
 from tests.sim.threads import run_threads
 
@@ -155,14 +153,8 @@ def run_as_processes(world: int, fn: Callable[[int], object], timeout: float = 3
         finally:
             baton.give()
 
-    saved_rounds = dict(agreement._rounds)
-    agreement._rounds.clear()
-    try:
-        with _waits_hand_on(baton):
-            return run_threads(world, rank_main, timeout=timeout, store=_Store(baton))
-    finally:
-        agreement._rounds.clear()
-        agreement._rounds.update(saved_rounds)
+    with _waits_hand_on(baton):
+        return run_threads(world, rank_main, timeout=timeout, store=_Store(baton))
 
 
 def run_program(program: str, world: int, *args, timeout: float = 300) -> Optional[dict]:
