@@ -8,7 +8,7 @@
   also when the weights are cast before a float8 all-gather (each rank casts its shard).
 
 Rank 0 reports the comparisons it ran (``{"checked": [...]}``); a mismatch raises on its rank.
-Run by tests/debug/test_distributed.py through tests/distributed/harness.py.
+Run by tests/sim/debug/test_distributed.py on simulated ranks (tests/sim/programs.py).
 """
 
 import copy

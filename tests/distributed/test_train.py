@@ -10,6 +10,7 @@ within 3 % of bf16, and the bytes of the float8 boundary.
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,25 +34,55 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("layout", ["--tp 1 --ac sac", "--tp 2 --ac full --optim-states 8bit"],
-                         ids=["fsdp2", "tp2_8bit_states"])
-def test_train_float8_tracks_bf16_and_resumes(layout, tmp_path):
-    flags = f"--steps {STEPS} --log-every 10 --warmup-steps 5 {layout}"
-    # a run on one rank, its checkpoint of step 20 kept for a resume on 2 ranks
-    one_rank, metrics = tmp_path / "one_rank", tmp_path / "one_rank.json"
-    out = subprocess.run(
-        [sys.executable, TRAIN, *flags.replace("--tp 2", "--tp 1").split(), "--float8", "tensorwise",
-         "--checkpoint-dir", str(one_rank), "--checkpoint-every", str(EVERY), "--metrics-file",
-         str(metrics)],
-        env=_env(), capture_output=True, text=True, timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    shutil.rmtree(one_rank / f"step-{STEPS}")
+LAYOUTS = {"fsdp2": "--tp 1 --ac sac", "tp2_8bit_states": "--tp 2 --ac full --optim-states 8bit"}
 
-    eight_bit = "8bit" in layout
-    result = run_torchrun("train_e2e", 2, "--train", flags, "--every", EVERY, "--ckpt-dir",
-                          tmp_path / "ckpt", "--resume-from", one_rank,
-                          *(["--fp32-states-too"] if eight_bit else []), timeout=300)
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every 2-rank run of this module in one torchrun launch (tests/distributed/several.py: one
+    start of 2 ranks, not three): each layout's train_e2e.py, resuming from that layout's run on
+    one rank, and the variant runs below; {"one_rank": {layout: run}, case: its result}."""
+    tmp = tmp_path_factory.mktemp("train")
+    flags = {layout: f"--steps {STEPS} --log-every 10 --warmup-steps 5 {extra}"
+             for layout, extra in LAYOUTS.items()}
+    # both layouts' runs on one rank in one process, each checkpoint of step 20 kept for a resume
+    # on 2 ranks
+    one_rank = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "tests", "distributed", "train_variants.py"),
+         "--train", f"--float8 tensorwise --checkpoint-every {EVERY}",
+         *[f"--variant={layout}={f.replace('--tp 2', '--tp 1')} --checkpoint-dir {tmp / layout}"
+           for layout, f in flags.items()],
+         "--result", str(tmp / "one_rank.json")],
+        env=_env(), capture_output=True, text=True, timeout=480,
+    )
+    assert one_rank.returncode == 0, one_rank.stderr[-3000:]
+    for layout in LAYOUTS:
+        shutil.rmtree(tmp / layout / f"step-{STEPS}")
+
+    cases = {layout: ["train_e2e", "--train", f, "--every", EVERY, "--ckpt-dir", tmp / f"{layout}_ckpt",
+                      "--resume-from", tmp / layout, *(["--fp32-states-too"] if "8bit" in f else [])]
+             for layout, f in flags.items()}
+    variant_flags = "--steps 8 --log-every 100 --warmup-steps 3 --float8 delayed"
+    metrics = tmp / "block_scales_tp.json"
+    cases["variants"] = [
+        "train_variants", "--train", variant_flags,
+        *[f"--variant={layout}/{name}={place} {extra}"
+          for layout, (place, variants) in DELAYED_LAYOUTS.items()
+          for name, extra in {"none": "--ac none", **variants}.items()],
+        f"--variant=block_scales_tp={BLOCK_SCALES_TP} --metrics-file {metrics}",
+        *[f"--variant=pp/{recipe}=--pp 2 --float8 {recipe}" for recipe in ("tensorwise", "none")],
+        "--count-sends=pp/tensorwise", "--count-sends=pp/none"]
+    r = run_torchrun("several", 2, *[f"--case={key}={shlex.join(map(str, case))}"
+                                     for key, case in cases.items()], timeout=1100)
+    r["variants"]["block_scales_tp"]["metrics_file"] = json.loads(metrics.read_text())
+    r["one_rank"] = json.loads((tmp / "one_rank.json").read_text())
+    return r
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_train_float8_tracks_bf16_and_resumes(layout, launched):
+    result = launched[layout]
+    eight_bit = "8bit" in LAYOUTS[layout]
     bf16, fp8, resumed = result["bf16"], result["float8"], result["resumed"]
 
     for run in (bf16, fp8):
@@ -74,7 +105,7 @@ def test_train_float8_tracks_bf16_and_resumes(layout, tmp_path):
 
     # the 1-rank checkpoint resumes on 2 ranks (it failed with `Missing key ... rng.rank1`);
     # float8 activation scales now come from each rank's half of the batch: close, not equal
-    regrouped, single = result["regrouped"], json.loads(metrics.read_text())
+    regrouped, single = result["regrouped"], launched["one_rank"][layout]
     assert "saved on 1 rank(s), resumed on 2" in result["regrouped_log"], result["regrouped_log"]
     assert "RNG re-seeded" in result["regrouped_log"]
     assert regrouped["steps"] == list(range(EVERY + 1, STEPS + 1))
@@ -112,26 +143,16 @@ DELAYED_LAYOUTS = {  # layout: {variant: its flags}, each against the layout's r
 }
 
 
-# train.py's defaults but for these: test_train_tp_with_block_scales's run, in the launch below
+# train.py's defaults but for these: test_train_tp_with_block_scales's run, in the module's launch
 BLOCK_SCALES_TP = ("--tp 2 --float8 mxfp8 --steps 6 --log-every 3 --dim 64 --warmup-steps 10 "
                    "--ac none")
 
 
 @pytest.fixture(scope="module")
-def variant_runs(tmp_path_factory):
-    """Every run of the delayed layouts, the block-scaled TP run and the PP runs in one
-    torchrun launch (one start of 2 ranks, not four): {name: run}."""
-    flags = "--steps 8 --log-every 100 --warmup-steps 3 --float8 delayed"
-    args = [f"--variant={layout}/{name}={place} {extra}"
-            for layout, (place, variants) in DELAYED_LAYOUTS.items()
-            for name, extra in {"none": "--ac none", **variants}.items()]
-    metrics = tmp_path_factory.mktemp("block_scales_tp") / "m.json"
-    pp = [f"--variant=pp/{recipe}=--pp 2 --float8 {recipe}" for recipe in ("tensorwise", "none")]
-    r = run_torchrun("train_variants", 2, "--train", flags, *args,
-                     f"--variant=block_scales_tp={BLOCK_SCALES_TP} --metrics-file {metrics}", *pp,
-                     "--count-sends=pp/tensorwise", "--count-sends=pp/none", timeout=500)
-    r["block_scales_tp"]["metrics_file"] = json.loads(metrics.read_text())
-    return r
+def variant_runs(launched):
+    """Every run of the delayed layouts, the block-scaled TP run and the PP runs, in the
+    module's launch: {name: run}."""
+    return launched["variants"]
 
 
 @pytest.fixture(scope="module")

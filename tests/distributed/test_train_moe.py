@@ -5,21 +5,21 @@ a checkpoint saved under EP (experts sharded over the ep ranks) resumes under FS
 experts sharded by FSDP2), resharded by DCP, and continues the EP run's losses up to summation
 order."""
 
-from tests.distributed.harness import run_torchrun
+from tests.distributed.harness import launch, result
 
 STEPS, EVERY = 10, 6
+FLAGS = (f"--steps {STEPS} --log-every 100 --warmup-steps 2 --seq-len 32 --batch-size 4 "
+         "--moe-experts 4 --moe-top-k 2")
+# in the 2-rank launch of the selected modules' programs ([Note: one launch, several programs])
+PROGRAM = launch("train_moe", 2, "--train", FLAGS, "--ckpt-dir", "TMP", "--every", EVERY, timeout=300)
 
 
 def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def test_train_moe_with_expert_parallelism_and_a_resharded_resume(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    flags = (f"--steps {STEPS} --log-every 100 --warmup-steps 2 --seq-len 32 --batch-size 4 "
-             "--moe-experts 4 --moe-top-k 2")
-    r = run_torchrun("train_moe", 2, "--train", flags, "--ckpt-dir", ckpt, "--every", EVERY,
-                     timeout=300)
+def test_train_moe_with_expert_parallelism_and_a_resharded_resume():
+    r = result(PROGRAM)
     bf16, fp8, resumed = r["bf16"]["losses"], r["rowwise"]["losses"], r["resumed"]
     for other in (fp8, r["delayed"]["losses"]):  # rowwise, delayed (experts with histories)
         for losses in (bf16, other):

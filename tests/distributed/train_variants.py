@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from f8dist.testing import count_collectives
-from tests.distributed.common import init, main, write_result
+from tests.distributed.common import main, write_result
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
 sys.path.insert(0, os.path.abspath(SCRIPTS))
@@ -29,7 +29,7 @@ def _args(parser):
 
 
 def run(args):
-    init()
+    train.init_distributed()  # torchrun's group, or one process of its own (plain python)
     result = {}
     logged = []
     handler = logging.Handler(logging.WARNING)

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.abspath(SCRIPTS))
 
 import bench_linear  # noqa: E402
 import bench_matmul  # noqa: E402
+from tests.distributed.harness import launch, result as launched  # noqa: E402
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
@@ -119,13 +120,17 @@ def test_cuda_device_without_cuda_ends_in_one_line_before_any_work(script, monke
     assert capsys.readouterr().out == ""  # nothing ran
 
 
+# in the 2-rank launch of the selected modules' programs ([Note: one launch, several programs])
+COMM_SMOKE = launch("bench_comm_smoke", 2, "--smoke", "--scenarios", "fsdp mlp", "tp llama", "tp ffn",
+                    "--csv", "TMP")
+
+
 def test_bench_comm_smoke(tmp_path):
     import bench_comm
-    from tests.distributed.harness import run_torchrun
 
+    result = launched(COMM_SMOKE)
     out = tmp_path / "comm.csv"
-    result = run_torchrun("bench_comm_smoke", 2, "--smoke", "--scenarios", "fsdp mlp", "tp llama",
-                          "tp ffn", "--csv", out)
+    out.write_text(result["csv"])  # what the program wrote, read back before its folder went
     header, rows = _read_csv(out)
     assert header == bench_comm.COLUMNS
     assert len(rows) == len(result["rows"])

@@ -19,9 +19,10 @@ store, the store barrier of a new group) and that carries each rank's random sta
 generator, Python's ``random``) out and back in: every rank draws what its own process would
 draw, from a fresh process's seed. The ranks' arithmetic runs as it would in their processes;
 the collectives are the threaded group's (a sum in rank order; on two ranks any order gives the
-same bits).
-What a process starts without, a run starts without too (run_threads sees to f8dist.core.agreement's
-count of checks).
+same bits). Each run starts without earlier runs' agreement checks ([Note: a run starts as
+processes do] in tests/sim/threads.py), and each rank has its own float8 cast observers
+(``f8dist.core.cast.cast_observers``, f8dist.debug's recorder): a rank records its own casts, as
+its process would, not those of the ranks it hands the baton to.
 """
 
 from __future__ import annotations
@@ -142,9 +143,34 @@ def _waits_hand_on(baton: _Baton):
             setattr(owner, name, fn)
 
 
+class _PerRank:
+    """``f8dist.core.cast.cast_observers`` with one list per simulated rank (thread)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _mine(self) -> list:
+        return self._local.__dict__.setdefault("observers", [])
+
+    def append(self, observer) -> None:
+        self._mine().append(observer)
+
+    def remove(self, observer) -> None:
+        self._mine().remove(observer)
+
+    def __iter__(self):
+        return iter(list(self._mine()))
+
+    def __len__(self) -> int:
+        return len(self._mine())
+
+
 def run_as_processes(world: int, fn: Callable[[int], object], timeout: float = 300) -> List[object]:
     """``fn(rank)`` on ``world`` simulated ranks that run one at a time, each with the random
-    state of its own process ([Note: one rank at a time]); their results, by rank."""
+    state and the cast observers of its own process ([Note: one rank at a time]); their results,
+    by rank."""
+    from f8dist.core import cast
+
     baton = _Baton()
 
     def rank_main(rank):
@@ -154,8 +180,12 @@ def run_as_processes(world: int, fn: Callable[[int], object], timeout: float = 3
         finally:
             baton.give()
 
-    with _waits_hand_on(baton):
-        return run_threads(world, rank_main, timeout=timeout, store=_Store(baton))
+    observers, cast.cast_observers = cast.cast_observers, _PerRank()
+    try:
+        with _waits_hand_on(baton):
+            return run_threads(world, rank_main, timeout=timeout, store=_Store(baton))
+    finally:
+        cast.cast_observers = observers
 
 
 def run_program(program: str, world: int, *args, timeout: float = 300) -> Optional[dict]:

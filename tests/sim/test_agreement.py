@@ -44,3 +44,16 @@ def test_a_differing_rank_is_named_by_ranks_in_one_process(monkeypatch):
     with pytest.raises(RuntimeError, match="rank 3") as e:
         run_threads(4, rank_main, timeout=30)
     assert "fc" in str(e.value)
+
+
+def test_a_run_starts_without_the_checks_of_an_earlier_run(monkeypatch):
+    # the suite's order: a 2-rank run's checks, then 4 ranks' (they hung: ranks 0-1 counted on
+    # from the earlier run, ranks 2-3 from none, so they waited on different store keys)
+    monkeypatch.setenv(agreement.TIMEOUT_ENV, "5")
+
+    def rank_main(rank):
+        agreement.agree({("fc", "float8"): "True"}, dist.group.WORLD, what="w", fix="f")
+        return True
+
+    assert run_threads(2, rank_main, timeout=20) == [True] * 2
+    assert run_threads(4, rank_main, timeout=20) == [True] * 4

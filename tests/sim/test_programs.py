@@ -29,3 +29,20 @@ def test_a_program_returns_what_rank_0_wrote():
     r = run_program("comm_counts", 2)
     assert r["world"] == 2 and r["nothing"] == {}
     assert r["all_reduce"] == {"all_reduce": {"calls": 1, "input_bytes": 40, "output_bytes": 40}}
+
+
+def test_each_rank_observes_its_own_casts():
+    # f8dist.debug's recorder observes the casts of its process: on threads, rank 0's observer
+    # saw rank 1's casts too (the observers were one list for every rank)
+    from f8dist.config import CastSpec
+    from f8dist.core import cast
+
+    def rank_main(rank):
+        seen = []
+        cast.cast_observers.append(lambda site, hp, fp8: seen.append(hp.shape[0]))
+        cast.cast_to_float8(torch.ones(rank + 1, 16), CastSpec(dtype=torch.float8_e4m3fn))
+        dist.barrier()  # the other rank casts meanwhile
+        return seen
+
+    assert run_as_processes(2, rank_main, timeout=60) == [[1], [2]]
+    assert cast.cast_observers == []  # the process's own list, back and empty

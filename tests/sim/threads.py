@@ -33,6 +33,7 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg,
     )
+    from f8dist.core import agreement
 
     store = dist.HashStore() if store is None else store
     results: List[object] = [None] * world
@@ -50,6 +51,11 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    # [Note: a run starts as processes do] What a process starts without, a run starts without
+    # too: f8dist.core.agreement's count of the checks each rank made over each group (``_rounds``,
+    # the store keys of its next check). The threaded groups' names repeat from run to run, so
+    # an earlier run's counts (2 ranks) would put this run's ranks 0-1 and 2-3 (4 ranks) on
+    # different keys, waiting for each other until the agreement times out.
     saved_rounds = dict(agreement._rounds)
     agreement._rounds.clear()
     _install_threaded_pg()
