@@ -571,7 +571,7 @@ class Float8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         arrival = torch.arange(sum(output_splits), device=routed_input_ND.device)
         # cast from bf16, as Float8GroupedExperts casts the tokens it gets
         return ep_dispatch._Dispatch.apply(routed_input_ND.bfloat16(), arrival, input_splits,
-                                           output_splits, pg, self.token_spec)  # [R, D] float8
+                                           output_splits, pg, self.token_spec, None)  # [R, D] float8
 
     def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
         if not isinstance(routed_input_RD, Float8Tensor):
