@@ -172,6 +172,16 @@ def _point_to_point(pg_class) -> dict:
         tensors[0].detach().view(-1).view(torch.uint8).copy_(message)
         return done()
 
-    originals = {name: pg_class.__dict__.get(name) for name in ("send", "recv")}
-    pg_class.send, pg_class.recv = send, recv
+    backend = pg_class._get_backend
+
+    def get_backend(self, device):
+        # torch >= 2.15's batch_isend_irecv asks the group's backend whether it coalesces; the
+        # threaded group has none registered: it is its own (no coalescing: one op at a time)
+        try:
+            return backend(self, device)
+        except RuntimeError:
+            return self
+
+    originals = {name: pg_class.__dict__.get(name) for name in ("send", "recv", "_get_backend")}
+    pg_class.send, pg_class.recv, pg_class._get_backend = send, recv, get_backend
     return originals
