@@ -88,12 +88,21 @@ def has_partial(placements: Sequence) -> bool:
 
 
 def reduce_partial(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its ``Partial`` placements made ``Replicate`` (an all-reduce over them)."""
+    """``x`` with its ``Partial`` placements made ``Replicate`` (an all-reduce over them; ONE
+    over all of them for a max, as :func:`reduce_over_shards`)."""
     if not is_dtensor(x) or not has_partial(x.placements):
         return x
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import DTensor, Replicate
 
     placements = [Replicate() if p.is_partial() else p for p in x.placements]
+    partial = [p for p in x.placements if p.is_partial()]
+    if len(partial) > 1 and all(p.reduce_op == "max" for p in partial):
+        # [Note: amax]: one collective, not one per axis (a max is exact in any order; a sum
+        # keeps DTensor's per-axis order, which its numbers depend on)
+        pending = [p if p.is_partial() else Replicate() for p in x.placements]
+        local = reduce_over_shards(x.to_local(), x.device_mesh, pending, "max")
+        return DTensor.from_local(local, x.device_mesh, placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
     return x.redistribute(x.device_mesh, placements)
 
 

@@ -3,7 +3,8 @@
 rank's float8 values and scales are those of one device's cast of the whole tensor, and the amax
 is all-reduced over exactly the mesh axes that shard it ([Note: amax] in f8dist/core/placement.py):
 a sequence-parallel activation over tp, a K-sharded per-token cast over tp, a block cast over
-none. (16 ranks, not 64: in torch 2.13 DTensor computes every simulated rank's mesh coordinate
+none. NVFP4 on a dp 2 x tp 4 mesh of 8: one device's bytes, block scales and tensor scale, sliced.
+(16 ranks, not 64: in torch 2.13 DTensor computes every simulated rank's mesh coordinate
 per op, about 10 s a DTensor op on 64 ranks.)"""
 
 import pytest
@@ -52,3 +53,45 @@ def test_cast_of_a_dtensor_on_16_ranks_is_one_devices(recipe, placements, axes):
         assert reduces.calls == len(axes)
         for axis in axes:
             assert reduces.calls_over(mesh[axis], "max") == 1
+
+
+# [B, S, D] activations and gradients in 1x16 blocks, the [N, K] weight in 16x16 ones, on a
+# dp 2 x tp 4 mesh: every shard holds whole 16-blocks (S 16 / 4, D 128 / 4, N 64 / 2, K 128 / 4)
+NVFP4_CASES = [  # (gemm, operand, shape, placements over (dp, tp), axes its amax is reduced over)
+    (Gemm.OUTPUT, Operand.INPUT, (2, 16, 128), [Replicate(), Shard(1)], ["tp"]),  # SP: tokens
+    (Gemm.OUTPUT, Operand.INPUT, (2, 16, 128), [Replicate(), Shard(2)], ["tp"]),  # features
+    (Gemm.OUTPUT, Operand.INPUT, (2, 16, 128), [Replicate(), Replicate()], []),
+    (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT, (2, 16, 128), [Shard(0), Shard(2)], ["dp", "tp"]),
+    (Gemm.OUTPUT, Operand.WEIGHT, (64, 128), [Shard(0), Shard(1)], ["dp", "tp"]),  # FSDP x TP
+    (Gemm.OUTPUT, Operand.WEIGHT, (64, 128), [Replicate(), Shard(0)], ["tp"]),  # colwise
+]
+
+
+@pytest.mark.parametrize("gemm, operand, shape, placements, axes", NVFP4_CASES)
+def test_nvfp4_cast_of_a_dtensor_is_one_devices_sliced(gemm, operand, shape, placements, axes):
+    """NVFP4 ([Note: NVFP4] in f8dist/config/cells.py): every rank holds exactly the e2m1 bytes
+    and e4m3 block scales of one device's cast sliced to its shard (block scales are local), and
+    one device's float32 tensor scale: the logical amax, all-reduced once over exactly the axes
+    that shard the tensor (several at once in ONE collective), nothing when nothing does."""
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec(gemm, operand)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x[(1,) * (len(shape) - 1) + (7,)] = 40.0  # one outlier: one shard alone holds the amax
+    ref = cast_to_float8(x, spec)
+    with local_world(8) as mode:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        with count_collectives() as counts:
+            fp8 = cast_to_float8(shard(x, mesh, placements, mode), spec)
+        local = fp8.to_local()
+        # one device's cast, sliced as the shards are (its block grid cut where its blocks are)
+        data = shard(ref._data.view(torch.uint8), mesh, placements, mode).to_local()
+        scales = shard(ref._scale.view(torch.uint8), mesh, placements, mode).to_local()
+        got = per_rank(local._data.view(torch.uint8), 8), per_rank(local._scale.view(torch.uint8), 8)
+        for rank in range(8):
+            assert torch.equal(got[0][rank], per_rank(data, 8)[rank]), rank
+            assert torch.equal(got[1][rank], per_rank(scales, 8)[rank]), rank
+            assert torch.equal(per_rank(local._tensor_scale, 8)[rank], ref._tensor_scale), rank
+        reduces = counts["all_reduce"]
+        assert (reduces.calls, counts.total_calls) == (min(len(axes), 1), reduces.calls)
+        if axes:
+            ranks = mesh[tuple(axes)]._flatten() if len(axes) > 1 else mesh[axes[0]]
+            assert reduces.calls_over(ranks, "max") == 1

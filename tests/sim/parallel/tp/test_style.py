@@ -160,3 +160,41 @@ def test_hsdp_x_tp_reduces_each_weight_amax_once_over_dp_shard_and_tp():
     for n, shard_tp, tp, fwd, pre in run_threads(8, rank_main):
         assert len(shard_tp) == 4 and set(fwd) == {shard_tp, tp}, fwd
         assert fwd[shard_tp] == n == 8 and pre == {shard_tp: 1}, (fwd, pre)
+
+
+def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device():
+    """A Float8ColwiseParallel / Float8RowwiseParallel pair with the nvfp4 recipe on tp 2
+    (threads): every tensor scale is the logical tensor's ([Note: amax] in
+    f8dist/core/placement.py) and every block whole, so the weight gradients (no rank sums them
+    over shards) are one device's bit for bit; the output and the input's gradient, sums of the
+    two ranks' partial gemms, differ from one device's only in float32 summation order
+    (>= 120 dB)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
+
+    config = Float8LinearConfig.from_recipe_name("nvfp4")
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False),
+                                torch.nn.Linear(128, 64, bias=False))  # 16-blocks whole on tp 2
+    convert_to_float8_training(model, config=config)
+    x = torch.randn(2, 16, 64, generator=gen)  # [B, S, D]
+    grad_out = torch.randn(2, 16, 64, generator=gen)
+    ref_x = x.clone().requires_grad_()
+    reference = copy.deepcopy(model)
+    ref_out = reference(ref_x)
+    ref_out.backward(grad_out)
+    models = [copy.deepcopy(model) for _ in range(2)]
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (2,))
+        m = parallelize_module(models[rank], mesh, {"0": Float8ColwiseParallel(),
+                                                     "1": Float8RowwiseParallel()})
+        h = x.clone().requires_grad_()
+        out = m(h)
+        out.backward(grad_out)
+        return full(out), h.grad, [full(p.grad) for p in m.parameters()]
+
+    for out, grad_x, grads in run_threads(2, rank_main):
+        assert sqnr(ref_out, out) >= 120 and sqnr(ref_x.grad, grad_x) >= 120
+        for ref, grad in zip([p.grad for p in reference.parameters()], grads):
+            assert torch.equal(grad, ref)
