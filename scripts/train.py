@@ -1,7 +1,8 @@
 """Pretrain a small LLaMA-style model on the Python standard library's source, with float8.
 
 One flat loop, nanoGPT-style. Launch with torchrun (FSDP2 over the data-parallel ranks, tensor
-parallel over ``--tp`` ranks of a 2-D mesh, or ``--pp`` pipeline stages with FSDP2 inside each),
+parallel over ``--tp`` ranks of a 2-D mesh, ``--pp`` pipeline stages with FSDP2 inside each, or
+``--cp`` context-parallel ranks sharing each sequence, FSDP2 over dp x cp),
 or as plain ``python scripts/train.py`` (one process, world size 1)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/train.py \\
@@ -12,8 +13,8 @@ Every rank logs nothing; rank 0 prints one line per ``--log-every`` steps, torch
     step: 60  loss: 2.5563  grad_norm: 0.4370  memory: 0.40GiB (params 0.3MiB grads 0.3MiB ...
     ... optim 0.5MiB act 2.0MiB)  tps: 6,425  [60/60 eta 0:00:00]
 
-The order of model transformations is torchtitan's: float8 conversion, tensor parallel, the
-pipeline split, activation checkpointing, torch.compile (per block), FSDP2 (per block, then the
+The order of model transformations is torchtitan's: float8 conversion, tensor or context
+parallel, the pipeline split, activation checkpointing, torch.compile (per block), FSDP2 (per block, then the
 root).
 """
 
@@ -62,6 +63,7 @@ from f8dist.core.agreement import canonical_name
 from f8dist.policy.checkpoint import Float8LoadPlanner
 from f8dist.core.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_llama
+from f8dist.models.llama_cp import parallelize_llama_cp
 from f8dist.models.llama_pp import LlamaStage, pipeline_stage, split_llama
 from f8dist.models.moe import MoEArgs, MoETransformer
 from f8dist.models.moe_parallel import fully_shard_moe, moe_tp_plan, parallelize_moe
@@ -195,10 +197,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1) -> DeviceMesh:
+def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1, cp: int = 1) -> DeviceMesh:
     """(dp, tp); with expert parallelism (dp_shard, ep), every rank data-parallel
-    (:func:`dp_mesh_of`); with pipeline stages (pp, dp)."""
+    (:func:`dp_mesh_of`); with pipeline stages (pp, dp); with context parallelism (dp, cp)."""
     world = dist.get_world_size()
+    if cp > 1:
+        return init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     if pp > 1:
         return init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
     if ep > 1:
@@ -210,6 +214,12 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel ranks: mesh["dp"], or all of an expert-parallel (dp_shard, ep) mesh
     (flattened, rather than sliced by name from the root: torch deprecates that)."""
     return mesh._flatten("dp") if "ep" in mesh.mesh_dim_names else mesh["dp"]
+
+
+def fsdp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP2 shards over and reduces gradients across: the data-parallel ones, and
+    with --cp their context-parallel ones too ([Note: context parallelism in train.py])."""
+    return mesh._flatten("dp_cp") if "cp" in mesh.mesh_dim_names else dp_mesh_of(mesh)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -267,6 +277,8 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
                           ffn_plan=moe_tp_plan if args.moe_experts else None)
     if args.ep > 1:  # experts over the ep ranks; float8 token dispatch with per-token casts
         parallelize_moe(model, mesh["ep"])
+    if args.cp > 1:  # [Note: context parallelism in train.py]
+        parallelize_llama_cp(model, mesh["cp"])
     if args.pp > 1:
         model = split_stage(model, mesh, float8=config is not None)
     for name, block in list(model.layers.items()):
@@ -275,7 +287,7 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
             block.compile(fullgraph=True)
         model.layers[name] = block
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
-    dp = dp_mesh_of(mesh)
+    dp = fsdp_mesh_of(mesh)
     if args.ep > 1:  # [Note: EP x FSDP2] in f8dist/models/moe_parallel.py
         fully_shard_moe(model, mesh, dp_mesh=dp, mp_policy=mp, reshard_after_forward=True)
     else:
@@ -299,6 +311,17 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
 # each rank's batch into --pp-microbatches, the first stage reads the tokens, the last computes
 # the loss of each micro-batch (gradients averaged over them, as --grad-accum-steps does), and the
 # logged loss is the last stage's, summed over the world from zeros on the other stages.
+
+
+# [Note: context parallelism in train.py]
+# --cp N builds a (dp, cp) mesh: the N ranks of a row read the same sequences (ByteBatches over
+# the dp ranks only) and each feeds its contiguous shard of every sequence, inputs and targets
+# sliced alike along the sequence ([Note: the LLaMA model under context parallelism] in
+# f8dist/models/llama_cp.py: parallelize_llama_cp after the float8 conversion, so attention
+# gathers K and V in float8). Each rank's loss is the mean over its own tokens, all shards of
+# one size: FSDP2 over dp x cp flattened (as torchtitan does) averages the gradients over both,
+# which is the gradient of the mean over every token, and the logged loss is the mean over all
+# ranks as without --cp.
 
 
 def split_stage(model: Transformer, mesh: DeviceMesh, float8: bool) -> LlamaStage:
@@ -733,9 +756,10 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     """Run the training loop; returns ``{"losses": [...], "steps": [...]}`` (losses averaged over
     data-parallel ranks) on every rank."""
     device = init_distributed()
-    mesh = build_mesh(args.tp, device, args.ep, args.pp)
+    mesh = build_mesh(args.tp, device, args.ep, args.pp, args.cp)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = dp_mesh_of(mesh).get_local_rank(), dp_mesh_of(mesh).size()
+    cp_rank = mesh["cp"].get_local_rank() if args.cp > 1 else 0
     torch.manual_seed(args.seed)
 
     model = build_model(args, mesh, device)  # with --pp: this rank's stage
@@ -773,6 +797,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         print(f"model: {margs.n_layers} layers, dim {margs.dim}, {n_params:,} params | "
               f"float8: {args.float8} | optim states: {args.optim_states} | "
               f"mesh: dp={dp_size} tp={args.tp} ep={args.ep}"
+              + (f" cp={args.cp}" if args.cp > 1 else "")
               + (f" pp={args.pp} ({args.pp_schedule}, {args.pp_microbatches} micro-batches)"
                  if pipe else "") + f" | ac: {args.ac} | "
               + (f"moe: {args.moe_experts} experts top-{args.moe_top_k} | " if args.moe_experts else "")
@@ -782,7 +807,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         print(float8_linears_text(whole, args.float8), flush=True)
 
     peak = bf16_peak_flops(device)
-    tokens_per_step = args.batch_size // dp_size * args.seq_len  # per rank
+    tokens_per_step = args.batch_size // dp_size * args.seq_len // args.cp  # per rank
     steps, losses = [], []
     stats = None
     if args.float8_stats_every:
@@ -801,6 +826,8 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         inputs, targets = (t.to(device) for t in next(batches))  # [b, S], [b, S]
+        if args.cp > 1:  # this rank's shard of every sequence: [Note: context parallelism in train.py]
+            inputs, targets = (t.chunk(args.cp, dim=1)[cp_rank] for t in (inputs, targets))  # [b, S / cp]
         logged = rank == 0 and (step % args.log_every == 0 or step == args.steps)
         split: Dict[str, int] = {}  # [Note: the memory line], on logged steps
         # --float8-stats-every N: record this step's float8 casts if step % N == 0
@@ -833,7 +860,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
             precompute_float8_dynamic_scale_for_fsdp(model)
 
         global_loss = loss.clone()
-        dist.all_reduce(global_loss)  # sum over all ranks; tp ranks hold equal losses
+        dist.all_reduce(global_loss)  # sum over all ranks; tp ranks hold equal losses, cp ranks equal shards
         global_loss = float(global_loss) / (world // args.pp)  # --pp: the last stage's ranks
         steps.append(step)
         losses.append(global_loss)

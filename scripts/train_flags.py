@@ -119,6 +119,10 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
                         "the fewest 1F1B takes)")
     p.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="with --pp: torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe")
+    p.add_argument("--cp", type=positive, default=1,
+                   help="context-parallel degree: each sequence sharded over the cp ranks of a "
+                        "(dp, cp) mesh, K and V all-gathered in float8 for attention, FSDP2 over "
+                        "dp x cp")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
                    help="activation checkpointing per block: selective (op-level) or full")
@@ -177,9 +181,10 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     args.float8_stats_dir = args.float8_stats_dir or "float8_stats"
     _check_moe_args(p, args, world)
     _check_pp_args(p, args, world)
+    _check_cp_args(p, args, world)
     if world % args.tp:
         p.error(f"--tp {args.tp} must divide the number of ranks ({world})")
-    dp = world // (args.tp * args.pp)
+    dp = world // (args.tp * args.pp * args.cp)  # cp ranks share their sequences
     if args.batch_size % dp:
         p.error(f"--batch-size {args.batch_size} must be a multiple of the {dp} "
                 "data-parallel ranks")
@@ -294,12 +299,40 @@ def _check_pp_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: 
         "--checkpoint-dir": args.checkpoint_dir is not None,
         "--float8-stats-every": args.float8_stats_every > 0,
     }
-    bad = [flag for flag, on in refused.items() if on]
+    _refuse(p, "--pp", refused, "a pipeline stage trains with FSDP2 over its data-parallel "
+                                "ranks (every --float8 recipe, --ac, the float8 FSDP2 options, "
+                                "8-bit AdamW states), without tensor or expert parallelism, "
+                                "checkpoints, compile or float8 stats; drop them or --pp")
+
+
+def _check_cp_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """--cp and the flags train.py runs with it (the others are refused)."""
+    if args.cp == 1:
+        return
+    if world % args.cp:
+        p.error(f"--cp {args.cp} must divide the number of ranks ({world})")
+    if args.seq_len % args.cp:
+        p.error(f"--seq-len {args.seq_len} must be a multiple of --cp {args.cp}: each cp rank "
+                "holds an equal, contiguous shard of every sequence")
+    refused = {
+        "--tp": args.tp > 1, "--pp": args.pp > 1, "--moe-experts": args.moe_experts > 0,
+        "--compile": args.compile, f"--ac {args.ac}": args.ac != "none",
+        "--checkpoint-dir": args.checkpoint_dir is not None,
+        "--float8-stats-every": args.float8_stats_every > 0,
+    }
+    _refuse(p, "--cp", refused, "context parallelism trains the dense model with FSDP2 over dp x "
+                                "cp (every --float8 recipe, --grad-accum-steps, the float8 FSDP2 "
+                                "options, 8-bit AdamW states), without tensor, pipeline or expert "
+                                "parallelism, activation checkpointing, checkpoints, compile or "
+                                "float8 stats; drop them or --cp")
+
+
+def _refuse(p: argparse.ArgumentParser, flag: str, refused: dict, runs_with: str) -> None:
+    """End with one line naming the flags of ``refused`` that are on, if any: ``flag`` does not
+    run with them yet, and what it ``runs_with``."""
+    bad = [name for name, on in refused.items() if on]
     if bad:
-        p.error(f"--pp does not run with {', '.join(bad)} in train.py yet: a pipeline stage "
-                "trains with FSDP2 over its data-parallel ranks (every --float8 recipe, --ac, "
-                "the float8 FSDP2 options, 8-bit AdamW states), without tensor or expert "
-                "parallelism, checkpoints, compile or float8 stats; drop them or --pp")
+        p.error(f"{flag} does not run with {', '.join(bad)} in train.py yet: {runs_with}")
 
 
 def _unwritable(directory: str) -> Optional[str]:

@@ -5,7 +5,8 @@ a save killed before it completed leaves the previous checkpoint to resume from,
 a checkpoint saved by 1 rank resumes on 2. With --compile, the first line after the model's says
 that it compiles. Delayed scaling on each layout (FSDP2, TP, PP): activation checkpointing
 changes no loss, gradient accumulation almost none. Pipeline stages (--pp 2): float8 tensorwise
-within 3 % of bf16, and the bytes of the float8 boundary.
+within 3 % of bf16, and the bytes of the float8 boundary. Context parallelism (--cp 2): float8
+tensorwise within 3 % of bf16.
 """
 
 import json
@@ -71,6 +72,7 @@ def launched(tmp_path_factory):
           for name, extra in {"none": "--ac none", **variants}.items()],
         f"--variant=block_scales_tp={BLOCK_SCALES_TP} --metrics-file {metrics}",
         *[f"--variant=pp/{recipe}=--pp 2 --float8 {recipe}" for recipe in ("tensorwise", "none")],
+        *[f"--variant=cp/{recipe}=--cp 2 --float8 {recipe}" for recipe in ("tensorwise", "none")],
         "--count-sends=pp/tensorwise", "--count-sends=pp/none"]
     r = run_torchrun("several", 2, *[f"--case={key}={shlex.join(map(str, case))}"
                                      for key, case in cases.items()], timeout=1100)
@@ -196,18 +198,31 @@ def test_train_tp_with_block_scales(variant_runs):
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
+def _assert_float8_tracks_bf16(fp8, bf16):
+    """Both 8-step runs learned, the float8 one's last losses within 3 % of bf16's, not equal."""
+    for run in (fp8, bf16):
+        assert run["steps"] == list(range(1, 9))
+        assert _mean(run["losses"][-3:]) < 0.85 * _mean(run["losses"][:3]), run["losses"]
+    base, ours = _mean(bf16["losses"][-3:]), _mean(fp8["losses"][-3:])
+    assert abs(ours - base) / base < 0.03 and fp8["losses"] != bf16["losses"], (base, ours)
+
+
 def test_train_pipeline_float8_tracks_bf16(variant_runs):
     """``--pp 2``: two stages, 1F1B over 2 micro-batches; the float8 run's loss falls and ends
     within 3 % of the bf16 one's, whose stages send bf16 activations; rank 0 (the first stage)
     sends each token's e4m3 bytes and float32 scale (D + 4 bytes) instead of its 2 * D."""
     fp8, bf16 = variant_runs["pp/tensorwise"], variant_runs["pp/none"]
     assert "pp=2 (1f1b, 2 micro-batches)" in fp8["stdout"], fp8["stdout"]
-    for run in (fp8, bf16):
-        assert run["steps"] == list(range(1, 9))
-        assert _mean(run["losses"][-3:]) < 0.85 * _mean(run["losses"][:3]), run["losses"]
-    base, ours = _mean(bf16["losses"][-3:]), _mean(fp8["losses"][-3:])
-    assert abs(ours - base) / base < 0.03 and fp8["losses"] != bf16["losses"], (base, ours)
+    _assert_float8_tracks_bf16(fp8, bf16)
     tokens, dim = 8 * 8 * 64, 64  # steps x batch x seq-len (one dp rank), --dim
     # beyond the boundary, both send the same (torch's warm-up of the stage link)
     extra = fp8["sent_bytes"] - tokens * (dim + 4)
     assert extra == bf16["sent_bytes"] - tokens * 2 * dim and 0 <= extra < dim, extra
+
+
+def test_train_cp_float8_tracks_bf16(variant_runs):
+    """``--cp 2``: each rank feeds its half of every sequence, K and V all-gathered in float8,
+    FSDP2 over dp x cp; the float8 run's loss falls and ends within 3 % of the bf16 one's."""
+    fp8, bf16 = variant_runs["cp/tensorwise"], variant_runs["cp/none"]
+    assert "dp=1 tp=1 ep=1 cp=2" in fp8["stdout"], fp8["stdout"]
+    _assert_float8_tracks_bf16(fp8, bf16)

@@ -79,6 +79,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
     (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
     (["--pp", "2", "--tp", "2"], "--pp does not run with --tp in train.py yet"),
+    (["--cp", "2", "--tp", "2"], "--cp does not run with --tp in train.py yet"),
     (["--float8", "none", "--float8-stats-every", "1"],
      "--float8-stats-every records float8 casts in eager mode: it needs a --float8 recipe and no "
      "--compile"),
@@ -128,6 +129,16 @@ def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     (["--pp-microbatches", "2"], "--pp-microbatches splits each rank's batch for the pipeline's "
      "schedule: it would do nothing in this run; add --pp N or drop it"),
     (["--pp-schedule", "gpipe"], "add --pp N or drop it"),
+    # context parallelism: the flags that do not compose with --cp yet, and its shapes
+    (["--cp", "3"], "--cp 3 must divide the number of ranks (4)"),
+    (["--cp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --cp 4: each cp rank"),
+    (["--cp", "2", "--tp", "2", "--compile"], "--cp does not run with --tp, --compile in train.py"),
+    (["--cp", "2", "--pp", "2"], "--cp does not run with --pp"),
+    (["--cp", "2", "--moe-experts", "4"], "--cp does not run with --moe-experts"),
+    (["--cp", "2", "--ac", "sac"], "--cp does not run with --ac sac"),
+    (["--cp", "2", "--checkpoint-dir", "ckpt"], "--cp does not run with --checkpoint-dir"),
+    (["--cp", "2", "--float8-stats-every", "1"], "--cp does not run with --float8-stats-every"),
+    (["--cp", "2", "--batch-size", "3"], "--batch-size 3 must be a multiple of the 2 data-parallel"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
                                                                             monkeypatch):
@@ -136,6 +147,15 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--cp", "2", "--batch-size", "2"],  # 2 data-parallel ranks of 2 cp ranks each
+    ["--cp", "4", "--grad-accum-steps", "2", "--float8-reduce-scatter", "--float8", "delayed"],
+])
+def test_cp_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train.parse_args(argv).cp == int(argv[1])
 
 
 @pytest.mark.parametrize("argv", [
