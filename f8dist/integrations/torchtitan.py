@@ -349,7 +349,7 @@ class _Float8Gather:
             mesh, desired = self._gather_mesh, (Replicate(),)
             x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
         spec = readers[0].specs[tp_style.OUTPUT_INPUT]
-        x = tp_style._cast_input(x, spec, readers, desired)
+        x = tp_style.cast_input(x, spec, readers, desired)
         return x.redistribute(mesh, desired)
 
 
@@ -570,8 +570,8 @@ class Float8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         # the rows in arrival order: torchtitan's _permute orders them by expert next
         arrival = torch.arange(sum(output_splits), device=routed_input_ND.device)
         # cast from bf16, as Float8GroupedExperts casts the tokens it gets
-        return ep_dispatch._Dispatch.apply(routed_input_ND.bfloat16(), arrival, input_splits,
-                                           output_splits, pg, self.token_spec, None)  # [R, D] float8
+        return ep_dispatch.exchange(routed_input_ND.bfloat16(), arrival, input_splits,
+                                    output_splits, pg, self.token_spec)  # [R, D] float8
 
     def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
         if not isinstance(routed_input_RD, Float8Tensor):
@@ -591,7 +591,7 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index):
         ctx.index, ctx.rows = index, x.shape[0]
-        return ep_dispatch._rows(x, index)
+        return ep_dispatch.take_rows(x, index)
 
     @staticmethod
     def backward(ctx, grad):

@@ -38,7 +38,7 @@ from f8dist.models.llama import ModelArgs, Transformer
 from f8dist.models import parallelize_llama
 from f8dist.core.tensor import Float8Tensor
 from f8dist.config import Gemm, Operand
-from f8dist.parallel.tp.style import _CastGradToFloat8, _cast_input
+from f8dist.parallel.tp.style import _CastGradToFloat8, cast_input
 from tests.distributed.common import init, main, sqnr, write_result
 
 BATCH, SEQ = 2, 16
@@ -58,7 +58,7 @@ def add_wire_casts(model: Transformer) -> None:
 
     def cast_input(linear):
         spec = linear.specs[Gemm.OUTPUT, Operand.INPUT]
-        return lambda mod, args: (_cast_input(args[0], spec, [linear]), *args[1:])
+        return lambda mod, args: (cast_input(args[0], spec, [linear]), *args[1:])
 
     def cast_grad(mod, args, out):
         return _CastGradToFloat8.apply(out, mod)

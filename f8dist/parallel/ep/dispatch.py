@@ -50,8 +50,8 @@ from f8dist.config import E4M3, CastSpec, ScalingGranularity
 from f8dist.core.placement import local_part
 from f8dist.core.tensor import Float8Tensor, as_wire
 
-__all__ = ["expert_parallel", "all_to_all", "dispatch", "combine", "Plan", "COMBINE_SPEC",
-           "GRAD_SPEC"]
+__all__ = ["expert_parallel", "all_to_all", "dispatch", "exchange", "combine", "take_rows", "Plan",
+           "COMBINE_SPEC", "GRAD_SPEC"]
 
 # [Note: float8 combine and backward]: a scale per token (row), over its features
 COMBINE_SPEC = CastSpec(dtype=E4M3, granularity=ScalingGranularity.AXISWISE, axis=-1)
@@ -81,7 +81,7 @@ def _send_rows(x: torch.Tensor, send, recv, group, spec: Optional[CastSpec]) -> 
     return _all_to_all_tokens(cast_to_float8(x, spec), send, recv, group).to_original_precision()
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]``, also for per-token float8 rows (their wire tensors' rows)."""
     if isinstance(x, Float8Tensor):
         wire, meta = x.to_wire(0)
@@ -104,11 +104,11 @@ class _Dispatch(torch.autograd.Function):
         ctx.perm, ctx.send, ctx.recv, ctx.group, ctx.grad_spec = perm, send, recv, group, grad_spec
         if spec is not None:
             x = cast_to_float8(x, spec)  # [M, dim] per-token float8
-        return _rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
+        return take_rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _rows(grad.contiguous(), _inverse(ctx.perm))  # source-rank order
+        grad = take_rows(grad.contiguous(), _inverse(ctx.perm))  # source-rank order
         grad = _send_rows(grad, ctx.recv, ctx.send, ctx.group, ctx.grad_spec)  # [M, dim]
         return grad, None, None, None, None, None, None
 
@@ -122,13 +122,13 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, out, perm, send, recv, group, spec: Optional[CastSpec],
                 grad_spec: Optional[CastSpec]):
         ctx.perm, ctx.send, ctx.recv, ctx.group, ctx.grad_spec = perm, send, recv, group, grad_spec
-        out = _rows(out, _inverse(perm))  # source-rank order
+        out = take_rows(out, _inverse(perm))  # source-rank order
         return _send_rows(out, recv, send, group, spec)  # [M, dim]
 
     @staticmethod
     def backward(ctx, grad):
         grad = _send_rows(grad.contiguous(), ctx.send, ctx.recv, ctx.group, ctx.grad_spec)
-        return _rows(grad, ctx.perm), None, None, None, None, None, None
+        return take_rows(grad, ctx.perm), None, None, None, None, None, None
 
 
 class Plan(NamedTuple):
@@ -163,6 +163,14 @@ def _plan(counts: torch.Tensor, group) -> Plan:
     local = torch.repeat_interleave(experts, received.reshape(-1))  # [M_recv]
     perm = torch.argsort(local, stable=True)  # expert-major, source rank within
     return Plan(send, recv, perm, received.sum(dim=0))
+
+
+def exchange(tokens: torch.Tensor, order: torch.Tensor, send, recv, group,
+             spec: Optional[CastSpec] = None, grad_spec: Optional[CastSpec] = None) -> torch.Tensor:
+    """Step 2 alone, for a caller with its own plan (torchtitan's dispatcher): ``tokens`` [M, dim]
+    cast with ``spec`` and sent ``send[r]`` rows to rank r, ``recv[r]`` received from it, the
+    received rows taken in ``order``; backward as :func:`dispatch`'s."""
+    return _Dispatch.apply(tokens, order, send, recv, group, spec, grad_spec)
 
 
 def dispatch(tokens: torch.Tensor, counts: torch.Tensor, group, spec: Optional[CastSpec] = None,

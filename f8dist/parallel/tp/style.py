@@ -79,7 +79,7 @@ from f8dist.core.gemm import check_gemm_shape
 from f8dist.nn.linear import Float8Linear
 from f8dist.core.placement import blocks_split_by_shards, has_partial
 
-__all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
+__all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput", "cast_input"]
 
 OUTPUT_INPUT = (Gemm.OUTPUT, Operand.INPUT)
 GRAD_INPUT_GRAD_OUTPUT = (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT)
@@ -122,7 +122,7 @@ def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Oper
     return _HIGH_PRECISION if split else grad_weight
 
 
-def _cast_input(
+def cast_input(
     x: torch.Tensor, spec: CastSpec, linears: Sequence[Float8Linear], desired_layouts=()
 ) -> torch.Tensor:
     """``x`` cast to float8 for ``linears`` (gradients pass in high precision), with the
@@ -282,7 +282,7 @@ class _Float8LinearStyle:
     def _prepare_input_fn(self, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         if input_layouts != desired_input_layouts:  # it will be communicated: float8 first
             x = _as_dtensor(inputs[0], device_mesh, input_layouts)
-            inputs = (_cast_input(x, mod.specs[OUTPUT_INPUT], [mod], desired_input_layouts),
+            inputs = (cast_input(x, mod.specs[OUTPUT_INPUT], [mod], desired_input_layouts),
                       *inputs[1:])
         return super()._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
@@ -415,7 +415,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
                 raise TypeError(f"{type(self).__name__}: expected a tensor input, got {type(input)}")
             x = _as_dtensor(input, mesh, (input_layout,))
             # float8 before it is communicated
-            input = _cast_input(x, self._spec, self._linears, (desired_layout,))
+            input = cast_input(x, self._spec, self._linears, (desired_layout,))
         return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
 
     def _cast_for(self, module: nn.Module):
