@@ -20,7 +20,6 @@ def test_ranks_in_one_process_make_repeated_checks(monkeypatch):
     assert run_threads(4, rank_main, timeout=30) == [True] * 4
 
 
-
 def test_runs_of_other_worlds_start_with_fresh_checks(monkeypatch):
     """run_threads' ranks start without the checks of an earlier run (as fresh processes): a
     2-rank run then a 4-rank one over a group of the same name (they hung: ranks 0 and 1 a round
@@ -34,6 +33,7 @@ def test_runs_of_other_worlds_start_with_fresh_checks(monkeypatch):
     assert run_threads(2, rank_main, timeout=30) == [True] * 2
     assert run_threads(4, rank_main, timeout=30) == [True] * 4
 
+
 def test_a_differing_rank_is_named_by_ranks_in_one_process(monkeypatch):
     monkeypatch.setenv(agreement.TIMEOUT_ENV, "5")
 
@@ -44,16 +44,3 @@ def test_a_differing_rank_is_named_by_ranks_in_one_process(monkeypatch):
     with pytest.raises(RuntimeError, match="rank 3") as e:
         run_threads(4, rank_main, timeout=30)
     assert "fc" in str(e.value)
-
-
-def test_a_run_starts_without_the_checks_of_an_earlier_run(monkeypatch):
-    # the suite's order: a 2-rank run's checks, then 4 ranks' (they hung: ranks 0-1 counted on
-    # from the earlier run, ranks 2-3 from none, so they waited on different store keys)
-    monkeypatch.setenv(agreement.TIMEOUT_ENV, "5")
-
-    def rank_main(rank):
-        agreement.agree({("fc", "float8"): "True"}, dist.group.WORLD, what="w", fix="f")
-        return True
-
-    assert run_threads(2, rank_main, timeout=20) == [True] * 2
-    assert run_threads(4, rank_main, timeout=20) == [True] * 4

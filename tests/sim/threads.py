@@ -26,14 +26,10 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
     """``fn(rank)`` on ``world`` simulated ranks, each in a default process group of its own
     thread; their results, by rank. The first rank to raise fails every rank's collectives (no
     hang) and its exception is re-raised here. ``store``: the group's (a fresh HashStore).
-
-    Ranks start as fresh processes do: without f8dist.core.agreement's count of the checks each
-    rank made over each group (``_rounds``; the simulated groups' names repeat from run to run,
-    and a count left by a run of other ranks would set this run's ranks apart)."""
+    Ranks start as fresh processes do ([Note: a run starts as processes do])."""
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg,
     )
-    from f8dist.core import agreement
 
     store = dist.HashStore() if store is None else store
     results: List[object] = [None] * world
