@@ -13,8 +13,8 @@ Variants: ``bf16`` (no float8 anywhere: high-precision CP gather, PP boundary an
 and each recipe, with the layout's float8 wire on: TP's float8 styles, ``Float8ContextParallel``,
 the PP float8 boundary, ``Float8ExpertParallel``. Options: ``fp8-ag`` (FSDP2 float8 all-gather),
 ``precompute`` (``precompute_float8_dynamic_scale_for_fsdp`` after the optimizer step),
-``fp8-rs`` (``enable_float8_reduce_scatter``), ``recast`` (``sp_grad_weight="recast"``; the default
-is "forward_gather"), ``grad_spec`` (``Float8ContextParallel(grad_spec=KV_SPEC)``), ``combine+bwd``
+``fp8-rs`` (``enable_float8_reduce_scatter``), ``recast`` and ``derive`` (``sp_grad_weight``; the
+default is "forward_gather"), ``grad_spec`` (``Float8ContextParallel(grad_spec=KV_SPEC)``), ``combine+bwd``
 (``Float8ExpertParallel(float8_combine=True, float8_backward=True)``). FSDP2 all-gathers bf16
 weights (``MixedPrecisionPolicy(param_dtype=bfloat16)``) and reduces fp32 gradients.
 
@@ -69,6 +69,7 @@ MESHES = {
     "3d": ((2, 2, 2), ("dp_replicate", "dp_shard", "tp")),
 }
 LAYOUTS = tuple(MESHES)
+SP_GRAD_WEIGHT = ("recast", "derive")  # the options that set sp_grad_weight
 
 
 class Variant(NamedTuple):
@@ -90,7 +91,8 @@ def variants(layout: str) -> list:
                  ("mxfp8_square_weights", ("fp8-ag",)), ("blockwise", ("fp8-ag",))],
         "hsdp": [("tensorwise", ("fp8-ag", "precompute")),
                  ("tensorwise", ("fp8-ag", "precompute", "fp8-rs"))],
-        "tp": [("mxfp8", ("recast",)), ("blockwise", ("recast",))],
+        "tp": [("mxfp8", ("recast",)), ("blockwise", ("recast",)), ("mxfp8", ("derive",)),
+               ("blockwise", ("derive",))],
         "cp": [("tensorwise", ("grad_spec",)), ("rowwise", ("grad_spec",))],
         "ep": [("rowwise", ("combine+bwd",))],
         "3d": [("tensorwise", ("fp8-ag", "precompute"))],
@@ -143,7 +145,8 @@ def _model(layout: str, variant: Variant, margs: ModelArgs):
     if variant.recipe is not None:
         config = Float8LinearConfig.from_recipe_name(variant.recipe).replace(
             enable_fsdp_float8_all_gather="fp8-ag" in variant.options,
-            sp_grad_weight="recast" if "recast" in variant.options else "forward_gather")
+            sp_grad_weight=next((o for o in variant.options if o in SP_GRAD_WEIGHT),
+                                "forward_gather"))
         convert_to_float8_training(model, config=config,
                                    module_filter_fn=lambda mod, fqn: fqn != "output",
                                    skip_incompatible=variant.recipe not in BLOCK_RECIPES)

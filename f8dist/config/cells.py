@@ -152,6 +152,11 @@ class ScaleRounding(_Name):
 #   BACKWARD_GATHER           the style keeps the shard's token-block cast and the linear
 #                             all-gathers it in backward (Transformer Engine's way): exact, 1 / tp
 #                             of it kept; token-block grad_weight gemms only
+#   DERIVE                    the row-block cast only, and every Float8Linear, on one device too,
+#                             derives the grad_weight gemm's token blocks from the other gemms'
+#                             row blocks (dequantize, re-cast: DeepSeek-V3's way): one device's
+#                             numbers under this choice, at RECAST's bytes; other numbers than
+#                             the direct cast's (scripts/sp_grad_weight_sqnr.py)
 #
 # Byte figures: docs/performance.md. Linears sharing one input (``PrepareFloat8ModuleInput``) get
 # its named linear's cast; one whose config finds no fitting grad_weight operand raises.
@@ -300,6 +305,12 @@ class SPGradWeight(_Name):
     FORWARD_GATHER = "forward_gather"  # both casts cross in forward: exact
     RECAST = "recast"  # the row-block cast only, re-cast for grad_weight: not exact
     BACKWARD_GATHER = "backward_gather"  # token-block shard kept, gathered in backward: exact
+    DERIVE = "derive"  # the row-block cast only, re-cast for grad_weight on one device too: exact
+
+    @property
+    def sends_one_cast(self) -> bool:
+        """Whether a style sends the row-block cast only and the grad_weight gemm re-casts it."""
+        return self in (SPGradWeight.RECAST, SPGradWeight.DERIVE)
 
 class SavedInput(_Name):
     """What a linear keeps of its input for the grad_weight gemm ([Note: what the matmul keeps for

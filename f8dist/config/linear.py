@@ -191,7 +191,8 @@ class Float8LinearConfig:
 
     def cast_specs(self, fqn: str = "") -> CastSpecs:
         """All six cast specs of the linear ``fqn``."""
-        specs = CastSpecs(tuple(self.cast_spec(g, op, fqn) for g, op in _CELLS))
+        specs = CastSpecs(tuple(self.cast_spec(g, op, fqn) for g, op in _CELLS),
+                          sp_grad_weight=self.sp_grad_weight)
         return dataclasses.replace(
             specs,
             saved_input=self._saved_input(specs),
@@ -202,7 +203,6 @@ class Float8LinearConfig:
             weight_same_bytes=_same_bytes(specs, Operand.WEIGHT, Gemm.OUTPUT, Gemm.GRAD_INPUT),
             save_float8_weight=self.float8_weight_for_backward,  # checked: one cast for both
             activation=self.activation_spec(f"{fqn}.activation" if fqn else "activation"),
-            sp_grad_weight=self.sp_grad_weight,
         )
 
     def _saved_input(self, specs: CastSpecs) -> SavedInput:
@@ -212,6 +212,8 @@ class Float8LinearConfig:
             return SavedInput.HIGH_PRECISION  # a high-precision gemm reads the values
         if _same_bytes(specs, Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT):
             return SavedInput.FORWARD_CAST  # one cast serves both gemms
+        if specs.derives_grad_weight_operand(Operand.INPUT):
+            return SavedInput.FORWARD_CAST  # re-cast in token blocks in backward
         if self.float8_activations_for_backward:
             return SavedInput.GRAD_WEIGHT_CAST
         if self.axiswise_requantize_input_for_grad_weight:

@@ -162,6 +162,19 @@ def sp_grad_weight(config) -> None:
             f"gathered float8 as it is or re-scales it already ({table}): leave "
             "sp_grad_weight at 'forward_gather' (tensorwise and rowwise recipes gather one "
             "float8 copy whatever it says)")
+    if config.sp_grad_weight is SPGradWeight.DERIVE and not (
+            specs.derives_grad_weight_operand(Operand.INPUT)
+            or specs.derives_grad_weight_operand(Operand.GRAD_OUTPUT)):
+        raise ValueError(
+            "sp_grad_weight='derive' makes the float8 grad_weight gemm re-cast its token blocks "
+            "from the other gemms' row-block casts, but this config's grad_weight gemm reads "
+            f"those casts as they are, re-scales them or runs in high precision ({table}): use "
+            "'forward_gather' (or 'recast' to accept a re-cast under tensor parallelism only)")
+    if config.sp_grad_weight is SPGradWeight.DERIVE and config.float8_activations_for_backward:
+        raise ValueError(
+            "sp_grad_weight='derive' re-casts the grad_weight gemm's input from the forward's "
+            "float8 row blocks, but float8_activations_for_backward casts it from high precision "
+            "in forward: set one of them (float8_activations_for_backward=False keeps derive)")
     if config.sp_grad_weight is SPGradWeight.BACKWARD_GATHER and not (
             specs.own_grad_weight_operand(Operand.INPUT)
             and specs[Gemm.GRAD_WEIGHT, Operand.INPUT].enabled):

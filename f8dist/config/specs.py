@@ -198,6 +198,12 @@ class CastSpecs:
         return sent.enabled and (not gw.enabled or (
             gw.blockwise and gw.block_shape(2) != sent.block_shape(2)))
 
+    def derives_grad_weight_operand(self, operand: Operand) -> bool:
+        """Whether the grad_weight gemm re-casts ``operand`` from the other gemm's float8 cast, on
+        one device too (``SPGradWeight.DERIVE``)."""
+        return (self.sp_grad_weight is SPGradWeight.DERIVE and self.gemm_in_float8(Gemm.GRAD_WEIGHT)
+                and self.own_grad_weight_operand(operand))
+
     def __iter__(self):
         return iter(self.specs)
 

@@ -27,7 +27,9 @@ are reused.
   High precision by default: axiswise needs the other axis, a high-precision gemm the values.
   ``float8_activations_for_backward`` keeps the grad_weight gemm's cast, made in forward (bit for
   bit backward's); ``axiswise_requantize_input_for_grad_weight`` re-scales the forward's (a second
-  rounding, exact but for e4m3 subnormals with power-of-2 scales). scripts/memory_report.py
+  rounding, exact but for e4m3 subnormals with power-of-2 scales); ``sp_grad_weight="derive"``
+  keeps the forward's block cast and re-casts it in token blocks (so does backward with the
+  grad_input gemm's cast of grad_output). scripts/memory_report.py
   measures the choices (docs/performance.md). An input that arrives in
   float8 with the grad_weight gemm's cast as its companion ([Note: two casts of one tensor] in
   f8dist/core/tensor.py) keeps that cast only; one that left it on its rank (``KeptShard``) keeps the
@@ -48,7 +50,7 @@ from f8dist.core.cast import (
     autocast_input, cast_to_float8, companion_for, high_precision, kept_shard_for, logical_amax,
     shared_casts,
 )
-from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput, SPGradWeight
+from f8dist.config import CastSpecs, Float8LinearConfig, Gemm, Operand, SavedInput
 from f8dist.policy.delayed import DelayedScaling, apply_to_delayed_module, load_delayed_state
 from f8dist.core.weight import wrap_weight_for_float8_all_gather
 from f8dist.core.gemm import check_block_shape, check_gemm_shape
@@ -92,7 +94,7 @@ def _check_grad_weight_operand(x: torch.Tensor, specs: CastSpecs, found: bool) -
     needs (``found``: it carries one): a style cast a shared input with another linear's config
     ([Note: the grad_weight operand of a gathered tensor] in f8dist/config/cells.py)."""
     if (found or not isinstance(local_part(x), Float8Tensor) or x.numel() == 0
-            or torch.compiler.is_compiling() or specs.sp_grad_weight is SPGradWeight.RECAST):
+            or torch.compiler.is_compiling() or specs.sp_grad_weight.sends_one_cast):
         return
     if not specs.own_grad_weight_operand(INPUT):
         return  # it reads the gathered float8, or re-scales it: nothing was to travel along
@@ -195,7 +197,8 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.delayed is not None:  # a delayed grad_output scale is known now
             state, record = ctx.delayed
             scales = {**scales, **state.grad_output_scales(grad_output, record, later)}
-        if specs.cast_grad_output_once:  # the same bytes serve both gemms (tensorwise)
+        if specs.cast_grad_output_once or specs.derives_grad_weight_operand(GRAD_OUTPUT):
+            # the same bytes serve both gemms (tensorwise), or grad_weight re-casts them (derive)
             grad_output = _cast(GRAD_INPUT, GRAD_OUTPUT, grad_output, specs, scales, store=True)
         grad_input = _mm(GRAD_INPUT, grad_output, weight, specs, scales, weight_amax)  # [M, K]
         grad_weight = _mm(GRAD_WEIGHT, grad_output, saved_input, specs, scales)  # [N, K]

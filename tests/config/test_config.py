@@ -285,6 +285,19 @@ def test_sp_grad_weight_is_validated_and_reaches_the_cast_specs():
             Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight="recast")
 
 
+def test_sp_grad_weight_derive_needs_a_token_block_grad_weight_gemm():
+    # derive re-casts the row blocks in token blocks on one device too: block recipes whose
+    # grad_weight gemm is float8; it keeps the forward's cast, so not float8_activations_for_backward
+    config = Float8LinearConfig.from_recipe_name("blockwise").replace(sp_grad_weight="derive")
+    assert config.cast_specs().saved_input.value == "forward_cast"
+    for recipe in ("tensorwise", "rowwise", "mxfp8_wgrad_with_hp"):
+        with pytest.raises(ValueError, match="sp_grad_weight='derive'.*use 'forward_gather'"):
+            Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight="derive")
+    with pytest.raises(ValueError, match="sp_grad_weight='derive'.*float8_activations_for_backward"):
+        Float8LinearConfig.from_recipe_name("mxfp8").replace(
+            sp_grad_weight="derive", float8_activations_for_backward=True)
+
+
 def test_nvfp4_cells_take_e2m1_with_e4m3_block_scales_only():
     # [Note: NVFP4]: e2m1 data with e4m3 scales in 1x16 / 16x16 blocks, and nothing else
     from f8dist.config.cells import E2M1, E4M3

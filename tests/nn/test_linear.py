@@ -766,3 +766,32 @@ def test_nvfp4_layer_dims_must_divide_into_16():
     with pytest.raises(ValueError,
                        match=r"lin \(40 -> 32\).*multiples of 16, got K=40.*pad_inner_dim"):
         _pair("nvfp4", torch.float32, in_features=40, out_features=32)
+
+
+def test_derive_re_casts_the_other_gemms_row_blocks_for_grad_weight():
+    # sp_grad_weight="derive" ([Note: the grad_weight operand of a gathered tensor]): the output
+    # and grad_input gemms are the default's bit for bit; grad_weight reads token blocks re-cast
+    # from their row-block float8 (what TP+SP gathers), not from high precision
+    from f8dist.core.cast import cast_to_float8
+    from f8dist.config import Gemm, Operand
+
+    torch.manual_seed(0)
+    x, grad = torch.randn(256, 256), torch.randn(256, 256)  # [M, K], [M, N]
+    base, runs = nn.Linear(256, 256, bias=False), {}
+    for mode in ("forward_gather", "derive"):
+        config = Float8LinearConfig.from_recipe_name("blockwise").replace(sp_grad_weight=mode)
+        m = Float8Linear.from_float(copy.deepcopy(base), config)
+        xr = x.clone().requires_grad_()
+        out = m(xr)
+        out.backward(grad)
+        runs[mode] = (out.detach(), xr.grad, m.weight.grad, m.specs)
+    (out, grad_x, direct, _), (out_d, grad_x_d, derived, specs) = runs.values()
+    assert torch.equal(out, out_d) and torch.equal(grad_x, grad_x_d)
+
+    def re_cast(t, gemm, operand):
+        row_blocks = cast_to_float8(t, specs[gemm, operand])
+        return cast_to_float8(row_blocks, specs[Gemm.GRAD_WEIGHT, operand])
+
+    expected = torch.mm(re_cast(grad, Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT).t(),
+                        re_cast(x, Gemm.OUTPUT, Operand.INPUT))  # [N, K]
+    assert torch.equal(derived, expected) and not torch.equal(derived, direct)

@@ -107,9 +107,9 @@ def _grad_weight_cast(x: torch.Tensor, specs: Optional[CastSpecs], operand: Oper
     """How the grad_weight gemm gets one device's ``operand`` when ``x`` is cast before it is
     communicated ([Note: the grad_weight gemm under sequence parallelism]): None (it reuses or
     re-casts the communicated bytes; also without grad, for an empty batch or with
-    ``SPGradWeight.RECAST``), its CastSpec (a companion cast) or ``_HIGH_PRECISION``."""
+    ``SPGradWeight.RECAST`` or ``DERIVE``), its CastSpec (a companion cast) or ``_HIGH_PRECISION``."""
     if (specs is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or x.numel() == 0 or specs.sp_grad_weight is SPGradWeight.RECAST
+            or x.numel() == 0 or specs.sp_grad_weight.sends_one_cast
             or not specs.own_grad_weight_operand(operand)):
         return None
     grad_weight = specs[Gemm.GRAD_WEIGHT, operand]
