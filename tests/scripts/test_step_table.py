@@ -83,3 +83,14 @@ def test_tp_sp_float8_operands_gather_half_of_bf16s_bytes_with_tensorwise(counts
     bf16, float8 = counts["tp"]
     (row,) = step_table.sp_rows({"bf16": bf16, "tensorwise": float8})
     assert row["float8_vs_bf16"] == 0.5 and row["high_precision_bytes"] > 0, row
+
+
+def test_tp_derive_gathers_one_float8_cast_where_token_blocks_split():
+    # smoke: 8-token sequence shards split mxfp8's 32-token grad_weight blocks, so the default
+    # gathers bf16; sp_grad_weight="derive" re-casts them after the gather: the 8 float8 inputs
+    # and output gradients cross as e4m3 with an e8m0 byte per 32 (16384 elements, 16896 bytes)
+    counts = step_table.measure("tp", step_table.Variant("mxfp8", ("derive",)),
+                                step_table.smoke_args())
+    assert {k: (c, b) for k, (c, b, _) in counts.items()} == {
+        "all_gather": (19, 41472), "reduce_scatter": (10, 40960), "all_reduce": (5, 640)}
+    assert counts["all_gather"][2] == {("tp", "uint8"): 16896, ("tp", "bfloat16"): 24576}
