@@ -275,8 +275,10 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
         # an MoE layer runs whole on every TP rank: [Note: MoE under tensor parallelism]
         parallelize_llama(model, mesh["tp"], float8=config is not None,
                           ffn_plan=moe_tp_plan if args.moe_experts else None)
-    if args.ep > 1:  # experts over the ep ranks; float8 token dispatch with per-token casts
-        parallelize_moe(model, mesh["ep"])
+    if args.ep > 1:  # experts over the ep ranks; float8 token dispatch with per-token casts,
+        # the combine and backward all-to-alls in float8 with --float8-ep-combine, -backward
+        parallelize_moe(model, mesh["ep"], float8_combine=args.float8_ep_combine,
+                        float8_backward=args.float8_ep_backward)
     if args.cp > 1:  # [Note: context parallelism in train.py]
         parallelize_llama_cp(model, mesh["cp"])
     if args.pp > 1:

@@ -170,6 +170,14 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     p.add_argument("--ep", type=positive, default=1,
                    help="expert-parallel degree (with --moe-experts); FSDP2 shards the experts "
                         "over the other ranks and everything else over all ranks")
+    p.add_argument("--float8-ep-combine", action="store_true",
+                   help="with --ep: the combine all-to-all sends the experts' outputs as e4m3 "
+                        "per token (Float8ExpertParallel's float8_combine; other numbers than "
+                        "one device's run without it; any --float8)")
+    p.add_argument("--float8-ep-backward", action="store_true",
+                   help="with --ep: both backward all-to-alls send their gradients as e4m3 per "
+                        "token (Float8ExpertParallel's float8_backward; other numbers, as "
+                        "--float8-ep-combine; any --float8)")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
@@ -243,6 +251,10 @@ def _check_no_silent_flags(p: argparse.ArgumentParser, args: argparse.Namespace,
               args.float8_reduce_scatter and world // (args.tp * args.pp) == 1,
               "reduce-scatters gradients over the data-parallel ranks; with one, FSDP2 runs no "
               "reduce-scatter", "more ranks than --tp" + (" x --pp" if args.pp > 1 else "")),
+             *[(flag, on and args.ep == 1, "casts what an expert-parallel all-to-all sends; "
+                "without expert parallelism there is none", "--moe-experts N --ep M")
+               for flag, on in (("--float8-ep-combine", args.float8_ep_combine),
+                                ("--float8-ep-backward", args.float8_ep_backward))],
              ("--pp-microbatches", args.pp_microbatches is not None and args.pp == 1,
               "splits each rank's batch for the pipeline's schedule", "--pp N"),
              ("--pp-schedule", args.pp_schedule != "1f1b" and args.pp == 1,

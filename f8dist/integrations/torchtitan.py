@@ -445,6 +445,8 @@ class Float8LinearConverter(QuantizationConverter):
     class Config(QuantizationConverter.Config):
         recipe_name: RecipeName = "tensorwise"
         filter_fqns: List[str] = dataclasses.field(default_factory=list)
+        float8_combine: bool = False
+        float8_backward: bool = False
         auto_filter_tokens: int = 8192
         enable_fsdp_float8_all_gather: bool = False
         precompute_float8_dynamic_scale_for_fsdp: bool = False
@@ -548,30 +550,48 @@ class Float8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
     """torchtitan's expert-parallel ``AllToAllTokenDispatcher`` whose dispatch all-to-all sends
     float8 tokens, when the experts cast their tokens per token (rowwise, the 1 x K block
     recipes): each token cast on its source rank, as bf16 before the dispatch and the experts'
-    cast would give it ([Note: float8 dispatch] in f8dist/parallel/ep/dispatch.py), its bytes and scales
-    on the wire, which the experts' grouped gemms take as they are. The count exchange, the
-    combine and backward stay as torchtitan's (high precision).
-    :class:`Float8GroupedExpertsConverter` puts it in place of a ``RoutedExperts``'s
-    ``AllToAllTokenDispatcher.Config``, with the experts' recipe and FQN."""
+    cast would give it ([Note: float8 dispatch] in f8dist/parallel/ep/dispatch.py), its bytes and
+    scales on the wire, which the experts' grouped gemms take as they are. The count exchange
+    stays as torchtitan's; the combine and both backward all-to-alls too, unless
+    ``float8_combine`` and ``float8_backward`` (the options of f8dist's
+    :class:`~f8dist.parallel.ep.Float8ExpertParallel`, off by default: other numbers than one
+    device's run without them) send them as e4m3 per token ([Note: float8 combine and
+    backward] in the same file). :class:`Float8GroupedExpertsConverter` puts it in place of a
+    ``RoutedExperts``'s ``AllToAllTokenDispatcher.Config``, with the experts' recipe and FQN."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):
         recipe_name: RecipeName = "rowwise"
         fqn: str = ""
+        float8_combine: bool = False
+        float8_backward: bool = False
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.token_spec = grouped.token_spec(_experts_specs(config))  # None: tokens as they are
+        self.combine_spec = ep_dispatch.COMBINE_SPEC if config.float8_combine else None
+        self.grad_spec = ep_dispatch.GRAD_SPEC if config.float8_backward else None
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
-        if self.token_spec is None:
+        if self.token_spec is None and self.grad_spec is None:
             return AllToAllTokenDispatcher._dispatch_token_exchange(
                 self, routed_input_ND, pg, output_splits, input_splits)
+        if self.token_spec is not None:  # cast from bf16, as Float8GroupedExperts casts its tokens
+            routed_input_ND = routed_input_ND.bfloat16()
         # the rows in arrival order: torchtitan's _permute orders them by expert next
         arrival = torch.arange(sum(output_splits), device=routed_input_ND.device)
-        # cast from bf16, as Float8GroupedExperts casts the tokens it gets
-        return ep_dispatch.exchange(routed_input_ND.bfloat16(), arrival, input_splits,
-                                    output_splits, pg, self.token_spec)  # [R, D] float8
+        return ep_dispatch.exchange(routed_input_ND, arrival, input_splits, output_splits, pg,
+                                    self.token_spec, self.grad_spec)  # [R, D], float8 with token_spec
+
+    def _combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
+        if self.combine_spec is None and self.grad_spec is None:
+            return AllToAllTokenDispatcher._combine_token_exchange(
+                self, routed_output_RD, pg, input_splits, output_splits)
+        # torchtitan's _unpermute gave the rows in arrival order: they go back as they came
+        back = torch.arange(sum(input_splits), device=routed_output_RD.device)
+        out = ep_dispatch.exchange(routed_output_RD, back, output_splits, input_splits, pg,
+                                   self.combine_spec, self.grad_spec)  # [N, D]
+        return out.to_original_precision() if isinstance(out, Float8Tensor) else out
 
     def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
         if not isinstance(routed_input_RD, Float8Tensor):
@@ -607,7 +627,9 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
     * ``recipe_name``: "tensorwise", "rowwise", "rowwise_with_gw_hp" or a block recipe ("mxfp8",
       "mxfp8_wgrad_with_hp", "mxfp8_square_weights", "blockwise"); not "delayed" (torchtitan's
       experts module keeps no amax histories);
-    * ``filter_fqns``: experts whose FQN contains one of these stay high precision.
+    * ``filter_fqns``: experts whose FQN contains one of these stay high precision;
+    * ``float8_combine``, ``float8_backward``: the expert-parallel combine and backward
+      all-to-alls in float8 (:class:`Float8AllToAllTokenDispatcher`; off by default).
 
     Experts whose dims are not multiples of 16 (or of the recipe's blocks) stay high precision,
     with a log note. A converted module's plain ``AllToAllTokenDispatcher.Config`` becomes a
@@ -625,6 +647,8 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
     class Config(QuantizationConverter.Config):
         recipe_name: RecipeName = "rowwise"
         filter_fqns: List[str] = dataclasses.field(default_factory=list)
+        float8_combine: bool = False
+        float8_backward: bool = False
 
     def __init__(self, config: Config):
         self.config = config
@@ -659,7 +683,9 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
             if (isinstance(parent, RoutedExperts.Config)
                     and type(dispatcher) is AllToAllTokenDispatcher.Config):
                 parent.token_dispatcher = _as(Float8AllToAllTokenDispatcher.Config, dispatcher,
-                                              recipe_name=self.config.recipe_name, fqn=fqn)
+                                              recipe_name=self.config.recipe_name, fqn=fqn,
+                                              float8_combine=self.config.float8_combine,
+                                              float8_backward=self.config.float8_backward)
         logger.info("f8dist: %d grouped experts converted to float8 (%s recipe)", len(converted),
                     self.config.recipe_name)
         if kept:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 import compare_loss  # noqa: E402
@@ -65,6 +66,10 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     (["--moe-top-k", "3"], "--moe-top-k picks the experts of each token: it would do nothing"),
     (["--float8-stats-dir", "s"], "add --float8-stats-every N or drop it"),
     (["--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
+    (["--float8-ep-combine"], "--float8-ep-combine casts what an expert-parallel all-to-all "
+     "sends; without expert parallelism there is none: it would do nothing in this run; add "
+     "--moe-experts N --ep M or drop it"),
+    (["--moe-experts", "4", "--float8-ep-backward"], "--float8-ep-backward casts what an"),
 ])
 def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     with pytest.raises(SystemExit):
@@ -165,6 +170,24 @@ def test_cp_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
 def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train.parse_args(argv).moe_experts == 4
+
+
+def test_ep_float8_flags_reach_the_expert_parallel_style(monkeypatch):
+    """--float8-ep-combine and --float8-ep-backward are Float8ExpertParallel's float8_combine and
+    float8_backward."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = train.parse_args(["--moe-experts", "4", "--ep", "2", "--float8-ep-combine",
+                             "--float8-ep-backward"])
+    seen = {}
+
+    def parallelize_moe(model, ep_mesh, **options):
+        seen.update(options)
+        raise StopIteration  # the rest needs a process group
+
+    monkeypatch.setattr(train, "parallelize_moe", parallelize_moe)
+    with pytest.raises(StopIteration):
+        train.build_model(args, {"ep": None}, torch.device("cpu"))
+    assert seen == {"float8_combine": True, "float8_backward": True}
 
 
 @pytest.mark.parametrize("argv, microbatches", [

@@ -8,6 +8,7 @@ Skipped with tests/integrations/test_torchtitan.py when torchtitan is not instal
 """
 
 import copy
+import functools
 import types
 
 import pytest
@@ -29,7 +30,9 @@ from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
 import f8dist  # noqa: E402
 import f8dist.integrations.torchtitan as tt  # noqa: E402
+from f8dist.core.cast import cast_to_float8  # noqa: E402
 from f8dist.core.numerics import sqnr  # noqa: E402
+from f8dist.parallel.ep import dispatch as ep_dispatch  # noqa: E402
 from f8dist.testing import count_collectives  # noqa: E402
 from tests.sim.threads import run_threads  # noqa: E402
 
@@ -216,14 +219,41 @@ def test_torchtitan_tp_keeps_high_precision_models_as_they_are(cpu_mesh, backend
         assert (gathers.calls, gathers.input_bytes) == _gathers("bf16", torch.float32)
 
 
-def run_ep(recipe, backend, dtype=torch.float32):
+class _RowCast(torch.autograd.Function):
+    """One device's [Note: float8 combine and backward]: rows cast and dequantized per token with
+    ``spec`` in forward (None: as they are), their gradient with ``grad_spec`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, spec, grad_spec):
+        ctx.grad_spec = grad_spec
+        return x if spec is None else cast_to_float8(x, spec).to_original_precision()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return cast_to_float8(grad, ctx.grad_spec).to_original_precision(), None, None
+
+
+def _float8_combine_and_backward(model):
+    """Cast ``model``'s experts' outputs, and their outputs' and inputs' gradients, where an EP
+    run with ``float8_combine`` and ``float8_backward`` casts them."""
+    for experts in model.modules():
+        if isinstance(experts, GroupedExperts):
+            experts.register_forward_pre_hook(lambda m, args: (
+                _RowCast.apply(args[0], None, ep_dispatch.GRAD_SPEC), *args[1:]))
+            experts.register_forward_hook(lambda m, args, out: _RowCast.apply(
+                out, ep_dispatch.COMBINE_SPEC, ep_dispatch.GRAD_SPEC))
+
+
+def run_ep(recipe, backend, dtype=torch.float32, float8_combine_and_backward=False):
     """deepseek_v3's debug model (two blocks), its routed experts converted (``recipe`` "bf16":
     none), on ep 2 (dp_shard 2, each rank its own batch) with torchtitan's own expert
-    parallelism. Per rank: (whether its logits are one device's bit for bit, the min SQNR of its
-    experts' weight gradients against one device's slice of them, the forward's all-to-alls as
-    ``CollectiveStats``), the model built in ``dtype``."""
-    converters = [] if recipe == "bf16" else [
-        tt.Float8GroupedExpertsConverter.Config(recipe_name=recipe)]
+    parallelism (with ``float8_combine_and_backward``: those all-to-alls in float8, one device
+    casting the same rows). Per rank: (whether its logits are one device's bit for bit, the min
+    SQNR of its experts' weight gradients against one device's slice of them, the forward's and
+    the backward's all-to-alls as ``CollectiveStats``), the model built in ``dtype``."""
+    both = float8_combine_and_backward
+    converters = [] if recipe == "bf16" else [tt.Float8GroupedExpertsConverter.Config(
+        recipe_name=recipe, float8_combine=both, float8_backward=both)]
     config = _sdpa(deepseek_v3.model_registry("debugmodel", converters=converters).model)
     config.layers = config.layers[:BLOCKS]
     parallelism = ParallelismConfig(data_parallel_shard_degree=EP, expert_parallel_degree=EP,
@@ -238,6 +268,8 @@ def run_ep(recipe, backend, dtype=torch.float32):
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 2048, (EP * BATCH, SEQ), generator=gen)
     grad_logits = torch.randn(EP * BATCH, SEQ, 2048, generator=gen, dtype=dtype)
+    if both:
+        _float8_combine_and_backward(reference)
     logits = reference(tokens)
     logits.backward(grad_logits)
     dist_utils.set_spmd_backend(backend)
@@ -256,7 +288,8 @@ def run_ep(recipe, backend, dtype=torch.float32):
             grad = grad_logits[mine]
             if isinstance(out, DTensor):
                 grad = DTensor.from_local(grad, out.device_mesh, out.placements)
-            out.backward(grad)
+            with count_collectives() as backward:
+                out.backward(grad)
         local = out.to_local() if isinstance(out, DTensor) else out
         grads = []
         for name, experts in model.named_modules():
@@ -267,9 +300,17 @@ def run_ep(recipe, backend, dtype=torch.float32):
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 one_grad = one.get_parameter(pname).grad.chunk(EP)[rank]
                 grads.append(sqnr(one_grad, grad))
-        return torch.equal(local, logits[mine]), min(grads), forward["all_to_all"]
+        return (torch.equal(local, logits[mine]), min(grads), forward["all_to_all"],
+                backward["all_to_all"])
 
     return run_threads(EP, rank_main)
+
+
+@functools.lru_cache
+def _run_ep_bf16(backend):
+    """run_ep("bf16", backend), once per backend: the high-precision bytes both EP tests compare
+    with."""
+    return run_ep("bf16", backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -279,11 +320,31 @@ def test_torchtitan_ep_dispatches_float8_tokens(cpu_mesh, backend):
     (each rank's slice of them); the dispatch moves D + 4
     bytes per routed token (bytes, then its fp32 scale: two all-to-alls) where it moved 4 D."""
     tokens = BATCH * SEQ * TOP_K  # routed tokens each rank sends
-    high = run_ep("bf16", backend)
-    for (same, grad_db, gathers), (_, _, high_gathers) in zip(run_ep("rowwise", backend), high):
+    high = _run_ep_bf16(backend)
+    for (same, grad_db, gathers, _), (_, _, high_gathers, _) in zip(run_ep("rowwise", backend),
+                                                                    high):
         assert same and grad_db == float("inf"), grad_db  # one device's, bit for bit
         assert gathers.calls == high_gathers.calls + 1
         assert gathers.input_bytes == high_gathers.input_bytes - tokens * (4 * DIM - DIM - 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torchtitan_ep_combines_and_backpropagates_in_float8(cpu_mesh, backend):
+    """float8_combine and float8_backward: the combine and both backward all-to-alls carry e4m3
+    rows per token too, one device's numbers where one device casts the same rows (the experts'
+    outputs, their outputs' and inputs' gradients): bit-identical logits and expert weight
+    gradients; each of the three moves D + 4 bytes per routed token where it moved 4 D (the
+    ranks together: each sends back as many rows as it received)."""
+    routed = EP * BATCH * SEQ * TOP_K  # routed tokens, all ranks
+    saved = routed * (4 * DIM - DIM - 4)
+    high = _run_ep_bf16(backend)
+    ranks = run_ep("rowwise", backend, float8_combine_and_backward=True)
+    for same, grad_db, _, _ in ranks:
+        assert same and grad_db == float("inf"), grad_db  # one device's, bit for bit
+    for k, casts in ((2, 2), (3, 2)):  # forward (dispatch, combine), backward (the two)
+        calls = sum(r[k].calls - h[k].calls for r, h in zip(ranks, high))
+        moved = sum(h[k].input_bytes - r[k].input_bytes for r, h in zip(ranks, high))
+        assert (calls, moved) == (EP * casts, casts * saved)
 
 
 def main():

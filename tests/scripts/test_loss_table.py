@@ -1,0 +1,31 @@
+"""scripts/loss_table.py's pieces that need no process group: its layouts parse on its 2 ranks,
+and its row."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+import loss_table  # noqa: E402
+import train  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(loss_table.LAYOUTS))
+def test_each_layout_runs_in_bf16_and_float8_on_two_ranks(name, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    both, float8 = loss_table.LAYOUTS[name]
+    assert train.parse_args([*both, "--float8", "none"]).float8 == "none"
+    assert train.parse_args([*both, *float8]).float8 != "none"
+
+
+def test_row_gives_final_losses_and_the_gap_to_bf16():
+    row = loss_table.layout_row("cp2", [9.0, 2.0, 2.0], [9.0, 2.0, 2.02], ["--float8", "rowwise"],
+                                tail=2)
+    assert row == "| cp2 | `--float8 rowwise` | 2.0000 | 2.0100 | +0.50% |"
+
+
+def test_an_unknown_layout_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        loss_table.main(["--layouts", "cp2,hsdp"])
+    assert "--layouts cp2,hsdp: unknown ['hsdp']" in capsys.readouterr().err
