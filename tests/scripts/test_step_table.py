@@ -20,7 +20,7 @@ EXPECTED = {
     "hsdp": (("tensorwise", ("fp8-ag", "precompute", "fp8-rs")),
              {"all_gather": (5, 492672), "reduce_scatter": (3, 558336),
               "all_reduce": (3, 279168)},
-             {"all_gather": (5, 279680), "all_reduce": (4, 279224), "all_to_all": (3, 141784)}),
+             {"all_gather": (8, 421464), "all_reduce": (1, 56), "all_to_all": (3, 141784)}),
     "tp": (("tensorwise", ()),
            {"all_gather": (11, 57344), "reduce_scatter": (10, 40960), "all_reduce": (5, 640)},
            {"all_gather": (11, 40960), "reduce_scatter": (10, 40960), "all_reduce": (41, 784)}),
@@ -41,7 +41,6 @@ EXPECTED = {
 }
 # (layout, kind, mesh dims, dtype): high-precision wires the float8 variant keeps, bytes as bf16's
 HIGH_PRECISION = [
-    ("hsdp", "all_reduce", "dp_replicate", "float32"),  # replicas' gradient shards
     ("tp", "reduce_scatter", "tp", "bfloat16"),  # row-parallel partial sums
     ("cp", "reduce_scatter", "cp", "float32"),  # FSDP2's gradients over cp
     ("3d", "all_reduce", "dp_replicate", "float32"),
@@ -77,6 +76,12 @@ def test_float8_step_moves_no_more_bytes_than_bf16(counts, layout):
 def test_collectives_that_stay_high_precision(counts, layout, kind, dims, dtype):
     bf16, float8 = (c[kind][2] for c in counts[layout])
     assert float8[dims, dtype] == bf16[dims, dtype] > 0
+
+
+def test_hsdp_gradients_cross_dp_replicate_in_float8(counts):
+    bf16, float8 = counts["hsdp"]
+    assert float8["all_gather"][2]["dp_replicate", "uint8"] <= 0.55 * bf16["all_reduce"][1]
+    assert ("dp_replicate", "float32") not in float8["all_reduce"][2]
 
 
 def test_tp_sp_float8_operands_gather_half_of_bf16s_bytes_with_tensorwise(counts):

@@ -7,7 +7,8 @@ and NCCL carry no float8), one ``all_to_all_single`` sends them, and each owner 
 its own chunk back in full precision, sums in float32 and applies FSDP2's reduce op's factor.
 Not a reduce-scatter, which adds in the wire's dtype at every hop: each contribution is rounded
 once, so the error does not grow with the number of ranks. The default (e4m3, 256) comes from
-``scripts/bench_reduce_scatter.py`` (docs/performance.md).
+``scripts/bench_reduce_scatter.py`` (docs/performance.md). Under HSDP the same comm also reduces
+over dp_replicate in float8 ([Note: float8 HSDP]).
 
 Example::
 
@@ -36,6 +37,7 @@ __all__ = [
     "enable_float8_reduce_scatter",
     "quantize_chunks",
     "dequantize_and_sum",
+    "dequantize_rows",
     "payload_numel",
 ]
 
@@ -101,22 +103,27 @@ def quantize_chunks(chunks: torch.Tensor, config: Float8ReduceScatterConfig) -> 
     return torch.cat([data, scale_bytes], dim=1)  # [W, n + 4 * nb]
 
 
+def dequantize_rows(payload: torch.Tensor, n: int, config: Float8ReduceScatterConfig) -> torch.Tensor:
+    """The chunks packed in ``payload`` ([W, payload_numel(n)] ``uint8``, [Note: payload layout])
+    in float32: [W, n]."""
+    w = payload.shape[0]
+    n_blocks, block = config.blocks(n)
+    data = F.pad(payload[:, :n], (0, n_blocks * block - n))  # [W, nb * B] uint8
+    data = data.view(config.float8_dtype).view(w, n_blocks, block)  # [W, nb, B]
+    scale = payload[:, n:].contiguous().view(torch.float32).view(w, n_blocks, 1)  # [W, nb, 1]
+    values = dequantize(data, scale, torch.float32)  # [W, nb, B]
+    return values.view(w, n_blocks * block)[:, :n]  # [W, n]
+
+
 def dequantize_and_sum(
     payload: torch.Tensor, own: torch.Tensor, rank: int, config: Float8ReduceScatterConfig
 ) -> torch.Tensor:
     """The float32 sum of the chunks in ``payload`` ([W, payload_numel(n)] ``uint8``, row ``r``
     from rank ``r``), with row ``rank`` replaced by ``own`` ([n], this rank's chunk in full
     precision); returns [n] float32."""
-    w = payload.shape[0]
-    n = own.numel()
-    if n == 0:
+    if own.numel() == 0:
         return own.to(torch.float32)
-    n_blocks, block = config.blocks(n)
-    data = F.pad(payload[:, :n], (0, n_blocks * block - n))  # [W, nb * B] uint8
-    data = data.view(config.float8_dtype).view(w, n_blocks, block)  # [W, nb, B]
-    scale = payload[:, n:].contiguous().view(torch.float32).view(w, n_blocks, 1)  # [W, nb, 1]
-    values = dequantize(data, scale, torch.float32)  # [W, nb, B]
-    values = values.view(w, n_blocks * block)[:, :n]  # [W, n]
+    values = dequantize_rows(payload, own.numel(), config)  # [W, n]
     values[rank] = own  # this rank's chunk never crossed the wire
     return values.sum(dim=0)  # [n]
 
@@ -150,10 +157,57 @@ class Float8ReduceScatter:
         received = torch.empty_like(payload)  # [W, m]: row r came from rank r
         dist.all_to_all_single(received, payload, group=group)
         total = dequantize_and_sum(received, chunks[rank], rank, self.config)  # [n] fp32
+        total, factor = self._reduce_replicas(total, factor)
         if factor is not None:
             total.mul_(factor)
         output_tensor.copy_(total)
         return None
+
+    def _reduce_replicas(self, total: torch.Tensor, factor: Optional[float]) -> tuple:
+        """(sum over replicas, factor): none to sum here, outside HSDP."""
+        return total, factor
+
+
+# [Note: float8 HSDP]
+# FSDP2's HSDP reduce-scatters gradients over dp_shard, then all-reduces each shard over
+# dp_replicate with a plain ``dist.all_reduce`` that no comm replaces. So
+# enable_float8_reduce_scatter moves that reduction into the comm: the module's param group gets
+# a shard-only mesh info (FSDP2 then runs no all-reduce; an all-reduce hook still sees the reduced
+# gradient, as under native HSDP), and after the float8 all-to-all and float32 sum over dp_shard
+# the comm casts that sum with the same cast (quantize_chunks, one row), all-gathers the rows over
+# dp_replicate and adds them dequantized in replica order. Every replica adds the same values in
+# the same order (its own row dequantized too, unlike the shard sum), so replicas hold identical
+# bits. Each gradient is rounded twice: its chunk, then the shard's sum. FSDP2 now derives its
+# reduce op from dp_shard alone; where it would have averaged over replicas too (no
+# set_gradient_divide_factor) the comm divides by their number.
+
+
+class _HSDPFloat8ReduceScatter(Float8ReduceScatter):
+    """:class:`Float8ReduceScatter` of one HSDP param group, reducing over dp_replicate too
+    ([Note: float8 HSDP])."""
+
+    def __init__(self, config: Float8ReduceScatterConfig, param_group, replicate: dist.ProcessGroup):
+        super().__init__(config)
+        self.param_group = param_group
+        self.replicate = replicate
+
+    def _reduce_replicas(self, total: torch.Tensor, factor: Optional[float]) -> tuple:
+        if not self.param_group.all_reduce_grads:
+            raise NotImplementedError(
+                "enable_float8_reduce_scatter under HSDP reduces over dp_replicate in every "
+                "reduce-scatter, so set_requires_all_reduce(False) (all_reduce_grads=False: "
+                "accumulate without the replicas' all-reduce) cannot hold: keep "
+                "set_requires_all_reduce(True), or leave the float8 reduce-scatter off"
+            )
+        replicas = self.replicate.size()
+        if self.param_group.gradient_divide_factor is None:  # FSDP2 would average replicas too
+            factor = (1.0 if factor is None else factor) / replicas
+        if total.numel() == 0:
+            return total, factor
+        row = quantize_chunks(total.view(1, -1), self.config)  # [1, m] uint8
+        rows = row.new_empty(replicas, row.shape[1])  # [R, m]: row r from replica r
+        dist.all_gather_single(rows, row, group=self.replicate)
+        return dequantize_rows(rows, total.numel(), self.config).sum(dim=0), factor  # [n]
 
 
 def _sum_factor(op, world: int) -> Optional[float]:
@@ -230,7 +284,7 @@ def enable_float8_reduce_scatter(
     comm = Float8ReduceScatter(config)
     for module in modules:
         try:
-            module.set_custom_reduce_scatter(comm)
+            module.set_custom_reduce_scatter(_hsdp_comm(module, config) or comm)
         except ValueError as e:  # e.g. several param groups (per-parameter meshes)
             raise ValueError(
                 f"enable_float8_reduce_scatter: FSDP2 refused a custom reduce-scatter on "
@@ -243,3 +297,28 @@ def _shard_size(module) -> Optional[int]:
     """How many ranks the FSDP2 ``module`` shards its parameters over; None without parameters."""
     group = module._get_fsdp_state()._fsdp_param_group
     return None if group is None else group.mesh_info.shard_mesh_size
+
+
+def _hsdp_comm(module, config: Float8ReduceScatterConfig) -> Optional[_HSDPFloat8ReduceScatter]:
+    """The comm of an HSDP ``module``, whose param group then runs no all-reduce ([Note: float8
+    HSDP]); None for a module that is not HSDP or shards over one rank (FSDP2 runs no
+    reduce-scatter there, so it keeps its own all-reduce)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    state = module._get_fsdp_state()
+    group = state._fsdp_param_group
+    if group is None or len(state._fsdp_param_groups) > 1:  # FSDP2 refuses several groups' comm
+        return None
+    comm = group._reduce_scatter_comm
+    if isinstance(comm, _HSDPFloat8ReduceScatter):  # enabled before: the mesh info is swapped
+        return _HSDPFloat8ReduceScatter(config, group, comm.replicate)
+    info = group.mesh_info
+    if not isinstance(info, HSDPMeshInfo) or info.shard_mesh_size == 1:
+        return None
+    shard_only = FSDPMeshInfo(mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim,
+                              dp_mesh_dims=info.dp_mesh_dims, spmd_mesh=info.spmd_mesh)
+    shard_only.reduce_scatter_process_group = info.reduce_scatter_process_group
+    if group.post_forward_mesh_info is info:  # reshard_after_forward=True: the same mesh
+        group.post_forward_mesh_info = shard_only
+    group.mesh_info = shard_only
+    return _HSDPFloat8ReduceScatter(config, group, info.replicate_process_group)

@@ -1,0 +1,97 @@
+"""Float8 gradient reduction under FSDP2's HSDP on a 2 x 2 mesh of simulated ranks (threads):
+[Note: float8 HSDP] in f8dist/parallel/fsdp/reduce_scatter.py. Against FSDP2's own float32
+reduction: the float8 reduce-scatter's floors (tests/sim/parallel/fsdp/test_reduce_scatter.py),
+replicas bit-identical, no float32 all-reduce over dp_replicate, and the gradient collectives'
+bytes against FSDP2's float32 reduce-scatter and all-reduce."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from f8dist.core.numerics import sqnr
+from f8dist.parallel.fsdp import enable_float8_reduce_scatter
+from f8dist.testing import count_collectives
+from tests.sim.parallel.fsdp.test_reduce_scatter import PARAM_FLOOR_DB, WHOLE_FLOOR_DB
+from tests.sim.threads import run_threads
+
+REPLICAS, SHARDS = 2, 2
+
+
+def _model(mesh, reduce_dtype, float8, divide_factor=None):
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    g = torch.Generator().manual_seed(0)  # not torch.manual_seed: the threads share its generator
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 4)
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for unit in (model[0], model[2], model):
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+        if divide_factor is not None:
+            unit.set_gradient_divide_factor(divide_factor)
+    if float8:
+        enable_float8_reduce_scatter(model)
+    return model
+
+
+def _backward(model, rank):
+    g = torch.Generator().manual_seed(rank)  # every rank its own batch
+    x = torch.randn(8, 16, generator=g)
+    with count_collectives() as counts:
+        model(x).square().mean().backward()
+    return counts
+
+
+def _grads(model):
+    return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+
+
+def _run(divide_factor=None):
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("dp_replicate", "dp_shard"))
+        out = {}
+        for name, reduce_dtype, float8 in (("fp32", torch.float32, False),
+                                           ("float8", torch.float32, True)):
+            # the threaded group has no PREMUL_SUM: only float8 (its own sum) gets the factor
+            model = _model(mesh, reduce_dtype, float8, divide_factor if float8 else None)
+            _backward(model, rank)  # FSDP2's lazy init, uncounted
+            model.zero_grad()
+            counts = _backward(model, rank)
+            out[name] = (_grads(model), counts)
+        return out
+
+    return run_threads(REPLICAS * SHARDS, rank_main)
+
+
+@pytest.mark.parametrize("divide_factor", [None, 3.0])
+def test_hsdp_gradients_reduced_in_float8_identical_on_replicas(divide_factor):
+    out = _run(divide_factor)
+    scale = 1.0 if divide_factor is None else REPLICAS * SHARDS / divide_factor  # FSDP2 averaged
+    for rank, r in enumerate(out):
+        ref = {name: g * scale for name, g in r["fp32"][0].items()}
+        f8 = r["float8"][0]
+        whole = sqnr(torch.cat([g.flatten() for g in ref.values()]),
+                     torch.cat([g.flatten() for g in f8.values()]))
+        assert whole > WHOLE_FLOOR_DB, (rank, whole)
+        for name in ref:
+            assert sqnr(ref[name], f8[name]) > PARAM_FLOOR_DB, (rank, name)
+    for shard in range(SHARDS):  # rank = replica * SHARDS + shard
+        replicas = [out[replica * SHARDS + shard]["float8"][0] for replica in range(REPLICAS)]
+        for name in replicas[0]:
+            assert torch.equal(replicas[0][name], replicas[1][name]), (shard, name)
+
+
+def test_hsdp_gradient_collectives_move_float8():
+    # [Note: buffer bytes] (f8dist/testing): an all-reduce's buffer, an all-gather's output. The
+    # baseline is the step table's (scripts/step_table.py: bf16 weights, float32 reduction).
+    r = _run()[0]
+    fp32, f8 = r["fp32"][1], r["float8"][1]
+    assert "all_reduce" not in f8.as_dict() and "reduce_scatter" not in f8.as_dict()
+    replicate = (0, 2)  # rank 0's replicas
+    # the all-gathers over dp_shard are the weights' (backward's re-gather)
+    assert {w for w in f8["all_gather"].wires if w[0] == replicate} == {(replicate, "uint8")}
+    assert set(fp32["all_reduce"].wires) == {(replicate, "float32")}
+    f8_bytes = f8["all_to_all"].input_bytes + f8["all_gather"].wires[replicate, "uint8"][2]
+    fp32_bytes = fp32["reduce_scatter"].input_bytes + fp32["all_reduce"].input_bytes
+    assert f8_bytes <= 0.55 * fp32_bytes, (f8_bytes, fp32_bytes)
