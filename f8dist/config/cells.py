@@ -170,8 +170,8 @@ class ScaleRounding(_Name):
 # e4m3), the tensor scale read from the logical tensor's amax ([Note: amax]). E2M1 goes with
 # block scales in e4m3 only, and e4m3 block scales with E2M1 only; the scale math is
 # ``nvfp4_cast`` in f8dist/core/scaling.py, the gemm ``[Note: the NVFP4 gemm]`` in
-# f8dist/core/gemm.py. This slice stores e2m1 values one per byte (as e4m3 bytes, every e2m1
-# value being one), not packed two per byte in float4_e2m1fn_x2.
+# f8dist/core/gemm.py. The data is packed two values a byte ([Note: packed e2m1] in
+# f8dist/core/scaling.py).
 #
 # [Note: e8m0 rounding]
 # RCEIL (default; NVIDIA's cvt.rp.satfinite.ue8m0, cuBLAS, Transformer Engine, torchao) picks

@@ -13,7 +13,7 @@ import warnings
 from typing import Callable, Dict, Tuple
 
 from f8dist.config.cells import (
-    E2M1, CastConfig, Gemm, Operand, ScalingGranularity, SPGradWeight, _Name,
+    CastConfig, Gemm, Operand, ScalingGranularity, SPGradWeight, _Name,
 )
 
 __all__ = ["check", "check_field_types", "check_gemm", "RULES"]
@@ -200,12 +200,6 @@ def enable_fsdp_float8_all_gather(config) -> None:
             "enable_fsdp_float8_all_gather off (other weights are all-gathered in high "
             "precision)"
         )
-    if w.target_dtype is E2M1:  # FSDP2's hooks carry no NVFP4 tensor scale yet
-        raise ValueError(
-            "enable_fsdp_float8_all_gather with an NVFP4 weight cast (target_dtype=E2M1, the "
-            "'nvfp4' recipe) is not implemented: the all-gather hooks do not carry NVFP4's "
-            "second-level tensor scale. Turn enable_fsdp_float8_all_gather off (the weight is "
-            "all-gathered in high precision and cast per gemm)")
 
 
 # The options' rules by option, in the order they are checked

@@ -685,6 +685,8 @@ def kernel_block(block) -> Optional[Tuple[int, int]]:
 #
 #     out = ta * tb * sum over k-blocks j of (sum_{k in j} a[m, k] b[k, n]) sa[m, j] sb[j, n]
 #
+# The data comes unpacked, one e2m1 value a byte as e4m3 (each is one; Float8Tensor holds them
+# packed, [Note: packed e2m1] in f8dist/core/scaling.py).
 # On the CPU ``f8dist::cpu_block_scaled_mm``: e2m1 products are exact in float32, and so is the
 # product of two e4m3 scales. Emulation dequantizes each operand (``nvfp4_dequantize``) and runs
 # a float32 matmul. CUDA's NVFP4 ``scaled_mm`` (sm100+) is not wired up yet: off the CPU the gemm

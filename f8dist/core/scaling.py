@@ -86,6 +86,8 @@ __all__ = [
     "E8M0_MAX_EXP",
     "E2M1",
     "round_to_e2m1",
+    "e2m1_pack",
+    "e2m1_unpack",
     "nvfp4_cast",
     "nvfp4_dequantize",
 ]
@@ -450,9 +452,9 @@ def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor) -> tuple:
     length per dim of ``x`` (None: whole). The decode scales: ``tensor_scale = amax / (448 * 6)``
     (float32, []); each block's ``amax_block / 6 / tensor_scale`` in e4m3 (clamped to e4m3's
     range). The data: ``x * (1 / tensor_scale) / block_scale``, clamped to 6, rounded to e2m1 and
-    stored as e4m3 bytes (one per element). torchao's ``nvfp4_quantize`` to the bit, but that a
-    tensor scale below float32's smallest normal (amax < 2688 * 2**-126, all-zero tensors
-    included) is raised to it, so nothing divides by 0.
+    packed two a byte along the last dim ([Note: packed e2m1]). torchao's ``nvfp4_quantize`` to
+    the bit, but that a tensor scale below float32's smallest normal (amax < 2688 * 2**-126,
+    all-zero tensors included) is raised to it, so nothing divides by 0.
     """
     tensor_scale = torch.clamp(amax.to(torch.float32) / (_E4M3_MAX * _E2M1_MAX), min=_F32.tiny)
     block_amax = _grid_amax(x, block)  # [ceil(n / b) per dim]
@@ -462,15 +464,57 @@ def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor) -> tuple:
     encode = torch.clamp((1.0 / tensor_scale) / block_scale.to(torch.float32), max=_F32.max)
     scaled = x.to(torch.float32) * expand_blocks(encode, block, x.shape)
     data = round_to_e2m1(scaled.clamp_(min=-_E2M1_MAX, max=_E2M1_MAX))
-    return data.to(torch.float8_e4m3fn), block_scale, tensor_scale
+    return e2m1_pack(data), block_scale, tensor_scale
 
 
 def nvfp4_dequantize(data: torch.Tensor, block_scale: torch.Tensor, block: tuple,
-                     tensor_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The value of NVFP4 ``data`` (:func:`nvfp4_cast`): ``data * (tensor_scale * block_scale)``
-    in float32 (torchao's order), then ``dtype``."""
-    decode = tensor_scale * expand_blocks(block_scale, block, data.shape)
-    return (data.to(torch.float32) * decode).to(dtype)
+                     tensor_scale: torch.Tensor, dtype: torch.dtype,
+                     packed_dim: int = -1) -> torch.Tensor:
+    """The value of NVFP4 ``data`` (:func:`nvfp4_cast`; e2m1 pairs packed along ``packed_dim``,
+    or e2m1 values one a byte): ``data * (tensor_scale * block_scale)`` in float32 (torchao's
+    order), then ``dtype``."""
+    values = e2m1_unpack(data, packed_dim) if data.dtype == E2M1 else data.to(torch.float32)
+    decode = tensor_scale * expand_blocks(block_scale, block, values.shape)
+    return (values * decode).to(dtype)
+
+
+# [Note: packed e2m1]
+# NVFP4's data is ``torch.float4_e2m1fn_x2``: two e2m1 codes a byte, neighbours along one dim of
+# the tensor (its packed dim), the first in the low nibble: torchao's ``pack_uint4`` order, the
+# layout of its NVFP4Tensor and of torch's NVFP4 ``scaled_mm``. A code is a sign bit (8) over 3
+# bits indexing 0, 0.5, 1, 1.5, 2, 3, 4, 6 (-0 keeps its sign). :func:`nvfp4_cast` packs along
+# the last dim, whose length is even (a feature dim: a multiple of 16, or a clear error at the
+# config); a transpose moves the packed dim with the bytes, as torchao's ``qdata.t()`` does
+# (Float8Tensor's ``_packed_dim``, [Note: two-level scales] in f8dist/core/tensor.py). These two
+# functions are the only ones that read or write the nibbles.
+
+_E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_pack(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """e2m1 values ``x`` (float32, as :func:`round_to_e2m1` gives them) packed two a byte along
+    ``dim`` ([Note: packed e2m1]): float4_e2m1fn_x2, ``x``'s shape with ``dim`` halved."""
+    n = x.shape[dim]
+    if n % 2:
+        raise ValueError(f"e2m1 data packs two values a byte along dim {dim}, whose length {n} "
+                         "is odd: make it a multiple of 16 (NVFP4's block) ([Note: packed e2m1] "
+                         "in f8dist/core/scaling.py)")
+    x = x.movedim(dim, -1)  # [..., n]
+    twice = x.abs() * 2  # 0, 1, 2, 3, 4, 6, 8, 12
+    index = torch.where(twice < 4, twice, torch.where(twice < 8, twice / 2 + 2, twice / 4 + 4))
+    code = index.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)  # [..., n]
+    pairs = code.reshape(*code.shape[:-1], n // 2, 2)  # [..., n / 2, 2]
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [..., n / 2]
+    return packed.view(E2M1).movedim(-1, dim)
+
+
+def e2m1_unpack(data: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The float32 e2m1 values of ``data`` (float4_e2m1fn_x2) packed along ``dim`` ([Note:
+    packed e2m1]): ``data``'s shape with ``dim`` doubled."""
+    table = torch.tensor(_E2M1_CODES + tuple(-v for v in _E2M1_CODES), device=data.device)
+    byte = data.view(torch.uint8).movedim(dim, -1)  # [..., n / 2]
+    code = torch.stack([byte & 15, byte >> 4], dim=-1).flatten(-2)  # [..., n]
+    return table[code.long()].movedim(-1, dim)
 
 
 # [Note: token groups]

@@ -2,7 +2,8 @@
 
 A Float8Tensor looks like a tensor of its original (high-precision) dtype and shape, and holds
 
-* ``_data``: the float8 bytes, same shape as the tensor;
+* ``_data``: the float8 bytes, same shape as the tensor (NVFP4: e2m1 pairs, half as long along
+  ``_packed_dim``, [Note: two-level scales]);
 * ``_block``: the scale layout, one entry per dim of ``_data``: the block's length along that
   dim, or None for the whole dim ([Note: one scale layout]);
 * ``_scale``: the grid of scales over those blocks (float32, or float8_e8m0fnu for MX blocks):
@@ -12,6 +13,7 @@ A Float8Tensor looks like a tensor of its original (high-precision) dtype and sh
 * ``_mm_config``: how a gemm with this operand runs (emulation, fast accumulation);
 * ``_tensor_scale``: None, or NVFP4's second-level float32 scale under a grid of e4m3 block
   scales ([Note: two-level scales]);
+* ``_packed_dim``: None, or the dim along which NVFP4's ``_data`` holds two values a byte;
 * ``_companion``: None, or a second Float8Tensor of the same values cast for the operand's other
   gemm ([Note: two casts of one tensor]), or a :class:`KeptShard` of one (the cast of this rank's
   shard, gathered later).
@@ -58,12 +60,15 @@ entry]) runs the block kernel when an operand has block lengths along both dims 
 NVFP4 ([Note: NVFP4] in f8dist/config/cells.py) scales each block by an e4m3 scale and the tensor
 by a float32 one under them: ``_scale`` is the grid of e4m3 block scales (the one layout above),
 ``_tensor_scale`` the 0-dim float32 scale, whole along every dim. Both are decode scales (the
-value is ``data * block_scale * tensor_scale``, ``f8dist.core.scaling.nvfp4_dequantize``) and
-the data holds e2m1 values one per byte, as e4m3 bytes: ``float8_layout`` names the format's
-dtype, e2m1. The tensor scale comes from the logical tensor's amax, so it is the same on every
-rank: views, transposes, split, cat and the wire keep it as it is (it stays home, in the
-WireMeta, as a tensorwise scale does), and the gemm takes both levels ([Note: the NVFP4 gemm] in
-f8dist/core/gemm.py).
+value is ``data * block_scale * tensor_scale``, ``f8dist.core.scaling.nvfp4_dequantize``). The
+data is float4_e2m1fn_x2, two values a byte along ``_packed_dim`` ([Note: packed e2m1] in
+f8dist/core/scaling.py): the tensor's shape is the data's with that dim doubled, the ops take
+and give logical sizes and halve them along the packed dim for the bytes (``_packed``), a
+transpose moves the packed dim with the bytes, and the bytes cross the wire as they are (half a
+byte an element). The tensor scale comes from the logical tensor's amax, so it is the same on
+every rank: views, transposes, split, cat and the wire keep it as it is (it stays home, in the
+WireMeta, as a tensorwise scale does), and the gemm takes both levels, the values unpacked one a
+byte ([Note: the NVFP4 gemm] in f8dist/core/gemm.py).
 
 [Note: two casts of one tensor]
 A tensor-parallel style casts an activation (or a gradient) before communicating it, but its two
@@ -93,7 +98,7 @@ import torch
 
 from f8dist.config import ScaledMMConfig
 from f8dist.core.gemm import float8_mm, kernel_block
-from f8dist.core.scaling import E2M1, dequantize, expand_blocks, nvfp4_dequantize
+from f8dist.core.scaling import E2M1, dequantize, e2m1_unpack, expand_blocks, nvfp4_dequantize
 
 __all__ = ["Block", "Float8Tensor", "KeptShard", "Layout", "WireMeta", "as_wire", "block_of",
            "rewrap", "wrapper_like"]
@@ -102,11 +107,19 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def wrapper_like(cls, inner: torch.Tensor, dtype: torch.dtype,
+                 packed_dim: Optional[int] = None) -> torch.Tensor:
     """A new wrapper subclass instance of ``cls`` with ``inner``'s shape, strides, device and
-    ``requires_grad``, looking like a tensor of ``dtype``."""
+    ``requires_grad``, looking like a tensor of ``dtype``; with ``packed_dim``, ``inner`` holds
+    two elements a byte along it ([Note: two-level scales]): twice as long there, the other
+    strides doubled."""
+    size, stride, offset = list(inner.size()), list(inner.stride()), inner.storage_offset()
+    if packed_dim is not None:
+        size[packed_dim] *= 2
+        stride = [s if d == packed_dim else 2 * s for d, s in enumerate(stride)]
+        offset *= 2
     return torch.Tensor._make_wrapper_subclass(
-        cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+        cls, size, strides=stride, storage_offset=offset,
         dtype=dtype, layout=inner.layout, device=inner.device, requires_grad=inner.requires_grad,
     )
 
@@ -138,8 +151,8 @@ Block = Tuple[Optional[int], ...]
 
 
 _FLOAT8_DTYPES = frozenset(getattr(torch, n) for n in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, n))
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2") if hasattr(torch, n))
 
 
 def as_wire(t: torch.Tensor) -> torch.Tensor:
@@ -167,6 +180,7 @@ class WireMeta(NamedTuple):
     block: Block
     mm_config: ScaledMMConfig
     tensor_scale: Optional[torch.Tensor] = None  # [Note: two-level scales]: stays home
+    packed_dim: Optional[int] = None  # [Note: two-level scales]
 
 
 class KeptShard:
@@ -203,6 +217,7 @@ class Float8Tensor(torch.Tensor):
     _mm_config: ScaledMMConfig
     _block: Block
     _tensor_scale: Optional[torch.Tensor]
+    _packed_dim: Optional[int]
     _companion: Optional[Union["Float8Tensor", KeptShard]]
 
     @staticmethod
@@ -210,7 +225,7 @@ class Float8Tensor(torch.Tensor):
                 axiswise_dim: Optional[int] = None, mm_config: ScaledMMConfig = ScaledMMConfig(),
                 block: Optional[Sequence[Optional[int]]] = None,
                 companion: Optional[Union["Float8Tensor", KeptShard]] = None,
-                tensor_scale: Optional[torch.Tensor] = None):
+                tensor_scale: Optional[torch.Tensor] = None, packed_dim: Optional[int] = None):
         block = block_of(data.dim(), axiswise_dim=axiswise_dim, block=block)
         whole = [d for d, b in enumerate(block) if b is None]
         grid = (len(whole) == len(block) if scale.dim() == 0 else
@@ -221,16 +236,23 @@ class Float8Tensor(torch.Tensor):
                 f"{tuple(data.shape)} and a grid of scales of as many dims, 1 along each whole "
                 f"(None) dim, or a 0-dim scale with every dim whole; got scales "
                 f"{tuple(scale.shape)} ([Note: one scale layout])")
-        self = wrapper_like(cls, data, orig_dtype)
+        if packed_dim is not None and data.dtype != E2M1:
+            raise ValueError(f"a Float8Tensor's packed_dim={packed_dim} is for float4_e2m1fn_x2 "
+                             f"data (two values a byte), got {data.dtype} data ([Note: two-level "
+                             "scales])")
+        if data.dtype == E2M1:  # as nvfp4_cast packs it unless given: along the last dim
+            packed_dim = (data.dim() - 1 if packed_dim is None else packed_dim) % data.dim()
+        self = wrapper_like(cls, data, orig_dtype, packed_dim)
         self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
+        self._packed_dim = packed_dim
         self._mm_config, self._block = mm_config, block
         if tensor_scale is not None and tensor_scale.dim() != 0:
             raise ValueError(f"a Float8Tensor's tensor scale is 0-dim, got "
                              f"{tuple(tensor_scale.shape)} ([Note: two-level scales])")
         self._tensor_scale = tensor_scale
-        if isinstance(companion, Float8Tensor) and companion.shape != data.shape:
+        if isinstance(companion, Float8Tensor) and companion.shape != self.shape:
             raise ValueError(f"a companion cast {tuple(companion.shape)} of a Float8Tensor "
-                             f"{tuple(data.shape)} must have its shape")
+                             f"{tuple(self.shape)} must have its shape")
         self._companion = companion
         return self
 
@@ -244,7 +266,7 @@ class Float8Tensor(torch.Tensor):
     # -- subclass protocol (torch.compile, FSDP2, DTensor) ------------------------------------
 
     def __tensor_flatten__(self):
-        meta = (self._orig_dtype, self._mm_config, self._block)
+        meta = (self._orig_dtype, self._mm_config, self._block, self._packed_dim)
         # a KeptShard is made in eager mode only ([Note: float8 gradients under compile] in
         # f8dist/parallel/tp/style.py): no traced subclass holds one
         carried = isinstance(self._companion, Float8Tensor)
@@ -253,11 +275,12 @@ class Float8Tensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
-        orig_dtype, mm_config, block = metadata
+        orig_dtype, mm_config, block, packed_dim = metadata
         return Float8Tensor(inner_tensors["_data"], inner_tensors["_scale"], orig_dtype,
                             mm_config=mm_config, block=block,
                             companion=inner_tensors.get("_companion"),
-                            tensor_scale=inner_tensors.get("_tensor_scale"))
+                            tensor_scale=inner_tensors.get("_tensor_scale"),
+                            packed_dim=packed_dim)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -296,9 +319,7 @@ class Float8Tensor(torch.Tensor):
     def float8_layout(self) -> Layout:
         """The float8 dtype, the block and the scales' dtype ([Note: one scale layout]); a
         property, which dynamo traces on a Float8Tensor made inside a graph (a method it cannot)."""
-        # e2m1 values stored as e4m3 bytes: [Note: two-level scales]
-        dtype = E2M1 if self._tensor_scale is not None else self._data.dtype
-        return Layout(dtype, self._block, self._scale.dtype)
+        return Layout(self._data.dtype, self._block, self._scale.dtype)
 
     @property
     def is_axiswise(self) -> bool:
@@ -325,7 +346,8 @@ class Float8Tensor(torch.Tensor):
         inner = (self._data, self._scale) if travels else (self._data,)
         wire = tuple(t.contiguous().view(torch.uint8) for t in inner)
         return wire, WireMeta(self._data.dtype, self._scale.dtype, None if travels else self._scale,
-                              self._orig_dtype, self._block, self._mm_config, self._tensor_scale)
+                              self._orig_dtype, self._block, self._mm_config, self._tensor_scale,
+                              self._packed_dim)
 
     @staticmethod
     def from_wire(meta: WireMeta, wire: Sequence[torch.Tensor], *,
@@ -340,9 +362,11 @@ class Float8Tensor(torch.Tensor):
         if out is None:
             return Float8Tensor(data, scale, orig_dtype or meta.orig_dtype,
                                 mm_config=meta.mm_config, block=meta.block,
-                                tensor_scale=meta.tensor_scale)
-        for mine, new in ((out._data, data), (out._scale, scale)):
-            if mine.untyped_storage().data_ptr() != new.untyped_storage().data_ptr():
+                                tensor_scale=meta.tensor_scale, packed_dim=meta.packed_dim)
+        pairs = [(out._data, data), (out._scale, scale), (out._tensor_scale, meta.tensor_scale)]
+        for mine, new in pairs:
+            if mine is not None and (
+                    mine.untyped_storage().data_ptr() != new.untyped_storage().data_ptr()):
                 mine.copy_(new[: mine.shape[0]] if mine.dim() else new)
         return None
 
@@ -350,13 +374,20 @@ class Float8Tensor(torch.Tensor):
         """(the float8 values as float32, the float32 scale per element that divides them,
         broadcasting against them): the cast's numbers, for tools that inspect casts
         (f8dist.debug); the value is their quotient."""
-        return self._data.to(torch.float32), self.scale_per_element()
+        return self.values(), self.scale_per_element()
+
+    def values(self) -> torch.Tensor:
+        """The float8 (or e2m1) values as float32, in the tensor's shape: NVFP4's pairs unpacked
+        ([Note: two-level scales])."""
+        if self._packed_dim is None:
+            return self._data.to(torch.float32)
+        return e2m1_unpack(self._data, self._packed_dim)
 
     def scale_per_element(self) -> torch.Tensor:
         """The float32 scale to divide ``_data`` by, broadcasting against it: the grid with its
         blocks expanded ([Note: one scale layout]); two levels of decode scales, the reciprocal
         of their product ([Note: two-level scales])."""
-        grid = expand_blocks(self._scale, self._block, self._data.shape)
+        grid = expand_blocks(self._scale, self._block, self.shape)
         if self._tensor_scale is None:
             return grid
         return (self._tensor_scale * grid).reciprocal()
@@ -366,7 +397,8 @@ class _Dequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Float8Tensor):
         if t._tensor_scale is not None:  # [Note: two-level scales]
-            return nvfp4_dequantize(t._data, t._scale, t._block, t._tensor_scale, t._orig_dtype)
+            return nvfp4_dequantize(t._data, t._scale, t._block, t._tensor_scale, t._orig_dtype,
+                                    t._packed_dim)
         return dequantize(t._data, t.scale_per_element(), t._orig_dtype)
 
     @staticmethod
@@ -441,7 +473,7 @@ def _scale_pieces(t: "Float8Tensor", sizes, dim: int, what: str):
 
 
 def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, *, block=None, mm_config=None,
-           orig_dtype=None) -> Float8Tensor:
+           orig_dtype=None, packed_dim=None) -> Float8Tensor:
     """A Float8Tensor like ``t`` (orig dtype, mm config; scale and block unless given) around
     ``data``: how every op of the table builds its result."""
     return Float8Tensor(
@@ -451,6 +483,7 @@ def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, *, block=None, mm_co
         mm_config=t._mm_config if mm_config is None else mm_config,
         block=t._block if block is None else block,
         tensor_scale=t._tensor_scale,
+        packed_dim=t._packed_dim if packed_dim is None else packed_dim,
     )
 
 
@@ -473,7 +506,30 @@ def _transpose(func, args, kwargs):
     block = list(t._block)
     block[d0], block[d1] = block[d1], block[d0]
     scale = t._scale.transpose(d0, d1) if t._scale.dim() else t._scale
-    return rewrap(t, data, scale, block=tuple(block))
+    packed = {d0: d1, d1: d0}.get(t._packed_dim, t._packed_dim)  # moves with the bytes
+    return rewrap(t, data, scale, block=tuple(block), packed_dim=packed)
+
+
+def _packed(t: Float8Tensor, sizes, dim: int) -> list:
+    """``sizes`` along ``dim`` of ``t`` in elements as lengths of its data: halved along NVFP4's
+    packed dim, two elements a byte ([Note: two-level scales])."""
+    return [n // 2 for n in sizes] if dim == t._packed_dim else list(sizes)
+
+
+def _packed_view_shape(t: Float8Tensor, shape) -> list:
+    """The shape of ``t``'s data viewed as ``shape`` (a view keeps NVFP4's packed dim last, or
+    keeps the shape: [Note: two-level scales])."""
+    shape, last = list(shape), t._data.dim() - 1
+    if t._packed_dim is None:
+        return shape
+    if shape == list(t.shape):
+        return list(t._data.shape)
+    if t._packed_dim != last or not shape or shape[-1] != t.shape[-1]:
+        raise NotImplementedError(
+            f"cannot reshape an NVFP4 Float8Tensor of shape {tuple(t.shape)} (packed along dim "
+            f"{t._packed_dim}) to {tuple(shape)}: a reshape keeps the packed last dim; reshape "
+            "before the cast ([Note: two-level scales] in f8dist/core/tensor.py)")
+    return shape[:-1] + [shape[-1] // 2]
 
 
 def _rows_block(block: Block, shape) -> Optional[Tuple[Optional[int], Optional[int]]]:
@@ -495,7 +551,7 @@ def _rows_block(block: Block, shape) -> Optional[Tuple[Optional[int], Optional[i
 @_implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
     t, new_shape = args[0], args[1]
-    data = func(t._data, new_shape, *args[2:], **kwargs)
+    data = func(t._data, _packed_view_shape(t, new_shape), *args[2:], **kwargs)
     if data.shape == t._data.shape:  # e.g. DTensor.from_local's view_as
         return rewrap(t, data)
     if t._scale.dim() == 0:  # one scale
@@ -516,7 +572,8 @@ def _view(func, args, kwargs):
     n = data.shape[-2]
     grid = t._scale.reshape(*data.shape[:-2], 1 if rows[0] is None else -(-n // rows[0]),
                             t._scale.shape[-1])
-    return rewrap(t, data, grid, block=block)
+    packed = None if t._packed_dim is None else data.dim() - 1
+    return rewrap(t, data, grid, block=block, packed_dim=packed)
 
 
 @_implements([aten.is_same_size.default])
@@ -553,9 +610,15 @@ def _grouped_mm(func, args, kwargs):
 def _gemm(a: Float8Tensor, b: Float8Tensor, offs, out_dtype) -> torch.Tensor:
     """The float8 gemm of two Float8Tensors, dense or grouped: [Note: one gemm entry] in
     f8dist/core/gemm.py, which reads the kind off their blocks."""
-    return float8_mm(a._data, a._scale, a._block, b._data, b._scale, b._block, offs,
+    return float8_mm(_gemm_data(a), a._scale, a._block, _gemm_data(b), b._scale, b._block, offs,
                      out_dtype=out_dtype, mm_config=a._mm_config,
                      tensor_scales=(a._tensor_scale, b._tensor_scale))
+
+
+def _gemm_data(t: Float8Tensor) -> torch.Tensor:
+    """The data a gemm reads: NVFP4's e2m1 values one a byte, as e4m3 (each is one, exactly:
+    [Note: the NVFP4 gemm] in f8dist/core/gemm.py)."""
+    return t._data if t._packed_dim is None else t.values().to(torch.float8_e4m3fn)
 
 
 def _grouped_mm_args(self, mat2, offs=None, bias=None, out_dtype=None):
@@ -579,15 +642,20 @@ def _to_dtype(func, args, kwargs):
 @_implements([aten.as_strided.default])
 def _as_strided(func, args, kwargs):
     t = args[0]
-    data = func(t._data, *args[1:], **kwargs)
+    size, stride, shape = list(args[1]), list(args[2]), t.shape
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if t._packed_dim is not None:  # in bytes: [Note: two-level scales]
+        stride = [n if d == t._packed_dim else n // 2 for d, n in enumerate(stride)]
+        data = func(t._data, [n // 2 if d == t._packed_dim else n for d, n in enumerate(size)],
+                    stride, offset // 2)
+    else:
+        data = func(t._data, *args[1:], **kwargs)
     if t._scale.dim() == 0:  # one scale
         return rewrap(t, data, block=(None,) * data.dim())
     # a grid: only a leading part of the tensor (FSDP2 dropping its padding), which keeps the
     # grid's leading blocks ([Note: one scale layout]); or FSDP2's view of the buffer it gathered
     # the shards of a whole dim into (experts sharded on dim 1: [dp * E, N / dp, K] bytes viewed
     # as [E, N, K]), whose grid stayed home ([Note: the wire]): the view's, not the buffer's
-    size, stride, shape = list(args[1]), list(args[2]), t._data.shape
-    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
     if (len(size) == len(shape) and not offset and data.is_contiguous()
             and list(t._scale.shape) == _grid_shape(t._block, size) != _grid_shape(t._block, shape)):
         return rewrap(t, data)
@@ -635,7 +703,7 @@ def _gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
 @_implements([c10d.all_gather_into_tensor.default])
 def _all_gather(func, args, kwargs):
     t, group_size, group_name = args
-    _scale_pieces(t, [t._data.shape[0]] * group_size, 0, "all-gather")  # grids stack along dim 0
+    _scale_pieces(t, [t.shape[0]] * group_size, 0, "all-gather")  # grids stack along dim 0
     wire, meta = t.to_wire(0)  # [Note: the wire]
     return Float8Tensor.from_wire(meta, [_gather(w, group_size, group_name) for w in wire])
 
@@ -657,10 +725,14 @@ def _already_waited(func, args, kwargs):
 @_implements([aten.split.Tensor, aten.chunk.default])
 def _split(func, args, kwargs):
     t, size_or_chunks = args[0], args[1]
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    datas = func(t._data, size_or_chunks, dim)
-    dim = dim % t._data.dim()
-    sizes = _scale_pieces(t, [d.shape[dim] for d in datas], dim, "split")
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % t._data.dim()
+    # the pieces' lengths in elements (NVFP4's data holds them in fewer bytes: [Note: two-level
+    # scales])
+    pieces = func(t._data if t._packed_dim is None else torch.empty(t.shape, device="meta"),
+                  size_or_chunks, dim)
+    sizes = _scale_pieces(t, [p.shape[dim] for p in pieces], dim, "split")
+    datas = pieces if t._packed_dim is None else torch.split(
+        t._data, _packed(t, [p.shape[dim] for p in pieces], dim), dim)
     if sizes is None:  # the grid is whole along dim: every piece has all of it
         return [rewrap(t, d) for d in datas]
     return [rewrap(t, d, s) for d, s in zip(datas, torch.split(t._scale, sizes, dim))]
@@ -676,7 +748,7 @@ def _slice(func, args, kwargs):
     start = args[2] if len(args) > 2 else kwargs.get("start", None)
     end = args[3] if len(args) > 3 else kwargs.get("end", None)
     step = args[4] if len(args) > 4 else kwargs.get("step", 1)
-    size = t._data.shape[dim]
+    size = t.shape[dim]  # a whole dim's end also ends NVFP4's packed bytes
     if (start or 0) != 0 or (end is not None and end < size) or step != 1:
         raise NotImplementedError(
             f"slicing a Float8Tensor is defined for the whole dim only, got [{start}:{end}:{step}] "
@@ -693,11 +765,12 @@ def _cat(func, args, kwargs):
         raise TypeError("cat of Float8Tensors needs every piece in float8")
     dim = dim % first._data.dim()
     if any(t._block != first._block or t._scale.dtype != first._scale.dtype
-           or (t._tensor_scale is None) != (first._tensor_scale is None) for t in tensors):
+           or (t._tensor_scale is None) != (first._tensor_scale is None)
+           or t._packed_dim != first._packed_dim for t in tensors):
         raise ValueError(
             f"cat of Float8Tensors needs one block shape and scale dtype, got "
             f"{[(t._block, t._scale.dtype) for t in tensors]}")
-    if _scale_pieces(first, [t._data.shape[dim] for t in tensors], dim, "cat") is None and any(
+    if _scale_pieces(first, [t.shape[dim] for t in tensors], dim, "cat") is None and any(
             t._scale is not first._scale and not torch.equal(t._scale, first._scale)
             for t in tensors):
         raise ValueError(

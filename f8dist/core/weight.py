@@ -195,7 +195,11 @@ class Float8AllGatherWeight(torch.Tensor):
 # A block-scaled weight ([Note: block scales] in f8dist/config/cells.py) travels as its float8 bytes and
 # its scale grid (uint8), cast per shard with no collective: a block's scale is its own. FSDP2's
 # shards must start on block boundaries (else this raises, naming the fix). Only square blocks
-# are gathered in float8 (config rule): one copy serves the output and grad_input gemms.
+# are gathered in float8 (config rule): one copy serves the output and grad_input gemms. NVFP4's
+# 16x16 blocks ([Note: two-level scales] in f8dist/core/tensor.py) travel the same way, 4-bit
+# e2m1 pairs and e4m3 block scales; its float32 tensor scale, the logical weight's (the cast's
+# one amax all-reduce over the shard axis), is the same on every rank and stays home in the
+# WireMeta.
 
 
 def _block_pre_all_gather(weight: "Float8AllGatherWeight", outer_size, mesh, module, spec):

@@ -235,3 +235,39 @@ def test_as_strided_of_a_gathered_whole_dim_takes_the_grid_that_stayed_home():
     rows = _rowwise(torch.randn(8, 64))
     with pytest.raises(NotImplementedError, match="leading part"):
         rows.as_strided((8, 32), (32, 1))
+
+
+def test_nvfp4_packs_two_values_a_byte_and_its_ops_keep_the_logical_shape():
+    """[Note: two-level scales]: NVFP4 data is float4_e2m1fn_x2, half a byte an element along its
+    packed dim; the tensor keeps the logical shape, a transpose moves the packed dim with the
+    bytes, and split, cat, reshape, as_strided and the wire act on the logical shape: each piece
+    is the slice of the whole cast's values, put back together the same bytes."""
+    from f8dist.config.cells import E2M1
+
+    spec = CastSpec(dtype=E2M1, granularity=ScalingGranularity.BLOCKWISE, axis=-1,
+                    block_size=(16, 16), scale_dtype=E4M3)
+    t = cast_to_float8(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)), spec)
+    whole = t.to_original_precision()  # [32, 64]
+    assert t.shape == (32, 64) and t._data.dtype == E2M1 and t._data.shape == (32, 32)
+    tt = t.t()
+    assert tt.shape == (64, 32) and tt._packed_dim == 0
+    assert torch.equal(tt.to_original_precision(), whole.t())
+    for x, ref in ((t, whole), (tt, whole.t())):
+        for dim in (0, 1):
+            pieces = torch.split(x, 16, dim)
+            for i, p in enumerate(pieces):
+                assert torch.equal(p.to_original_precision(), ref.narrow(dim, 16 * i, 16))
+            assert torch.equal(torch.cat(pieces, dim)._data.view(torch.uint8),
+                               x._data.view(torch.uint8))
+        with pytest.raises(NotImplementedError, match="blocks"):
+            torch.split(x, 8, 1)
+    rows = t.as_strided((16, 64), t.stride())  # FSDP2 dropping padding rows
+    assert torch.equal(rows.to_original_precision(), whole[:16])
+    (data, scale), meta = t.to_wire(0)
+    assert data.dtype == torch.uint8 and data.numel() == t.numel() // 2
+    assert torch.equal(Float8Tensor.from_wire(meta, [data, scale]).to_original_precision(), whole)
+    a = cast_to_float8(torch.randn(2, 16, 64), CastSpec(  # [B, S, K] in 1x16 blocks
+        dtype=E2M1, granularity=ScalingGranularity.BLOCKWISE, axis=-1, block_size=(1, 16),
+        scale_dtype=E4M3))
+    assert torch.equal(a.reshape(32, 64).to_original_precision(),
+                       a.to_original_precision().reshape(32, 64))

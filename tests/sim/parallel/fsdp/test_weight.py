@@ -28,6 +28,7 @@ from f8dist import (
 from f8dist.parallel.fsdp import Float8AllGatherWeight
 from f8dist.nn.grouped import GroupedExperts
 from f8dist.testing import count_collectives
+from tests.sim.parallel.fsdp.one_device import one_device_steps
 from tests.sim.threads import run_threads
 
 WORLD = 8
@@ -78,23 +79,7 @@ def parity(recipe, fp8_all_gather, head=False, steps=1):
     each weight's shard."""
     ref = make(recipe, fp8_all_gather, head)
     copies = [copy.deepcopy(ref) for _ in range(WORLD)]
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    outs, grads = [], []
-    for step in range(steps):
-        outs.append([])
-        summed = {}
-        for rank in range(WORLD):
-            y = ref(batch(step, rank))
-            y.pow(2).mean().backward()
-            outs[step].append(y.detach())
-            for n, p in ref.named_parameters():
-                summed[n] = p.grad.clone() if n not in summed else summed[n].add_(p.grad)
-            ref.zero_grad()
-        grads.append({n: g / WORLD for n, g in summed.items()})
-        for n, p in ref.named_parameters():
-            p.grad = grads[step][n].clone()
-        opt_ref.step()
-        opt_ref.zero_grad()
+    outs, grads = one_device_steps(ref, batch, WORLD, steps)
 
     def rank_main(rank):
         model = shard(copies[rank])

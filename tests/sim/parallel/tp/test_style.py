@@ -162,13 +162,16 @@ def test_hsdp_x_tp_reduces_each_weight_amax_once_over_dp_shard_and_tp():
         assert fwd[shard_tp] == n == 8 and pre == {shard_tp: 1}, (fwd, pre)
 
 
-def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device():
+@pytest.mark.parametrize("sp", [False, True])
+def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device(sp):
     """A Float8ColwiseParallel / Float8RowwiseParallel pair with the nvfp4 recipe on tp 2
     (threads): every tensor scale is the logical tensor's ([Note: amax] in
     f8dist/core/placement.py) and every block whole, so the weight gradients (no rank sums them
     over shards) are one device's bit for bit; the output and the input's gradient, sums of the
     two ranks' partial gemms, differ from one device's only in float32 summation order
-    (>= 120 dB)."""
+    (>= 120 dB). With sequence parallelism the activation (forward) and the output's gradient
+    (backward) are all-gathered in 4 bits with their 1x16 e4m3 block scales ([Note: two-level
+    scales] in f8dist/core/tensor.py), each cast for its two gemms."""
     from torch.distributed.tensor.parallel import parallelize_module
     from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
 
@@ -177,24 +180,31 @@ def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False),
                                 torch.nn.Linear(128, 64, bias=False))  # 16-blocks whole on tp 2
     convert_to_float8_training(model, config=config)
-    x = torch.randn(2, 16, 64, generator=gen)  # [B, S, D]
-    grad_out = torch.randn(2, 16, 64, generator=gen)
+    x = torch.randn(2, 32, 64, generator=gen)  # [B, S, D]: 16 tokens a sequence shard
+    grad_out = torch.randn(2, 32, 64, generator=gen)
     ref_x = x.clone().requires_grad_()
     reference = copy.deepcopy(model)
     ref_out = reference(ref_x)
     ref_out.backward(grad_out)
     models = [copy.deepcopy(model) for _ in range(2)]
+    seq = (lambda t, rank: t.chunk(2, 1)[rank]) if sp else (lambda t, rank: t)
+    sp_layouts = ({"input_layouts": Shard(1)}, {"output_layouts": Shard(1)}) if sp else ({}, {})
 
     def rank_main(rank):
         mesh = init_device_mesh("cpu", (2,))
-        m = parallelize_module(models[rank], mesh, {"0": Float8ColwiseParallel(),
-                                                     "1": Float8RowwiseParallel()})
-        h = x.clone().requires_grad_()
-        out = m(h)
-        out.backward(grad_out)
-        return full(out), h.grad, [full(p.grad) for p in m.parameters()]
+        m = parallelize_module(models[rank], mesh, {"0": Float8ColwiseParallel(**sp_layouts[0]),
+                                                     "1": Float8RowwiseParallel(**sp_layouts[1])})
+        h = seq(x, rank).clone().requires_grad_()
+        with count_collectives() as fwd:
+            out = m(h)
+        with count_collectives() as bwd:
+            out.backward(seq(grad_out, rank))
+        return full(out), h.grad, [full(p.grad) for p in m.parameters()], fwd, bwd
 
-    for out, grad_x, grads in run_threads(2, rank_main):
-        assert sqnr(ref_out, out) >= 120 and sqnr(ref_x.grad, grad_x) >= 120
+    for rank, (out, grad_x, grads, fwd, bwd) in enumerate(run_threads(2, rank_main)):
+        assert sqnr(seq(ref_out, rank), out) >= 120 and sqnr(seq(ref_x.grad, rank), grad_x) >= 120
         for ref, grad in zip([p.grad for p in reference.parameters()], grads):
             assert torch.equal(grad, ref)
+        if sp:  # [2, 32, 64] gathered twice (two casts): half a byte an element, a byte per 16
+            for counts in (fwd, bwd):
+                assert counts["all_gather"].output_bytes == 2 * x.numel() * (1 / 2 + 1 / 16)
