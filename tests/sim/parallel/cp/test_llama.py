@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.core.numerics import sqnr
-from f8dist.models import ModelArgs, Transformer, parallelize_llama_cp
+from f8dist.models import ModelArgs, Transformer, parallelize_llama, parallelize_llama_cp
 from f8dist.parallel.cp import quantize_kv
 from f8dist.testing import count_collectives
 from tests.sim.threads import run_threads
@@ -75,3 +75,51 @@ def test_llama_context_parallel_needs_the_whole_sequence_in_max_seq_len():
 
     with pytest.raises(ValueError, match="needs ModelArgs.max_seq_len >= 64, got 32"):
         run_threads(2, rank_main)
+
+
+def test_llama_context_parallel_with_tensor_parallel_matches_one_device():
+    """cp 2 x tp 2 on 4 ranks ([Note: context parallelism with tensor parallelism]): tp shards
+    the heads, cp the sequence, each tp rank gathering its heads' K and V in float8 over cp.
+    Logits and gradients against one device at >= 120 dB in fp32: tp's row-sharded wo and w2
+    sum partial products, so the summation order differs (not bit for bit)."""
+    cp, tp = 2, 2
+    model = Transformer(ARGS)
+    model.init_weights()
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, ARGS.vocab_size, (B, S), generator=g) for _ in range(2))
+    ref = copy.deepcopy(model)
+    for block in ref.layers.values():
+        block.attention.sdpa.register_forward_pre_hook(_quantize_kv_hook, with_kwargs=True)
+    logits = ref(tokens)
+    _loss(logits, targets, B * S).backward()
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+        mine = parallelize_llama(copy.deepcopy(model), mesh["tp"], float8=False)
+        parallelize_llama_cp(mine, mesh["cp"])
+        shard = slice(mesh["cp"].get_local_rank() * S // cp, (mesh["cp"].get_local_rank() + 1) * S // cp)
+        with count_collectives() as counts:
+            out = mine(tokens[:, shard])  # [B, S / cp, vocab], replicated over tp
+            _loss(out, targets[:, shard], B * S).backward()
+        grads = {n: p.grad.full_tensor() for n, p in mine.named_parameters()}
+        ranks = tuple(tuple(mesh[dim].mesh.tolist()) for dim in ("cp", "tp"))
+        return out.detach(), grads, counts, ranks
+
+    results = run_threads(cp * tp, rank_main)
+    out = torch.cat([r[0] for r in results[::tp]], dim=1)
+    assert sqnr(logits, out) >= 120, sqnr(logits, out)
+    for name, p in ref.named_parameters():
+        summed = sum(r[1][name] for r in results[::tp])  # over cp; tp's full_tensor is whole
+        assert sqnr(p.grad, summed) >= 120, (name, sqnr(p.grad, summed))
+    # bytes by mesh dim, per rank: over cp, each layer's K and V of the rank's Hkv / tp heads,
+    # e4m3 bytes and an fp32 scale per token and head ([Note: the wire]: both cross as uint8),
+    # dK and dV reduce-scattered in fp32; over tp the high-precision model's fp32 activations
+    head_dim, kv_heads = ARGS.dim // ARGS.n_heads, ARGS.n_kv_heads // tp
+    kv = 2 * B * kv_heads * S * head_dim  # K and V elements of the whole sequence, per layer
+    for _, _, counts, (cp_ranks, tp_ranks) in results:
+        gather, scatter = counts.expect("all_gather"), counts.expect("reduce_scatter")
+        assert set(gather.wires) == {(cp_ranks, "uint8"), (tp_ranks, "float32")}
+        calls, _, got = gather.wires[(cp_ranks, "uint8")]
+        assert (calls, got) == (4 * ARGS.n_layers, ARGS.n_layers * kv * (head_dim + 4) // head_dim)
+        assert set(scatter.wires) == {(cp_ranks, "float32"), (tp_ranks, "float32")}
+        assert scatter.wires[(cp_ranks, "float32")][1] == ARGS.n_layers * kv * 4
