@@ -2,7 +2,8 @@
 
 One flat loop, nanoGPT-style. Launch with torchrun (FSDP2 over the data-parallel ranks, tensor
 parallel over ``--tp`` ranks of a 2-D mesh, ``--pp`` pipeline stages with FSDP2 inside each, or
-``--cp`` context-parallel ranks sharing each sequence, FSDP2 over dp x cp),
+``--cp`` context-parallel ranks sharing each sequence, FSDP2 over dp x cp, with ``--tp``
+on a (dp, cp, tp) mesh),
 or as plain ``python scripts/train.py`` (one process, world size 1)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/train.py \\
@@ -199,8 +200,12 @@ def _free_port() -> int:
 
 def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1, cp: int = 1) -> DeviceMesh:
     """(dp, tp); with expert parallelism (dp_shard, ep), every rank data-parallel
-    (:func:`dp_mesh_of`); with pipeline stages (pp, dp); with context parallelism (dp, cp)."""
+    (:func:`dp_mesh_of`); with pipeline stages (pp, dp); with context parallelism (dp, cp), and
+    (dp, cp, tp) with tensor parallelism too."""
     world = dist.get_world_size()
+    if cp > 1 and tp > 1:
+        return init_device_mesh(device.type, (world // (cp * tp), cp, tp),
+                                mesh_dim_names=("dp", "cp", "tp"))
     if cp > 1:
         return init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     if pp > 1:
@@ -219,7 +224,9 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
 def fsdp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks FSDP2 shards over and reduces gradients across: the data-parallel ones, and
     with --cp their context-parallel ones too ([Note: context parallelism in train.py])."""
-    return mesh._flatten("dp_cp") if "cp" in mesh.mesh_dim_names else dp_mesh_of(mesh)
+    if "cp" in mesh.mesh_dim_names:
+        return mesh["dp", "cp"]._flatten("dp_cp")
+    return dp_mesh_of(mesh)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -323,7 +330,9 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
 # gathers K and V in float8). Each rank's loss is the mean over its own tokens, all shards of
 # one size: FSDP2 over dp x cp flattened (as torchtitan does) averages the gradients over both,
 # which is the gradient of the mean over every token, and the logged loss is the mean over all
-# ranks as without --cp.
+# ranks as without --cp. With --tp the mesh is (dp, cp, tp), tp applied first ([Note: context
+# parallelism with tensor parallelism] in f8dist/models/llama_cp.py); the tp ranks of a cp rank
+# feed the same shard.
 
 
 def split_stage(model: Transformer, mesh: DeviceMesh, float8: bool) -> LlamaStage:

@@ -121,8 +121,8 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
                    help="with --pp: torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe")
     p.add_argument("--cp", type=positive, default=1,
                    help="context-parallel degree: each sequence sharded over the cp ranks of a "
-                        "(dp, cp) mesh, K and V all-gathered in float8 for attention, FSDP2 over "
-                        "dp x cp")
+                        "(dp, cp) mesh ((dp, cp, tp) with --tp), K and V all-gathered in float8 "
+                        "for attention, FSDP2 over dp x cp")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--ac", choices=("none", "sac", "full"), default="none",
                    help="activation checkpointing per block: selective (op-level) or full")
@@ -190,8 +190,9 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     _check_moe_args(p, args, world)
     _check_pp_args(p, args, world)
     _check_cp_args(p, args, world)
-    if world % args.tp:
-        p.error(f"--tp {args.tp} must divide the number of ranks ({world})")
+    if world % (args.tp * args.cp):
+        p.error(f"--tp {args.tp} must divide the number of ranks ({world})" if args.cp == 1 else
+                f"--cp x --tp ({args.cp * args.tp}) must divide the number of ranks ({world})")
     dp = world // (args.tp * args.pp * args.cp)  # cp ranks share their sequences
     if args.batch_size % dp:
         p.error(f"--batch-size {args.batch_size} must be a multiple of the {dp} "
@@ -210,9 +211,11 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
                 "recipe and no --compile")
     if not args.max_norm > 0:  # a negative norm reversed the gradients, 0 zeroed them
         p.error(f"--max-norm must be positive (inf: no clipping), got {args.max_norm}")
-    if args.tp > 1 and args.seq_len % args.tp:
-        p.error(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp}: sequence "
-                "parallelism shards each sequence over the tp ranks")
+    if args.tp > 1 and args.seq_len % (args.cp * args.tp):
+        of = f"--cp x --tp ({args.cp * args.tp})" if args.cp > 1 else f"--tp {args.tp}"
+        p.error(f"--seq-len {args.seq_len} must be a multiple of {of}: sequence "
+                "parallelism shards each sequence" + (" shard" if args.cp > 1 else "")
+                + " over the tp ranks")
     for flag, path in (("--checkpoint-dir", args.checkpoint_dir),
                        ("--metrics-file", args.metrics_file and os.path.dirname(args.metrics_file)),
                        ("--float8-stats-dir", args.float8_stats_every and args.float8_stats_dir)):
@@ -327,15 +330,13 @@ def _check_cp_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: 
         p.error(f"--seq-len {args.seq_len} must be a multiple of --cp {args.cp}: each cp rank "
                 "holds an equal, contiguous shard of every sequence")
     refused = {
-        "--tp": args.tp > 1, "--pp": args.pp > 1, "--moe-experts": args.moe_experts > 0,
-        "--compile": args.compile, f"--ac {args.ac}": args.ac != "none",
-        "--checkpoint-dir": args.checkpoint_dir is not None,
+        "--pp": args.pp > 1, "--moe-experts": args.moe_experts > 0, "--compile": args.compile,
         "--float8-stats-every": args.float8_stats_every > 0,
     }
     _refuse(p, "--cp", refused, "context parallelism trains the dense model with FSDP2 over dp x "
-                                "cp (every --float8 recipe, --grad-accum-steps, the float8 FSDP2 "
-                                "options, 8-bit AdamW states), without tensor, pipeline or expert "
-                                "parallelism, activation checkpointing, checkpoints, compile or "
+                                "cp and --tp (every --float8 recipe, --ac, checkpoints, "
+                                "--grad-accum-steps, the float8 FSDP2 options, 8-bit AdamW "
+                                "states), without pipeline or expert parallelism, compile or "
                                 "float8 stats; drop them or --cp")
 
 

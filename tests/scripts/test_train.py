@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import compare_loss  # noqa: E402
 import train  # noqa: E402
 import train_flags  # noqa: E402
+from tests.sim.threads import run_threads  # noqa: E402
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():
@@ -84,7 +86,6 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
     (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
     (["--pp", "2", "--tp", "2"], "--pp does not run with --tp in train.py yet"),
-    (["--cp", "2", "--tp", "2"], "--cp does not run with --tp in train.py yet"),
     (["--float8", "none", "--float8-stats-every", "1"],
      "--float8-stats-every records float8 casts in eager mode: it needs a --float8 recipe and no "
      "--compile"),
@@ -137,11 +138,11 @@ def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     # context parallelism: the flags that do not compose with --cp yet, and its shapes
     (["--cp", "3"], "--cp 3 must divide the number of ranks (4)"),
     (["--cp", "4", "--seq-len", "62"], "--seq-len 62 must be a multiple of --cp 4: each cp rank"),
-    (["--cp", "2", "--tp", "2", "--compile"], "--cp does not run with --tp, --compile in train.py"),
+    (["--cp", "2", "--tp", "2", "--compile"], "--cp does not run with --compile in train.py"),
+    (["--cp", "2", "--tp", "4"], "--cp x --tp (8) must divide the number of ranks (4)"),
+    (["--cp", "2", "--tp", "2", "--seq-len", "66"], "--seq-len 66 must be a multiple of --cp x --tp (4)"),
     (["--cp", "2", "--pp", "2"], "--cp does not run with --pp"),
     (["--cp", "2", "--moe-experts", "4"], "--cp does not run with --moe-experts"),
-    (["--cp", "2", "--ac", "sac"], "--cp does not run with --ac sac"),
-    (["--cp", "2", "--checkpoint-dir", "ckpt"], "--cp does not run with --checkpoint-dir"),
     (["--cp", "2", "--float8-stats-every", "1"], "--cp does not run with --float8-stats-every"),
     (["--cp", "2", "--batch-size", "3"], "--batch-size 3 must be a multiple of the 2 data-parallel"),
 ])
@@ -157,6 +158,7 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
 @pytest.mark.parametrize("argv", [
     ["--cp", "2", "--batch-size", "2"],  # 2 data-parallel ranks of 2 cp ranks each
     ["--cp", "4", "--grad-accum-steps", "2", "--float8-reduce-scatter", "--float8", "delayed"],
+    ["--cp", "2", "--tp", "2", "--ac", "sac", "--checkpoint-dir", "ckpt", "--resume"],
 ])
 def test_cp_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -167,6 +169,40 @@ def test_cp_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
     ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
 ])
+def _train_on_threads(world, *flags, monkeypatch):
+    """train.py's losses of ``flags`` on ``world`` simulated ranks in this process
+    (tests/sim/threads.py)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = train.parse_args([*CP_TINY.split(), *map(str, flags)])
+    monkeypatch.delenv("WORLD_SIZE")
+    return run_threads(world, lambda rank: train.train(args))[0]["losses"]
+
+
+CP_TINY = ("--dim 32 --n-layers 1 --n-heads 4 --seq-len 16 --batch-size 2 --warmup-steps 0 "
+           "--log-every 100 --cp 2")
+
+
+def test_train_cp_with_tp_matches_cp_alone(monkeypatch):
+    """``--cp 2 --tp 2`` on 4 simulated ranks trains as ``--cp 2`` on 2 (the same K/V casts,
+    [Note: context parallelism with tensor parallelism]): fp32, high-precision linears, so tp's
+    partial sums differ in summation order only."""
+    flags = ("--steps", 3, "--float8", "none", "--dtype", "float32")
+    alone = _train_on_threads(2, *flags, monkeypatch=monkeypatch)
+    with_tp = _train_on_threads(4, *flags, "--tp", 2, monkeypatch=monkeypatch)
+    assert with_tp == pytest.approx(alone, rel=1e-6) and len(alone) == 3, (with_tp, alone)
+
+
+def test_train_cp_resumes_bit_for_bit_with_activation_checkpointing(tmp_path, monkeypatch):
+    """A ``--cp 2`` checkpoint of step 2 (DCP, FSDP2 over dp x cp) resumed under ``--ac full``
+    gives the unbroken run's losses bit for bit: the resume restores everything, and the
+    recomputed attention gathers the same K and V again."""
+    flags = ("--steps", 4, "--float8", "tensorwise", "--checkpoint-dir", tmp_path)
+    unbroken = _train_on_threads(2, *flags, "--checkpoint-every", 2, monkeypatch=monkeypatch)
+    shutil.rmtree(tmp_path / "step-4")
+    resumed = _train_on_threads(2, *flags, "--resume", "--ac", "full", monkeypatch=monkeypatch)
+    assert resumed == unbroken[2:] and len(unbroken) == 4, (resumed, unbroken)
+
+
 def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train.parse_args(argv).moe_experts == 4
