@@ -85,6 +85,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
     (["--pp", "2", "--tp", "2"], "--pp does not run with --tp in train.py yet"),
     (["--cp", "2", "--tp", "2"], "--cp does not run with --tp in train.py yet"),
+    (["--dp-replicate", "2", "--float8-reduce-scatter"], "more ranks than --tp x --dp-replicate"),
     (["--float8", "none", "--float8-stats-every", "1"],
      "--float8-stats-every records float8 casts in eager mode: it needs a --float8 recipe and no "
      "--compile"),
@@ -144,6 +145,20 @@ def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     (["--cp", "2", "--checkpoint-dir", "ckpt"], "--cp does not run with --checkpoint-dir"),
     (["--cp", "2", "--float8-stats-every", "1"], "--cp does not run with --float8-stats-every"),
     (["--cp", "2", "--batch-size", "3"], "--batch-size 3 must be a multiple of the 2 data-parallel"),
+    # HSDP: a (dp_replicate, dp_shard, tp) mesh of the dense model
+    (["--dp-replicate", "3"], "--dp-replicate 3 x --tp 1 must divide the number of ranks (4): "
+     "FSDP2 shards over the 4 / (dp_replicate x tp) ranks left; change --dp-replicate"),
+    (["--dp-replicate", "2", "--tp", "4"], "--dp-replicate 2 x --tp 4 must divide"),
+    (["--dp-replicate", "2", "--pp", "2"], "--dp-replicate does not run with --pp in train.py yet"),
+    (["--dp-replicate", "2", "--cp", "2"], "--dp-replicate does not run with --cp in train.py yet"),
+    (["--dp-replicate", "2", "--moe-experts", "4"], "--dp-replicate does not run with --moe-experts"),
+    (["--dp-replicate", "2", "--tp", "2", "--float8-reduce-scatter"],
+     "--float8-reduce-scatter reduce-scatters gradients over the data-parallel ranks that shard "
+     "them; with one, FSDP2 runs no reduce-scatter: it would do nothing in this run; add more "
+     "ranks than --tp x --dp-replicate or drop it"),
+    (["--dp-replicate", "4", "--float8-reduce-scatter"], "more ranks than --tp x --dp-replicate"),
+    (["--dp-replicate", "2", "--batch-size", "2"], "--batch-size 2 must be a multiple of the 4 "
+     "data-parallel ranks"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
                                                                             monkeypatch):
@@ -161,6 +176,17 @@ def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv,
 def test_cp_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train.parse_args(argv).cp == int(argv[1])
+
+
+@pytest.mark.parametrize("argv, shard", [
+    (["--dp-replicate", "2", "--float8-reduce-scatter", "--float8-all-gather"], 2),
+    (["--dp-replicate", "2", "--tp", "2", "--float8", "rowwise"], 1),  # replicas of a TP pair
+    (["--dp-replicate", "4", "--grad-accum-steps", "2"], 1),  # DDP-like: FSDP2 only all-reduces
+])
+def test_hsdp_flags_that_run_parse_on_torchruns_ranks(argv, shard, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = train.parse_args(argv)
+    assert 4 // (args.dp_replicate * args.tp) == shard
 
 
 @pytest.mark.parametrize("argv", [
