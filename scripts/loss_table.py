@@ -6,6 +6,9 @@ layout with the relative gap::
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/loss_table.py \\
         --steps 40 --log-every 40
 
+A layout runs on its own number of ranks (``RANKS``, else 2): without ``--layouts`` the job runs
+those of its world size (``--nproc_per_node=4 ... --layouts hsdp`` for HSDP).
+
 Flags this script does not know go to every run (``--steps``, ``--seed``, the model's size).
 """
 
@@ -32,7 +35,15 @@ LAYOUTS: Dict[str, Tuple[List[str], List[str]]] = {
     "pp2": (["--pp", "2"], ["--float8", "tensorwise"]),
     "ep2": (MOE, ["--float8", "rowwise"]),  # the dispatch alone in float8 (the default)
     "ep2_all": (MOE, ["--float8", "rowwise", "--float8-ep-combine", "--float8-ep-backward"]),
+    # 2 replicas of 2 shards: weights gathered, gradients reduced over both axes in float8
+    "hsdp": (["--dp-replicate", "2"],
+             ["--float8", "tensorwise", "--float8-all-gather", "--float8-reduce-scatter"]),
 }
+RANKS = {"hsdp": 4}  # a layout's ranks, where not 2
+
+
+def ranks_of(name: str) -> int:
+    return RANKS.get(name, 2)
 
 
 def layout_row(name: str, bf16: List[float], float8: List[float], float8_flags: List[str],
@@ -47,14 +58,23 @@ def layout_row(name: str, bf16: List[float], float8: List[float], float8_flags: 
 def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default=",".join(LAYOUTS),
-                   help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--layouts", default=None,
+                   help=f"comma-separated, of {', '.join(LAYOUTS)} (default: those that run on "
+                        "this job's ranks)")
     p.add_argument("--tail", type=int, default=10, help="final loss: the mean of the last N steps")
     args, train_argv = p.parse_known_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.layouts is None:
+        args.layouts = ",".join(n for n in LAYOUTS if ranks_of(n) == world)
     names = [n for n in args.layouts.split(",") if n]
     unknown = sorted(set(names) - set(LAYOUTS))
     if unknown:
         p.error(f"--layouts {args.layouts}: unknown {unknown}; choose from {list(LAYOUTS)}")
+    misfit = [f"{n} ({ranks_of(n)})" for n in names if ranks_of(n) != world]
+    if misfit or not names:
+        p.error(f"--layouts {args.layouts}: each layout runs on its own number of ranks, this "
+                f"job has {world}: {', '.join(misfit) or 'none runs on it'}; run those with "
+                "torchrun --nproc_per_node=N --layouts ...")
     rows = [f"| layout | float8 run | bf16: final loss (mean of last {args.tail} steps) | "
             "float8: final loss | gap |", "|---|---|---|---|---|"]
     for name in names:

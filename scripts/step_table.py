@@ -95,7 +95,8 @@ def variants(layout: str) -> list:
                ("blockwise", ("derive",))],
         "cp": [("tensorwise", ("grad_spec",)), ("rowwise", ("grad_spec",))],
         "ep": [("rowwise", ("combine+bwd",))],
-        "3d": [("tensorwise", ("fp8-ag", "precompute"))],
+        "3d": [("tensorwise", ("fp8-ag", "precompute")),
+               ("tensorwise", ("fp8-ag", "precompute", "fp8-rs"))],
     }
     return out + [Variant(r, o) for r, o in extra.get(layout, [])]
 

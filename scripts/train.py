@@ -3,7 +3,7 @@
 One flat loop, nanoGPT-style. Launch with torchrun (FSDP2 over the data-parallel ranks, tensor
 parallel over ``--tp`` ranks of a 2-D mesh, ``--pp`` pipeline stages with FSDP2 inside each, or
 ``--cp`` context-parallel ranks sharing each sequence, FSDP2 over dp x cp, with ``--tp``
-on a (dp, cp, tp) mesh),
+on a (dp, cp, tp) mesh; ``--dp-replicate``: HSDP),
 or as plain ``python scripts/train.py`` (one process, world size 1)::
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/train.py \\
@@ -198,11 +198,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1, cp: int = 1) -> DeviceMesh:
+def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1, cp: int = 1,
+               dp_replicate: int = 1) -> DeviceMesh:
     """(dp, tp); with expert parallelism (dp_shard, ep), every rank data-parallel
     (:func:`dp_mesh_of`); with pipeline stages (pp, dp); with context parallelism (dp, cp), and
-    (dp, cp, tp) with tensor parallelism too."""
+    (dp, cp, tp) with tensor parallelism too; with HSDP (dp_replicate, dp_shard, tp)."""
     world = dist.get_world_size()
+    if dp_replicate > 1:
+        return init_device_mesh(device.type, (dp_replicate, world // (dp_replicate * tp), tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     if cp > 1 and tp > 1:
         return init_device_mesh(device.type, (world // (cp * tp), cp, tp),
                                 mesh_dim_names=("dp", "cp", "tp"))
@@ -216,16 +220,24 @@ def build_mesh(tp: int, device: torch.device, ep: int = 1, pp: int = 1, cp: int 
 
 
 def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel ranks: mesh["dp"], or all of an expert-parallel (dp_shard, ep) mesh
-    (flattened, rather than sliced by name from the root: torch deprecates that)."""
-    return mesh._flatten("dp") if "ep" in mesh.mesh_dim_names else mesh["dp"]
+    """The data-parallel ranks: mesh["dp"], all of an expert-parallel (dp_shard, ep) mesh, or
+    an HSDP mesh's dp_replicate x dp_shard (flattened, rather than sliced by name from the root:
+    torch deprecates that)."""
+    if "ep" in mesh.mesh_dim_names:
+        return mesh._flatten("dp")
+    if "dp_replicate" in mesh.mesh_dim_names:
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"]
 
 
 def fsdp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks FSDP2 shards over and reduces gradients across: the data-parallel ones, and
-    with --cp their context-parallel ones too ([Note: context parallelism in train.py])."""
+    """The ranks FSDP2 shards over and reduces gradients across: the data-parallel ones, with
+    --cp their context-parallel ones too ([Note: context parallelism in train.py]), with
+    --dp-replicate the 2-D (dp_replicate, dp_shard) mesh that makes FSDP2 HSDP."""
     if "cp" in mesh.mesh_dim_names:
         return mesh["dp", "cp"]._flatten("dp_cp")
+    if "dp_replicate" in mesh.mesh_dim_names:
+        return mesh["dp_replicate", "dp_shard"]
     return dp_mesh_of(mesh)
 
 
@@ -767,7 +779,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     """Run the training loop; returns ``{"losses": [...], "steps": [...]}`` (losses averaged over
     data-parallel ranks) on every rank."""
     device = init_distributed()
-    mesh = build_mesh(args.tp, device, args.ep, args.pp, args.cp)
+    mesh = build_mesh(args.tp, device, args.ep, args.pp, args.cp, args.dp_replicate)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = dp_mesh_of(mesh).get_local_rank(), dp_mesh_of(mesh).size()
     cp_rank = mesh["cp"].get_local_rank() if args.cp > 1 else 0
@@ -809,6 +821,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
               f"float8: {args.float8} | optim states: {args.optim_states} | "
               f"mesh: dp={dp_size} tp={args.tp} ep={args.ep}"
               + (f" cp={args.cp}" if args.cp > 1 else "")
+              + (f" (dp_replicate={args.dp_replicate})" if args.dp_replicate > 1 else "")
               + (f" pp={args.pp} ({args.pp_schedule}, {args.pp_microbatches} micro-batches)"
                  if pipe else "") + f" | ac: {args.ac} | "
               + (f"moe: {args.moe_experts} experts top-{args.moe_top_k} | " if args.moe_experts else "")

@@ -110,6 +110,10 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     p.add_argument("--float8-reduce-scatter", action="store_true",
                    help="FSDP2 reduce-scatters gradients in float8, summed in fp32 (any --float8)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree; FSDP2 on the rest")
+    p.add_argument("--dp-replicate", type=positive, default=1,
+                   help="HSDP (torchtitan's name): FSDP2 shards over dp_shard = ranks / "
+                        "(dp_replicate x tp) and all-reduces each shard's gradients over the "
+                        "dp_replicate replicas (in float8 with --float8-reduce-scatter)")
     p.add_argument("--pp", type=positive, default=1,
                    help="pipeline stages: the layers split evenly over a (pp, dp) mesh, FSDP2 "
                         "inside each stage, activations and their gradients cross in float8 "
@@ -190,6 +194,7 @@ def parse_flags(argv: Optional[Sequence[str]] = None, description: Optional[str]
     _check_moe_args(p, args, world)
     _check_pp_args(p, args, world)
     _check_cp_args(p, args, world)
+    _check_hsdp_args(p, args, world)
     if world % (args.tp * args.cp):
         p.error(f"--tp {args.tp} must divide the number of ranks ({world})" if args.cp == 1 else
                 f"--cp x --tp ({args.cp * args.tp}) must divide the number of ranks ({world})")
@@ -251,9 +256,12 @@ def _check_no_silent_flags(p: argparse.ArgumentParser, args: argparse.Namespace,
               and not args.float8_stats_every, "is where --float8-stats-every writes",
               "--float8-stats-every N"),
              ("--float8-reduce-scatter",
-              args.float8_reduce_scatter and world // (args.tp * args.pp) == 1,
-              "reduce-scatters gradients over the data-parallel ranks; with one, FSDP2 runs no "
-              "reduce-scatter", "more ranks than --tp" + (" x --pp" if args.pp > 1 else "")),
+              args.float8_reduce_scatter
+              and world // (args.tp * args.pp * args.dp_replicate) == 1,
+              "reduce-scatters gradients over the data-parallel ranks that shard them; with one, "
+              "FSDP2 runs no reduce-scatter",
+              "more ranks than --tp" + (" x --pp" if args.pp > 1 else "")
+              + (" x --dp-replicate" if args.dp_replicate > 1 else "")),
              *[(flag, on and args.ep == 1, "casts what an expert-parallel all-to-all sends; "
                 "without expert parallelism there is none", "--moe-experts N --ep M")
                for flag, on in (("--float8-ep-combine", args.float8_ep_combine),
@@ -338,6 +346,20 @@ def _check_cp_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: 
                                 "--grad-accum-steps, the float8 FSDP2 options, 8-bit AdamW "
                                 "states), without pipeline or expert parallelism, compile or "
                                 "float8 stats; drop them or --cp")
+
+
+def _check_hsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """--dp-replicate and the flags train.py runs with it (the others are refused)."""
+    if args.dp_replicate == 1:
+        return
+    if world % (args.dp_replicate * args.tp):
+        p.error(f"--dp-replicate {args.dp_replicate} x --tp {args.tp} must divide the number of "
+                f"ranks ({world}): FSDP2 shards over the {world} / (dp_replicate x tp) ranks "
+                "left; change --dp-replicate")
+    refused = {"--pp": args.pp > 1, "--cp": args.cp > 1, "--moe-experts": args.moe_experts > 0}
+    _refuse(p, "--dp-replicate", refused, "HSDP trains the dense model on a (dp_replicate, "
+                                          "dp_shard, tp) mesh (every --float8 recipe, --tp, the "
+                                          "float8 FSDP2 options); drop them or --dp-replicate")
 
 
 def _refuse(p: argparse.ArgumentParser, flag: str, refused: dict, runs_with: str) -> None:

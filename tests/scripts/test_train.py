@@ -86,6 +86,7 @@ def test_bad_flags_say_what_to_change_in_one_line(argv, match, capsys):
     (["--float8", "fp8"], "argument --float8: invalid choice: 'fp8'"),
     (["--tp", "2", "--float8-reduce-scatter"], "with one, FSDP2 runs no reduce-scatter"),
     (["--pp", "2", "--tp", "2"], "--pp does not run with --tp in train.py yet"),
+    (["--dp-replicate", "2", "--float8-reduce-scatter"], "more ranks than --tp x --dp-replicate"),
     (["--float8", "none", "--float8-stats-every", "1"],
      "--float8-stats-every records float8 casts in eager mode: it needs a --float8 recipe and no "
      "--compile"),
@@ -145,6 +146,20 @@ def test_a_refused_flag_ends_the_script_before_it_imports_torch(argv, match):
     (["--cp", "2", "--moe-experts", "4"], "--cp does not run with --moe-experts"),
     (["--cp", "2", "--float8-stats-every", "1"], "--cp does not run with --float8-stats-every"),
     (["--cp", "2", "--batch-size", "3"], "--batch-size 3 must be a multiple of the 2 data-parallel"),
+    # HSDP: a (dp_replicate, dp_shard, tp) mesh of the dense model
+    (["--dp-replicate", "3"], "--dp-replicate 3 x --tp 1 must divide the number of ranks (4): "
+     "FSDP2 shards over the 4 / (dp_replicate x tp) ranks left; change --dp-replicate"),
+    (["--dp-replicate", "2", "--tp", "4"], "--dp-replicate 2 x --tp 4 must divide"),
+    (["--dp-replicate", "2", "--pp", "2"], "--dp-replicate does not run with --pp in train.py yet"),
+    (["--dp-replicate", "2", "--cp", "2"], "--dp-replicate does not run with --cp in train.py yet"),
+    (["--dp-replicate", "2", "--moe-experts", "4"], "--dp-replicate does not run with --moe-experts"),
+    (["--dp-replicate", "2", "--tp", "2", "--float8-reduce-scatter"],
+     "--float8-reduce-scatter reduce-scatters gradients over the data-parallel ranks that shard "
+     "them; with one, FSDP2 runs no reduce-scatter: it would do nothing in this run; add more "
+     "ranks than --tp x --dp-replicate or drop it"),
+    (["--dp-replicate", "4", "--float8-reduce-scatter"], "more ranks than --tp x --dp-replicate"),
+    (["--dp-replicate", "2", "--batch-size", "2"], "--batch-size 2 must be a multiple of the 4 "
+     "data-parallel ranks"),
 ])
 def test_flags_that_do_not_fit_torchruns_ranks_fail_before_any_rank_starts(argv, match, capsys,
                                                                             monkeypatch):
@@ -165,10 +180,17 @@ def test_cp_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     assert train.parse_args(argv).cp == int(argv[1])
 
 
-@pytest.mark.parametrize("argv", [
-    ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
-    ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
+@pytest.mark.parametrize("argv, shard", [
+    (["--dp-replicate", "2", "--float8-reduce-scatter", "--float8-all-gather"], 2),
+    (["--dp-replicate", "2", "--tp", "2", "--float8", "rowwise"], 1),  # replicas of a TP pair
+    (["--dp-replicate", "4", "--grad-accum-steps", "2"], 1),  # DDP-like: FSDP2 only all-reduces
 ])
+def test_hsdp_flags_that_run_parse_on_torchruns_ranks(argv, shard, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = train.parse_args(argv)
+    assert 4 // (args.dp_replicate * args.tp) == shard
+
+
 def _train_on_threads(world, *flags, monkeypatch):
     """train.py's losses of ``flags`` on ``world`` simulated ranks in this process
     (tests/sim/threads.py)."""
@@ -203,6 +225,10 @@ def test_train_cp_resumes_bit_for_bit_with_activation_checkpointing(tmp_path, mo
     assert resumed == unbroken[2:] and len(unbroken) == 4, (resumed, unbroken)
 
 
+@pytest.mark.parametrize("argv", [
+    ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
+    ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
+])
 def test_moe_flags_that_run_parse_on_torchruns_ranks(argv, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train.parse_args(argv).moe_experts == 4

@@ -179,7 +179,9 @@ class Float8ReduceScatter:
 # the same order (its own row dequantized too, unlike the shard sum), so replicas hold identical
 # bits. Each gradient is rounded twice: its chunk, then the shard's sum. FSDP2 now derives its
 # reduce op from dp_shard alone; where it would have averaged over replicas too (no
-# set_gradient_divide_factor) the comm divides by their number.
+# set_gradient_divide_factor) the comm divides by their number. set_requires_all_reduce(False)
+# is refused (its shards would accumulate unreduced over replicas); set_requires_gradient_sync
+# (False) micro-steps reduce nothing, and the synced step reduces their sum over both axes.
 
 
 class _HSDPFloat8ReduceScatter(Float8ReduceScatter):

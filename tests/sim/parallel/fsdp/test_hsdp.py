@@ -1,8 +1,9 @@
 """Float8 gradient reduction under FSDP2's HSDP on a 2 x 2 mesh of simulated ranks (threads):
 [Note: float8 HSDP] in f8dist/parallel/fsdp/reduce_scatter.py. Against FSDP2's own float32
 reduction: the float8 reduce-scatter's floors (tests/sim/parallel/fsdp/test_reduce_scatter.py),
-replicas bit-identical, no float32 all-reduce over dp_replicate, and the gradient collectives'
-bytes against FSDP2's float32 reduce-scatter and all-reduce."""
+replicas bit-identical, no float32 all-reduce over dp_replicate, the gradient collectives'
+bytes against FSDP2's float32 reduce-scatter and all-reduce, gradient accumulation
+(set_requires_gradient_sync) and the refusal of set_requires_all_reduce(False)."""
 
 import pytest
 import torch
@@ -68,6 +69,12 @@ def _run(divide_factor=None):
 def test_hsdp_gradients_reduced_in_float8_identical_on_replicas(divide_factor):
     out = _run(divide_factor)
     scale = 1.0 if divide_factor is None else REPLICAS * SHARDS / divide_factor  # FSDP2 averaged
+    _assert_float8_grads(out, scale)
+
+
+def _assert_float8_grads(out, scale=1.0):
+    """Each rank's float8-reduced gradients within the floors of the float32-reduced ones (times
+    ``scale``), and bit-identical on the replicas of each shard."""
     for rank, r in enumerate(out):
         ref = {name: g * scale for name, g in r["fp32"][0].items()}
         f8 = r["float8"][0]
@@ -95,3 +102,49 @@ def test_hsdp_gradient_collectives_move_float8():
     f8_bytes = f8["all_to_all"].input_bytes + f8["all_gather"].wires[replicate, "uint8"][2]
     fp32_bytes = fp32["reduce_scatter"].input_bytes + fp32["all_reduce"].input_bytes
     assert f8_bytes <= 0.55 * fp32_bytes, (f8_bytes, fp32_bytes)
+
+
+def test_hsdp_float8_refuses_set_requires_all_reduce_false():
+    # set_requires_all_reduce(False) accumulates shards that were not summed over replicas; the
+    # float8 comm sums over them in every reduce-scatter, so it refuses (naming setting and fix)
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("dp_replicate", "dp_shard"))
+        model = _model(mesh, torch.float32, float8=True)
+        model.set_requires_all_reduce(False)
+        _backward(model, rank)
+
+    with pytest.raises(NotImplementedError) as e:
+        run_threads(REPLICAS * SHARDS, rank_main)
+    message = str(e.value)
+    for part in ("set_requires_all_reduce(False)", "dp_replicate",
+                 "keep set_requires_all_reduce(True)", "leave the float8 reduce-scatter off"):
+        assert part in message, message
+
+
+MICRO_STEPS = 3
+
+
+def test_hsdp_float8_gradient_accumulation_matches_fp32():
+    # set_requires_gradient_sync(False) micro-steps accumulate unsharded gradients (no
+    # collective); the synced step reduces their sum once, over dp_shard and dp_replicate
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("dp_replicate", "dp_shard"))
+        out = {}
+        for name, float8 in (("fp32", False), ("float8", True)):
+            model = _model(mesh, torch.float32, float8)
+            counts = []
+            for step in range(MICRO_STEPS):
+                model.set_requires_gradient_sync(step == MICRO_STEPS - 1)
+                counts.append(_backward(model, rank * MICRO_STEPS + step))
+            out[name] = (_grads(model), counts)
+        return out
+
+    out = run_threads(REPLICAS * SHARDS, rank_main)
+    _assert_float8_grads(out)
+    for r in out:
+        *silent, synced = r["float8"][1]
+        for counts in silent:  # the micro-steps reduce nothing (their all-gathers: weights)
+            assert set(counts.as_dict()) == {"all_gather"}, counts
+            assert {dtype for _, dtype in counts["all_gather"].wires} == {"float32"}, counts
+        assert "all_to_all" in synced.as_dict(), synced
+        assert any(dtype == "uint8" for _, dtype in synced["all_gather"].wires), synced
