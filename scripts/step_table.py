@@ -13,7 +13,8 @@ Variants: ``bf16`` (no float8 anywhere: high-precision CP gather, PP boundary an
 and each recipe, with the layout's float8 wire on: TP's float8 styles, ``Float8ContextParallel``,
 the PP float8 boundary, ``Float8ExpertParallel``. Options: ``fp8-ag`` (FSDP2 float8 all-gather),
 ``precompute`` (``precompute_float8_dynamic_scale_for_fsdp`` after the optimizer step),
-``fp8-rs`` (``enable_float8_reduce_scatter``), ``recast`` and ``derive`` (``sp_grad_weight``; the
+``fp8-rs`` (``enable_float8_reduce_scatter``), ``hp-wire`` (the recipe's linears, the layout's
+high-precision CP gather, PP boundary and EP all-to-alls: scripts/path_costs.py's baseline), ``recast`` and ``derive`` (``sp_grad_weight``; the
 default is "forward_gather"), ``grad_spec`` (``Float8ContextParallel(grad_spec=KV_SPEC)``), ``combine+bwd``
 (``Float8ExpertParallel(float8_combine=True, float8_backward=True)``). FSDP2 all-gathers bf16
 weights (``MixedPrecisionPolicy(param_dtype=bfloat16)``) and reduces fp32 gradients.
@@ -179,6 +180,7 @@ def _rank_step(layout: str, variant: Variant, args, margs: ModelArgs):
     shape, names = MESHES[layout]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     float8 = variant.recipe is not None
+    wire = float8 and "hp-wire" not in variant.options  # the layout's float8 wire
     model = _model(layout, variant, margs)
     seq = margs.max_seq_len
     # the same sequences on every rank; EP's ranks route batches of their own
@@ -192,7 +194,7 @@ def _rank_step(layout: str, variant: Variant, args, margs: ModelArgs):
         from f8dist.models.llama_pp import pipeline_stage, split_llama
 
         rank = mesh["pp"].get_local_rank()
-        stage = split_llama(model, rank, 2, float8=float8).to(torch.bfloat16)
+        stage = split_llama(model, rank, 2, float8=wire).to(torch.bfloat16)
         micro = (args.batch // 2, seq)
         pipe = Schedule1F1B(pipeline_stage(stage, rank, 2, micro, mesh["pp"].get_group(),
                                            torch.bfloat16), 2, loss_fn=_loss)
@@ -212,7 +214,7 @@ def _rank_step(layout: str, variant: Variant, args, margs: ModelArgs):
         from f8dist.models import parallelize_llama_cp
 
         cp = mesh["cp"]
-        style = (HighPrecisionContextParallel() if not float8 else Float8ContextParallel(
+        style = (HighPrecisionContextParallel() if not wire else Float8ContextParallel(
             grad_spec=KV_SPEC if "grad_spec" in variant.options else None))
         parallelize_llama_cp(model, cp, style)
         shard = slice(cp.get_local_rank() * seq // 2, (cp.get_local_rank() + 1) * seq // 2)
@@ -220,7 +222,7 @@ def _rank_step(layout: str, variant: Variant, args, margs: ModelArgs):
     if layout == "ep":
         from f8dist.models.moe_parallel import fully_shard_moe, parallelize_moe
 
-        parallelize_moe(model, mesh["ep"], float8_dispatch=float8,
+        parallelize_moe(model, mesh["ep"], float8_dispatch=wire,
                         float8_combine="combine+bwd" in variant.options,
                         float8_backward="combine+bwd" in variant.options)
         fully_shard_moe(model, mesh, mp_policy=_mp())
