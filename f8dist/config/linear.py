@@ -16,7 +16,7 @@ import torch
 
 import f8dist.config.rules as config_rules
 from f8dist.config.cells import (  # noqa: F401  (re-exported)
-    _CELLS, _CONTRACTION_AXIS, _FLOAT8_DTYPES, _GEMM_OPERANDS, _SCALE_DTYPES, E4M3, E5M2, E8M0,
+    _CELLS, _CONTRACTION_AXIS, _FLOAT8_DTYPES, _GEMM_OPERANDS, _SCALE_DTYPES, E2M1, E4M3, E5M2, E8M0,
     CastConfig, Gemm, Operand, SavedInput, ScaleRounding, ScalingGranularity, ScalingType,
     SPGradWeight, _check_block, _Name,
 )
@@ -253,7 +253,9 @@ class Float8LinearConfig:
                     "takes e4m3 operands only; leave its target_dtype None (e4m3 in grouped "
                     "gemms) or set it to torch.float8_e4m3fn"
                 )
-            specs.append(dataclasses.replace(spec, dtype=E4M3, grouped=True))
+            # NVFP4 keeps its e2m1 ([Note: the NVFP4 gemm] in f8dist/core/gemm.py, grouped too)
+            dtype = spec.dtype if spec.dtype == E2M1 else E4M3
+            specs.append(dataclasses.replace(spec, dtype=dtype, grouped=True))
         return CastSpecs(tuple(specs))
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

@@ -193,7 +193,8 @@ def cast_to_float8(
     else compute it from the amax of the logical ``t``: of the whole tensor (tensorwise) or over
     ``spec.axis`` (axiswise). ``amax`` given: that amax, already known (the forward's weight amax
     in backward, [Note: what the matmul keeps for backward] in f8dist/nn/linear.py), shaped as the
-    cast's own would be. ``store``: the bytes serve two gemms, so a compiled graph stores them
+    cast's own would be; for NVFP4, the logical tensor's amax ([] float32) of a local ``t``
+    (experts under EP: [Note: NVFP4 experts] in f8dist/nn/grouped.py). ``store``: the bytes serve two gemms, so a compiled graph stores them
     once and takes the other layout from them. ``offsets``: the token groups of a grouped cast
     (``spec.grouped``, [Note: grouped casts] in f8dist/config/specs.py). ``shared``: a table of casts of
     the same tensor (:func:`shared_casts`), looked up first and filled ([Note: one cast per
@@ -274,8 +275,9 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
     """A blockwise cast ([Note: block scales] in f8dist/config/cells.py): each block scaled by its own
     amax, so no collective; a DTensor casts its local shard, whose blocks must be whole ([Note:
     shards on block boundaries] in f8dist/core/placement.py)."""
-    if scale is not None or amax is not None:
-        raise ValueError(f"{spec.site}: a blockwise cast computes its own scales, give none")
+    if scale is not None or (amax is not None and spec.dtype != E2M1):
+        raise ValueError(f"{spec.site}: a blockwise cast computes its own scales, give none "
+                         "(NVFP4 takes its tensor's amax)")
     block = spec.block_shape(t.dim())
     if is_dtensor(t):
         mesh = t.device_mesh
@@ -289,8 +291,10 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
             )
     if spec.dtype == E2M1:  # two levels: [Note: NVFP4] in f8dist/config/cells.py
         t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]
+        if amax is None:
+            amax = local_part(logical_amax(t))
         data, scale, tensor_scale = nvfp4_cast(  # the tensor scale from the logical amax
-            local_part(t), _block(spec, t.dim()), local_part(logical_amax(t)))
+            local_part(t), _block(spec, t.dim()), amax)
         out = like(t, Float8Tensor(data, scale, t.dtype, mm_config=spec.mm_config,
                                    block=_block(spec, t.dim()), tensor_scale=tensor_scale))
         return _observed(spec, t, out)

@@ -690,7 +690,13 @@ def kernel_block(block) -> Optional[Tuple[int, int]]:
 # On the CPU ``f8dist::cpu_block_scaled_mm``: e2m1 products are exact in float32, and so is the
 # product of two e4m3 scales. Emulation dequantizes each operand (``nvfp4_dequantize``) and runs
 # a float32 matmul. CUDA's NVFP4 ``scaled_mm`` (sm100+) is not wired up yet: off the CPU the gemm
-# raises naming ``emulate=True``. Grouped NVFP4 gemms are not defined (experts raise).
+# raises naming ``emulate=True``.
+#
+# Grouped (experts: [Note: block grouped gemms] in f8dist/nn/grouped.py) the gemm is the block
+# grouped one ([Note: the CPU block grouped kernel]) on the e4m3 block scales, its float32 result
+# times ``ta * tb``: one tensor scale per operand, the logical tensor's (all tokens; the whole
+# [E, N, K] weight), which factors out of every expert's gemm as it does out of a dense one.
+# Per expert, bit for bit the dense NVFP4 gemm of that expert's rows.
 
 
 def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_scales, *,
@@ -701,21 +707,24 @@ def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_s
         raise TypeError("an NVFP4 operand meets another format: both operands of an NVFP4 gemm "
                         "need e4m3 block scales and a tensor scale (the config's gemm cells must "
                         "agree)")
-    if offs is not None:
-        raise NotImplementedError("NVFP4 grouped gemms are not defined: keep the experts in "
-                                  "another recipe ([Note: the NVFP4 gemm] in f8dist/core/gemm.py)")
-    if mm_config.emulate:
-        return torch.mm(nvfp4_dequantize(a_data, a_scale, a_block, ta, torch.float32),
-                        nvfp4_dequantize(b_data, b_scale, b_block, tb, torch.float32)
-                        ).to(out_dtype)
+    if mm_config.emulate:  # dequantize, then the high-precision gemm
+        a_hp = nvfp4_dequantize(a_data, a_scale, a_block, ta, torch.float32)
+        b_hp = nvfp4_dequantize(b_data, b_scale, b_block, tb, torch.float32)
+        if offs is None:
+            return torch.mm(a_hp, b_hp).to(out_dtype)
+        return _grouped_hp(a_hp, b_hp, offs.to(torch.int32)).to(out_dtype)
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
         raise NotImplementedError(
             f"f8dist runs NVFP4 gemms on the CPU (an exact kernel) only: torch's NVFP4 scaled_mm "
             f"(sm100+) is not wired up, so on {a_data.device.type} set {_EMULATE} or use another "
             "recipe ([Note: the NVFP4 gemm] in f8dist/core/gemm.py)")
-    out = cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, a_scale.to(torch.float32),
-                              b_scale.to(torch.float32), list(a_block), list(b_block),
-                              torch.float32)  # [M, N]
+    inv_a, inv_b = a_scale.to(torch.float32), b_scale.to(torch.float32)  # decode scales
+    if offs is None:
+        out = cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
+                                  list(a_block), list(b_block), torch.float32)  # [M, N]
+    else:
+        out = cpu_block_scaled_grouped_mm(a_data, b_data, inv_a, inv_b, list(a_block),
+                                          list(b_block), offs.to(torch.int32), torch.float32)
     return (out * (ta * tb)).to(out_dtype)
 
 
@@ -1040,6 +1049,16 @@ def _(a, b, inv_a, inv_b, a_block, b_block, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+def _grouped_hp(a_hp: torch.Tensor, b_hp: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The emulated grouped gemm of dequantized operands: 2d x 2d [E, N, K]; 2d x 3d [M, N]
+    with the rows past the last group 0, as the kernels give them."""
+    out = torch._grouped_mm(a_hp, b_hp, offsets)
+    if b_hp.dim() == 2:
+        return out  # [E, N, K]
+    valid = group_ids(offsets, a_hp.shape[0]) < offsets.shape[0]  # [M]
+    return torch.where(valid[:, None], out, 0)  # [M, N]
+
+
 def block_scaled_grouped_mm(
     a_data: torch.Tensor, a_scale: torch.Tensor, a_block, b_data: torch.Tensor,
     b_scale: torch.Tensor, b_block, offsets: torch.Tensor, *, out_dtype: torch.dtype,
@@ -1051,11 +1070,7 @@ def block_scaled_grouped_mm(
     offsets = offsets.to(torch.int32)
     if mm_config.emulate:  # dequantize, then the high-precision grouped gemm
         a_hp, b_hp = _dequantized(a_data, a_scale, a_block), _dequantized(b_data, b_scale, b_block)
-        if b_data.dim() == 2:
-            return torch._grouped_mm(a_hp, b_hp, offsets).to(out_dtype)  # [E, N, K]
-        out = torch._grouped_mm(a_hp, b_hp, offsets)  # [M, N]
-        valid = group_ids(offsets, a_data.shape[0]) < offsets.shape[0]  # [M]
-        return torch.where(valid[:, None], out, 0).to(out_dtype)
+        return _grouped_hp(a_hp, b_hp, offsets).to(out_dtype)
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake
         raise NotImplementedError(
             f"block-scaled float8 grouped gemms run on the CPU kernel only; on "

@@ -14,6 +14,18 @@ with zero rows to a multiple of the block (``pad_groups``; exact: zeros raise no
 product), so that no block holds two experts' tokens: per expert, bit for bit a block-scaled
 ``Float8Linear`` ([Note: the CPU block grouped kernel] in f8dist/core/gemm.py).
 
+[Note: NVFP4 experts]
+NVFP4's tensor scale is the amax of the logical tensor ([Note: NVFP4] in f8dist/config/cells.py):
+all the tokens of the layer, the whole [E, N, K] weight. Under expert parallelism a rank holds
+its experts' rows of them (tokens from every rank, weights sharded on dim 0), so each NVFP4
+operand of the experts' gemms takes its local amax reduced over the mesh axes that shard it
+(``sharding``, the tokens' from the weight's: [Note: tokens of sharded experts] in
+f8dist/core/placement.py), one scalar all-reduce per cast: every rank casts with one device's
+tensor scales, and its block scales are its own blocks', so its bytes are one device's. The
+float8 dispatch casts the tokens so on their source rank ([Note: float8 dispatch] in
+f8dist/parallel/ep/dispatch.py); without it each gemm casts the high-precision tokens it
+receives (the same bytes as one cast before both).
+
 [Note: delayed experts]
 Delayed scaling ([Note: delayed scaling] in f8dist/policy/delayed/) keeps one amax history per expert
 weight (``ExpertWeightScaling``, so the sync, checkpoints and telemetry treat it as a linear's)
@@ -51,12 +63,17 @@ import torch.nn.functional as F
 from f8dist.core import agreement
 from f8dist.core.cast import ToFloat8, autocast_input, cast_to_float8, high_precision
 from f8dist.config import E4M3, CastSpec, CastSpecs, Float8LinearConfig, Gemm, Operand
+from f8dist.config.cells import E2M1
 from f8dist.policy.delayed import (
     DelayedScaling, apply_to_delayed_module, delayed_operands, load_delayed_state,
 )
 from f8dist.core.weight import wrap_weight_for_float8_all_gather
 from f8dist.core.gemm import pad_groups, scatter_rows, shape_problems
-from f8dist.core.placement import expert_token_placements, is_dtensor, local_part
+from f8dist.core.placement import (
+    expert_token_placements, is_dtensor, local_part, reduce_over_shards,
+)
+from f8dist.core.scaling import tensor_amax
+from f8dist.core.tensor import Float8Tensor
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
            "grouped_mm", "swiglu_experts", "grouped_specs", "token_spec", "cast_tokens",
@@ -65,6 +82,7 @@ __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "flo
 OUTPUT, GRAD_INPUT, GRAD_WEIGHT = Gemm
 Scales = Optional[Dict[Tuple[Gemm, Operand], torch.Tensor]]
 Delayed = Optional[Tuple[DelayedScaling, bool]]
+Shardings = Optional[Dict[Operand, tuple]]  # (mesh, placements) by operand, under EP
 INPUT, WEIGHT, GRAD_OUTPUT = Operand
 WEIGHTS = ("w1", "w2", "w3")
 
@@ -75,9 +93,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-          specs: CastSpecs, scales: Scales = None) -> torch.Tensor:
+          specs: CastSpecs, scales: Scales = None, sharding: Shardings = None) -> torch.Tensor:
     """One gemm of [Note: grouped gemms], in float8 as ``specs`` say or in high precision;
-    ``scales``: delayed scales by (gemm, operand) ([Note: delayed experts])."""
+    ``scales``: delayed scales by (gemm, operand) ([Note: delayed experts]); ``sharding``: the
+    operands' (mesh, placements) under EP ([Note: NVFP4 experts])."""
     left, right = gemm.operands
     out_dtype = a.dtype
     if not specs.gemm_in_float8(gemm):
@@ -88,7 +107,7 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
             return torch._grouped_mm(a, b.to(a.dtype), offs=offsets)  # [M, K]
         return torch._grouped_mm(a.t(), b.to(a.dtype), offs=offsets)  # [E, N, K]
     if specs[gemm, left].blockwise:
-        a8, b8, offsets = _block_operands(gemm, a, b, offsets, specs)
+        a8, b8, offsets = _block_operands(gemm, a, b, offsets, specs, sharding)
     else:
         scales = scales or {}
         a8 = cast_to_float8(a, specs[gemm, left], scales.get((gemm, left)), offsets=offsets)
@@ -102,8 +121,21 @@ def _gemm(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     return torch._grouped_mm(a8, b8, offs=offsets, out_dtype=out_dtype)
 
 
+def _sharded_nvfp4(t: torch.Tensor, spec: CastSpec, sharding) -> bool:
+    """Whether ``spec`` casts ``t``, a local part sharded as ``sharding`` says, to NVFP4 from
+    high precision ([Note: NVFP4 experts]); float8 bytes are taken as they are."""
+    return spec.dtype == E2M1 and sharding is not None and not isinstance(t, Float8Tensor)
+
+
+def _nvfp4_amax(t: torch.Tensor, spec: CastSpec, sharding) -> Optional[torch.Tensor]:
+    """The logical amax of ``t`` where :func:`_sharded_nvfp4`; None where the cast finds it."""
+    if not _sharded_nvfp4(t, spec, sharding):
+        return None
+    return reduce_over_shards(tensor_amax(t), *sharding, "max")  # [] float32
+
+
 def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                    specs: CastSpecs):
+                    specs: CastSpecs, sharding: Shardings = None):
     """The float8 operands and token offsets of a gemm with block scales ([Note: block grouped
     gemms])."""
     left, right = gemm.operands
@@ -114,7 +146,9 @@ def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch
         a, b = scatter_rows(a, rows, m_padded), scatter_rows(b, rows, m_padded)  # [M', *]
         offsets = padded
     # blocks of tokens need no offsets
-    return cast_to_float8(a, sa), cast_to_float8(b, sb), offsets
+    shards = sharding or {}
+    return (cast_to_float8(a, sa, amax=_nvfp4_amax(a, sa, shards.get(left))),
+            cast_to_float8(b, sb, amax=_nvfp4_amax(b, sb, shards.get(right))), offsets)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
@@ -124,7 +158,7 @@ class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets, specs: CastSpecs, scales: Scales, delayed: Delayed,
                 sharding):
-        out = _gemm(OUTPUT, x, w, offsets, specs, scales)  # [M, N]
+        out = _gemm(OUTPUT, x, w, offsets, specs, scales, sharding)  # [M, N]
         ctx.save_for_backward(x, w, offsets)
         ctx.specs, ctx.scales, ctx.delayed, ctx.sharding = specs, scales, delayed, sharding
         return out
@@ -139,8 +173,8 @@ class _Float8GroupedMM(torch.autograd.Function):
             state, record = ctx.delayed
             scales = {**scales, **state.grad_output_scales(grad_output, record, later,
                                                            ctx.sharding)}
-        grad_x = _gemm(GRAD_INPUT, grad_output, w, offsets, specs, scales)  # [M, K]
-        grad_w = _gemm(GRAD_WEIGHT, grad_output, x, offsets, specs, scales)  # [E, N, K]
+        grad_x = _gemm(GRAD_INPUT, grad_output, w, offsets, specs, scales, ctx.sharding)  # [M, K]
+        grad_w = _gemm(GRAD_WEIGHT, grad_output, x, offsets, specs, scales, ctx.sharding)  # [E, N, K]
         for amax_record in later:
             amax_record()
         return grad_x, grad_w.to(w.dtype), None, None, None, None, None
@@ -151,7 +185,8 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                       sharding=None) -> torch.Tensor:
     """``x[rows of e] @ w[e].t()`` with float8 grouped gemms cast as ``specs`` say:
     x [M, K], w [E, N, K] -> [M, N]. ``scales``, ``delayed`` (state, whether the forward
-    recorded) and ``sharding`` are delayed scaling's ([Note: delayed experts]).
+    recorded) are delayed scaling's ([Note: delayed experts]), ``sharding`` the operands'
+    under EP (:func:`expert_sharding`: [Note: delayed experts], [Note: NVFP4 experts]).
 
     Example::
 
@@ -243,10 +278,14 @@ def token_spec(specs: Dict[str, CastSpecs]) -> Optional[CastSpec]:
     return spec if spec.enabled and per_token else None
 
 
-def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs]) -> torch.Tensor:
-    """The tokens cast once for both up projections ([Note: one cast of the tokens]), else x."""
+def cast_tokens(x: torch.Tensor, specs: Dict[str, CastSpecs],
+                sharding: Shardings = None) -> torch.Tensor:
+    """The tokens cast once for both up projections ([Note: one cast of the tokens]), else x
+    (also high-precision NVFP4 tokens under EP, which each gemm casts: [Note: NVFP4 experts])."""
     spec = token_spec(specs)
-    return x if spec is None else ToFloat8.apply(x, spec, None)
+    if spec is None or _sharded_nvfp4(x, spec, (sharding or {}).get(INPUT)):
+        return x
+    return ToFloat8.apply(x, spec, None)
 
 
 def grouped_problems(mod: GroupedExperts, config: Float8LinearConfig) -> List[str]:
@@ -298,6 +337,15 @@ def is_float8_grouped_compatible(mod: GroupedExperts,
     return not grouped_problems(mod, config if config is not None else Float8LinearConfig())
 
 
+def expert_sharding(w: torch.Tensor) -> Shardings:
+    """(mesh, placements) of the shards of an expert weight ``w`` and of its tokens under expert
+    parallelism ([Note: tokens of sharded experts] in f8dist/core/placement.py); None otherwise."""
+    if not is_dtensor(w):
+        return None
+    mesh, tokens = w.device_mesh, (w.device_mesh, expert_token_placements(w.placements))
+    return {WEIGHT: (mesh, w.placements), INPUT: tokens, GRAD_OUTPUT: tokens}
+
+
 class ExpertWeightScaling(nn.Module):
     """The delayed-scaling state of one expert weight ([Note: delayed experts]): the
     ``fp8_*`` buffers of its casts, FQN ``<experts>.w1`` ...; a child of its
@@ -323,14 +371,9 @@ class ExpertWeightScaling(nn.Module):
         """The expert weight (the parameter, a DTensor under expert parallelism)."""
         return getattr(self.__dict__["_experts"], self.name)
 
-    def sharding(self) -> Optional[Dict[Operand, tuple]]:
-        """(mesh, placements) of the weight's and tokens' shards under expert parallelism
-        ([Note: tokens of sharded experts] in f8dist/core/placement.py); None otherwise."""
-        w = self.weight
-        if not is_dtensor(w):
-            return None
-        mesh, tokens = w.device_mesh, (w.device_mesh, expert_token_placements(w.placements))
-        return {WEIGHT: (mesh, w.placements), INPUT: tokens, GRAD_OUTPUT: tokens}
+    def sharding(self) -> Shardings:
+        """:func:`expert_sharding` of the weight."""
+        return expert_sharding(self.weight)
 
     def _apply(self, fn, recurse=True):  # the delayed buffers stay float32
         return apply_to_delayed_module(self.delayed, fn,
@@ -411,11 +454,12 @@ class Float8GroupedExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         x = autocast_input(x)  # [Note: autocast] in f8dist/nn/linear.py
-        return super().forward(cast_tokens(x, self.specs), offsets)
+        return super().forward(cast_tokens(x, self.specs, expert_sharding(self.w1)), offsets)
 
     def _mm(self, name: str, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor):
-        if self.delayed_scaling is None:
-            return float8_grouped_mm(x, w, offsets, self.specs[name])
+        if self.delayed_scaling is None:  # [Note: NVFP4 experts]: the shards' sharding
+            return float8_grouped_mm(x, w, offsets, self.specs[name],
+                                     sharding=expert_sharding(getattr(self, name)))
         scaling = self.delayed_scaling[name]  # [Note: delayed experts]
         state, record, later, sharding = scaling.delayed, scaling.delayed.training(), [], scaling.sharding()
         scales = state.forward_scales(x, w, record, later, sharding)

@@ -133,3 +133,54 @@ def test_block_grouped_gemms_on_meta_give_shapes():
                                   torch.tensor([2, 4], device="meta"), out_dtype=torch.bfloat16,
                                   mm_config=ScaledMMConfig())
     assert out.is_meta and out.shape == (4, 16)
+
+
+def _nvfp4(shape, block, seed):
+    """e2m1 values one a byte as e4m3 (what the gemm reads), their e4m3 block scales, the
+    float32 tensor scale: an NVFP4 cast of gaussian data."""
+    from f8dist.core.scaling import e2m1_unpack, nvfp4_cast
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    block = (1,) * (len(shape) - len(block)) + tuple(block)
+    data, scale, tensor_scale = nvfp4_cast(x, block, x.abs().amax())
+    return e2m1_unpack(data).to(E4M3), scale, tensor_scale
+
+
+@on_cpu  # [Note: the NVFP4 gemm] in f8dist/core/gemm.py: the CPU kernel or emulation
+@pytest.mark.parametrize("emulate", [False, True])
+def test_nvfp4_grouped_gemms_are_the_dense_nvfp4_gemm_per_expert(emulate):
+    """Grouped NVFP4 (1x16 tokens, 16x16 expert weights, one tensor scale each): per expert, bit
+    for bit the dense NVFP4 gemm of its rows, or with ``emulate`` the dequantize-then-mm
+    reference; an empty group gets no rows (2d x 3d) and a zero gradient (2d x 2d)."""
+    from f8dist.core.gemm import float8_mm
+    from f8dist.core.scaling import nvfp4_dequantize
+
+    cfg = ScaledMMConfig(emulate=emulate)
+    a, sa, ta = _nvfp4((40, 32), (1, 16), 0)  # [M, K] tokens
+    b, sb, tb = _nvfp4((4, 32, 48), (16, 16), 1)  # [E, K, N] expert weights
+    out = float8_mm(a, sa, (1, 16), b, sb, (1, 16, 16), OFFSETS, out_dtype=torch.float32,
+                    mm_config=cfg, tensor_scales=(ta, tb))  # [M, N]
+    # 2d x 2d: [N, M] x [M, K] over groups padded to 16 rows (as the grad_weight gemm pads them)
+    offs16 = pad_groups(OFFSETS, 40)[0]
+    g, sg, tg = _nvfp4((48, 64), (1, 16), 2)  # [N, M'] gradient, 16-token blocks
+    x, sx, tx = _nvfp4((64, 32), (16, 1), 3)  # [M', K] tokens, 16-token blocks
+    gw = float8_mm(g, sg, (1, 16), x, sx, (16, 1), offs16, out_dtype=torch.float32,
+                   mm_config=cfg, tensor_scales=(tg, tx))  # [E, N, K]
+    assert torch.equal(gw[1], torch.zeros_like(gw[1]))  # the expert without tokens
+    starts = [0] + OFFSETS.tolist()[:-1]
+    for e, (s, t) in enumerate(zip(starts, OFFSETS.tolist())):
+        s16, t16 = s if e == 0 else offs16[e - 1].item(), offs16[e].item()
+        if emulate:  # dequantize, then a float32 matmul
+            hp = lambda d, sc, blk, ts: nvfp4_dequantize(d, sc, blk, ts, torch.float32)
+            want = hp(a[s:t], sa[s:t], (1, 16), ta) @ hp(b[e], sb[e], (16, 16), tb)
+            want_gw = (hp(g[:, s16:t16], sg[:, s16 // 16:t16 // 16], (1, 16), tg)
+                       @ hp(x[s16:t16], sx[s16 // 16:t16 // 16], (16, 1), tx))
+        else:  # the dense CPU kernel
+            want = float8_mm(a[s:t], sa[s:t], (1, 16), b[e], sb[e], (16, 16),
+                             out_dtype=torch.float32, mm_config=cfg, tensor_scales=(ta, tb))
+            want_gw = float8_mm(g[:, s16:t16], sg[:, s16 // 16:t16 // 16], (1, 16), x[s16:t16],
+                                sx[s16 // 16:t16 // 16], (16, 1), out_dtype=torch.float32,
+                                mm_config=cfg, tensor_scales=(tg, tx))
+        assert torch.equal(out[s:t], want), e
+        assert torch.equal(gw[e], want_gw if t > s else torch.zeros_like(gw[e])), e

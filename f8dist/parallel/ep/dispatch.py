@@ -21,7 +21,12 @@ When the experts cast their tokens per token, or in blocks along a token's row (
 of :class:`~f8dist.nn.grouped.Float8GroupedExperts`), the tokens are cast on the source rank and
 the all-to-all carries the float8 bytes and scales as uint8 (gloo has no float8). Such a scale
 depends on the token alone, so this equals casting after the dispatch, bit for bit, and the
-grouped gemm takes the bytes as they are.
+grouped gemm takes the bytes as they are. NVFP4 tokens ("nvfp4": 1x16 e4m3 block scales, a
+token's own) also carry a tensor scale, the amax of all the tokens of the layer: each source
+rank casts with its amax all-reduced over the EP group (one scalar, [Note: NVFP4 experts] in
+f8dist/nn/grouped.py), so every rank's tokens share one device's tensor scale, which stays home
+([Note: two-level scales] in f8dist/core/tensor.py), and the packed e2m1 bytes and block scales
+cross: ``dim / 2 + dim / 16`` bytes a token.
 
 [Note: float8 combine and backward]
 Opt-in (``float8_combine``, ``float8_backward`` of
@@ -47,7 +52,9 @@ import torch.distributed._functional_collectives as funcol
 
 from f8dist.core.cast import cast_to_float8
 from f8dist.config import E4M3, CastSpec, ScalingGranularity
-from f8dist.core.placement import local_part
+from f8dist.config.cells import E2M1
+from f8dist.core.placement import all_reduce, local_part
+from f8dist.core.scaling import tensor_amax
 from f8dist.core.tensor import Float8Tensor, as_wire
 
 __all__ = ["expert_parallel", "all_to_all", "dispatch", "exchange", "combine", "take_rows", "Plan",
@@ -102,8 +109,9 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x, perm, send, recv, group, spec: Optional[CastSpec],
                 grad_spec: Optional[CastSpec]):
         ctx.perm, ctx.send, ctx.recv, ctx.group, ctx.grad_spec = perm, send, recv, group, grad_spec
-        if spec is not None:
-            x = cast_to_float8(x, spec)  # [M, dim] per-token float8
+        if spec is not None:  # NVFP4: the tokens' amax over the group ([Note: float8 dispatch])
+            amax = all_reduce(tensor_amax(x), "max", group) if spec.dtype == E2M1 else None
+            x = cast_to_float8(x, spec, amax=amax)  # [M, dim] per-token float8
         return take_rows(_all_to_all_tokens(x, send, recv, group), perm)  # [M_recv, dim]
 
     @staticmethod

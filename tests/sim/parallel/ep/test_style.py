@@ -52,7 +52,8 @@ def _batch(total, seed=1):
 
 
 @pytest.mark.parametrize("recipe,recompute", [(None, False), ("rowwise", False),
-                                              ("rowwise", True), ("mxfp8", False)])
+                                              ("rowwise", True), ("mxfp8", False),
+                                              ("nvfp4", False)])
 def test_style_on_an_moe_matches_one_device(recipe, recompute):
     """``parallelize_module(moe.experts, mesh, Float8ExpertParallel())``, the MoE's code unchanged;
     ``recompute``: the MoE under (non-reentrant) activation checkpointing, whose recompute re-runs
@@ -141,6 +142,34 @@ def test_float8_dispatch_sends_float8_bytes():
         assert torch.equal(out8, out16)
         assignments = mine.shape[1] * ref.args.top_k  # every one sent (to a rank, maybe this)
         assert bytes16 - bytes8 == assignments * (2 * DIM - (DIM + 4)), (bytes16, bytes8)
+
+    run_threads(WORLD, rank_main)
+
+
+def test_nvfp4_dispatch_sends_4_bit_tokens():
+    """NVFP4 experts: the dispatch sends ``dim / 2`` e2m1 bytes and ``dim / 16`` e4m3 block
+    scales per token (the tensor scale, one device's, stays home: [Note: float8 dispatch]), where
+    bf16 sends ``2 * dim`` and MXFP8 ``dim + dim / 32``; without float8 dispatch each gemm casts
+    the bf16 tokens it receives to the same bytes ([Note: NVFP4 experts])."""
+    sizes = SIZES[:WORLD]
+    x, _ = _batch(sum(sizes))
+    refs = {recipe: _moe(recipe, WORLD) for recipe in (None, "mxfp8", "nvfp4")}
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+        mine = x[:, sum(sizes[:rank]):sum(sizes[:rank + 1])]
+        out, sent = {}, {}
+        for recipe, fd in ((None, True), ("mxfp8", True), ("nvfp4", True), ("nvfp4", False)):
+            moe = copy.deepcopy(refs[recipe])
+            parallelize_module(moe.experts, mesh, Float8ExpertParallel(float8_dispatch=fd))
+            with torch.no_grad(), count_collectives() as counts:
+                out[recipe, fd], sent[recipe, fd] = moe(mine), counts["all_to_all"].input_bytes
+        assert torch.equal(out["nvfp4", True], out["nvfp4", False])
+        assignments = mine.shape[1] * refs[None].args.top_k  # every one sent (to a rank, maybe this)
+        nvfp4 = DIM // 2 + DIM // 16
+        assert sent[None, True] - sent["nvfp4", True] == assignments * (2 * DIM - nvfp4)
+        assert sent["mxfp8", True] - sent["nvfp4", True] == assignments * (DIM + DIM // 32 - nvfp4)
+        return sent
 
     run_threads(WORLD, rank_main)
 
