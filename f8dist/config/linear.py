@@ -187,6 +187,7 @@ class Float8LinearConfig:
             block_size=cc.block_size,
             scale_dtype=cc.scale_dtype,
             scale_rounding=cc.scale_rounding,
+            stochastic_rounding=cc.stochastic_rounding,
         )
 
     def cast_specs(self, fqn: str = "") -> CastSpecs:

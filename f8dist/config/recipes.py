@@ -23,11 +23,12 @@ def _deepseek(block_size: Tuple[int, int]) -> CastConfig:
                       block_size=block_size)
 
 
-def _nvfp4(block_size: Tuple[int, int] = (1, 16)) -> CastConfig:
+def _nvfp4(block_size: Tuple[int, int] = (1, 16), stochastic_rounding: bool = False) -> CastConfig:
     """An NVFP4 cast: e2m1 with one e4m3 scale per ``block_size`` block under a float32 tensor
     scale ([Note: NVFP4] in f8dist/config/cells.py)."""
     return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E2M1,
-                      block_size=block_size, scale_dtype=E4M3)
+                      block_size=block_size, scale_dtype=E4M3,
+                      stochastic_rounding=stochastic_rounding)
 
 
 def recipe_fields(recipe_name: str) -> Dict[str, object]:
@@ -102,9 +103,10 @@ def recipe_fields(recipe_name: str) -> Dict[str, object]:
 
     if recipe_name is Float8LinearRecipeName.NVFP4:
         # NVIDIA's NVFP4 training recipe, less its random Hadamard transform of the grad_weight
-        # gemm's operands and stochastic rounding of gradients (not yet): 16x16 weight blocks,
-        # so one cast serves both of the weight's gemms
+        # gemm's operands (not yet): 16x16 weight blocks, so one cast serves both of the
+        # weight's gemms; gradients rounded stochastically ([Note: stochastic rounding] in
+        # f8dist/core/scaling.py)
         return dict(cast_config_input=_nvfp4(), cast_config_weight=_nvfp4((16, 16)),
-                    cast_config_grad_output=_nvfp4())
+                    cast_config_grad_output=_nvfp4(stochastic_rounding=True))
 
     raise AssertionError(recipe_name)

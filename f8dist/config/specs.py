@@ -89,6 +89,8 @@ class CastSpec:
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
     # a cast for a grouped (expert) gemm: [Note: grouped casts]
     grouped: bool = False
+    # NVFP4 only: [Note: stochastic rounding] in f8dist/core/scaling.py
+    stochastic_rounding: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "gemm", Gemm.coerce(self.gemm, "CastSpec.gemm"))
@@ -100,7 +102,8 @@ class CastSpec:
         # the rest is validated where it comes from (CastConfig)
         CastConfig(scaling_type=self.scaling_type, scaling_granularity=self.granularity,
                    target_dtype=self.dtype, block_size=self.block_size,
-                   scale_dtype=self.scale_dtype, scale_rounding=self.scale_rounding)
+                   scale_dtype=self.scale_dtype, scale_rounding=self.scale_rounding,
+                   stochastic_rounding=self.stochastic_rounding)
 
     @property
     def enabled(self) -> bool:

@@ -15,6 +15,7 @@ would produce, and is re-cast from its high-precision value otherwise.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -22,18 +23,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.core.placement import (
-    blocks_split_by_shards, is_dtensor, layout, like, local_part, reduce_partial, with_layout,
+    blocks_split_by_shards, global_positions, is_dtensor, layout, like, local_part, reduce_partial,
+    with_layout,
 )
 from f8dist.core.scaling import (
-    E2M1, amax_to_scale, block_cast, group_amax, group_ids, in_memory, nvfp4_cast, saturated_cast,
-    stored_scale, tensor_amax,
+    E2M1, amax_to_scale, block_cast, counter_uniform, group_amax, group_ids, in_memory, nvfp4_cast,
+    saturated_cast, stored_scale, tensor_amax,
 )
 from f8dist.core.tensor import Block, Float8Tensor, KeptShard, block_of
 
 __all__ = [
     "CastSite", "cast_to_float8", "ToFloat8", "logical_amax", "high_precision", "cast_observers",
     "shared_casts", "cast_with_companion", "companion_for", "kept_shard_for", "SharedGather",
-    "autocast_input",
+    "autocast_input", "StochasticRounding", "stochastic_rounding",
 ]
 
 
@@ -66,6 +68,55 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return x.to(torch.get_autocast_dtype(device))
     return x
+
+
+# [Note: the stochastic rounding key]
+# A stochastically rounded cast ([Note: stochastic rounding] in f8dist/core/scaling.py) draws with
+# the key (seed, site, draw): the site's FQN, gemm and operand, and ``draw`` the number of such
+# casts that site made before since the seed was set. Every rank of an SPMD program makes the same
+# casts of a site in the same order (its shards of one tensor, each cast once), so each derives
+# the same key with no collective, and with the element's global position the same draw as one
+# device. ``stochastic_rounding`` holds the seed and the counts (``state_dict`` to checkpoint
+# them: a resumed run then draws on as the uninterrupted one), counted per process-group rank so
+# that ranks simulated as threads of one process count as processes do. torch.compile would trace
+# the key as a constant: stochastic rounding is for eager backward casts.
+
+
+class StochasticRounding:
+    """The seed and per-site draw counts of stochastic rounding ([Note: the stochastic rounding
+    key]); one per process, ``f8dist.core.cast.stochastic_rounding``."""
+
+    def __init__(self, seed: int = 0):
+        self.reset(seed)
+
+    def reset(self, seed: int = 0) -> None:
+        """Start over from ``seed`` (every rank the same), no site having drawn."""
+        self.seed, self.draws = int(seed), {}
+
+    def key(self, site: CastSite) -> int:
+        """The key of ``site``'s next cast (a 64-bit int); counts the draw."""
+        name = str(site)
+        counter = (name, _rank())
+        draw = self.draws.get(counter, 0)
+        self.draws[counter] = draw + 1
+        digest = hashlib.blake2b(f"{self.seed}:{name}:{draw}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")  # the same in every process (hash() is not)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "draws": dict(self.draws)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.draws = int(state["seed"]), dict(state["draws"])
+
+
+stochastic_rounding = StochasticRounding()
+
+
+def _rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # [Note: one cast per input]
@@ -293,8 +344,12 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
         t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]
         if amax is None:
             amax = local_part(logical_amax(t))
+        uniform = None
+        if spec.stochastic_rounding:  # one device's draws: [Note: the stochastic rounding key]
+            key = stochastic_rounding.key(spec.site)
+            uniform = counter_uniform(global_positions(t), key)  # [local shape]
         data, scale, tensor_scale = nvfp4_cast(  # the tensor scale from the logical amax
-            local_part(t), _block(spec, t.dim()), amax)
+            local_part(t), _block(spec, t.dim()), amax, uniform)
         out = like(t, Float8Tensor(data, scale, t.dtype, mm_config=spec.mm_config,
                                    block=_block(spec, t.dim()), tensor_scale=tensor_scale))
         return _observed(spec, t, out)

@@ -27,6 +27,14 @@ A block scale ([Note: block scales] in f8dist/config/cells.py) is a statistic of
 needs no collective provided no shard splits a block. torch shards a dim of size ``n`` over ``k``
 ranks in chunks of ``ceil(n / k)``, so every shard starts on a block boundary iff that chunk is a
 multiple of the block; a dim two mesh axes shard is cut in two steps, each keeping whole blocks.
+
+[Note: global positions]
+What depends on an element's place (stochastic rounding's draw, [Note: stochastic rounding] in
+f8dist/core/scaling.py) is keyed on its flat index in the logical tensor, so that a shard computes
+what one device computes for those elements: :func:`global_positions` reads the shard's offsets
+from its placements and mesh coordinate as torch does (``compute_local_shape_and_global_offset``:
+uneven chunks, several axes sharding one dim). Shard and Replicate placements only: a
+``_StridedShard``'s rows are no contiguous range, and a ``Partial`` tensor has no values yet.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ __all__ = [
     "all_reduce",
     "all_gather",
     "blocks_split_by_shards",
+    "global_positions",
     "expert_token_placements",
 ]
 
@@ -206,3 +215,37 @@ def blocks_split_by_shards(shape: Sequence[int], block: Sequence[int], mesh_size
 def _is_strided(p) -> bool:
     """A ``_StridedShard`` (FSDP2's shard of a TP-sharded dim): it applies after the ``Shard``."""
     return type(p).__name__ == "_StridedShard"
+
+
+def global_positions(t: torch.Tensor) -> torch.Tensor:
+    """The flat index in the logical tensor of each element of this rank's part of ``t`` (int64,
+    the local shape; [Note: global positions]); ``arange`` of a plain tensor."""
+    if not is_dtensor(t):
+        return torch.arange(t.numel(), device=t.device).view(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if not (p.is_replicate() or p.is_shard()) or _is_strided(p):
+            raise NotImplementedError(
+                f"the global positions of a DTensor placed as {p} (stochastic rounding keys on "
+                "them): only Shard and Replicate placements are contiguous ranges; redistribute "
+                "it first or turn stochastic_rounding off for this cast")
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return _positions(tuple(t.shape), shape, offset, t.device)
+
+
+def _positions(shape: tuple, local_shape, offset, device) -> torch.Tensor:
+    """The flat indices in a contiguous ``shape`` of the block of ``local_shape`` at ``offset``."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    @maybe_run_for_local_tensor  # simulated ranks (LocalTensorMode): once per rank's offsets
+    def positions(local_shape, offset):
+        out = torch.zeros((), dtype=torch.int64, device=device)
+        stride = 1
+        for d in reversed(range(len(shape))):
+            index = torch.arange(offset[d], offset[d] + local_shape[d], device=device) * stride
+            out = out + index.view([-1 if i == d else 1 for i in range(len(shape))])
+            stride *= shape[d]
+        return out.expand(local_shape)  # [local_shape]
+
+    return positions(tuple(local_shape), tuple(offset))

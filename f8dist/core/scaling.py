@@ -88,6 +88,8 @@ __all__ = [
     "round_to_e2m1",
     "e2m1_pack",
     "e2m1_unpack",
+    "counter_uniform",
+    "stochastic_round_to_e2m1",
     "nvfp4_cast",
     "nvfp4_dequantize",
 ]
@@ -433,6 +435,48 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / spacing) * spacing  # a power of 2 divides and multiplies exactly
 
 
+# [Note: stochastic rounding]
+# Gradients in e2m1 round stochastically (NVIDIA's NVFP4 recipe): a value between two
+# neighbouring e2m1 values ``lo < v < hi`` goes up with probability ``(v - lo) / (hi - lo)``, so
+# the rounding is unbiased in expectation. The uniform draw of an element is a counter-based
+# generator of (key, the element's flat position in the logical tensor): SplitMix64's output
+# number ``position`` of the stream ``key`` (its state after ``position + 1`` steps, mixed), in
+# int64 ops that wrap as uint64's do. No generator state moves, so a rank's shard draws exactly
+# the numbers one device draws for those elements ([Note: global positions] in
+# f8dist/core/placement.py), and the same (key, position) always rounds alike. The key (seed,
+# site, draw) comes from ``f8dist.core.cast.stochastic_rounding``.
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15, SplitMix64's increment, as an int64
+_MIX = (-0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15)  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """uint64's ``z >> s`` of an int64 ``z`` (torch shifts int64 arithmetically)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniform(positions: torch.Tensor, key: int) -> torch.Tensor:
+    """A float32 in [0, 1) (24 random bits) per element of the int64 ``positions``: SplitMix64
+    of the stream ``key`` at those counters ([Note: stochastic rounding])."""
+    start = (key + _GOLDEN + 2**63) % 2**64 - 2**63  # the state after 1 step, as an int64
+    z = positions * _GOLDEN + start  # after position + 1 steps (int64 wraps as uint64)
+    z = (z ^ _shr(z, 30)) * _MIX[0]
+    z = (z ^ _shr(z, 27)) * _MIX[1]
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40).to(torch.float32) * 2.0**-24  # the top 24 bits, exact in float32
+
+
+def stochastic_round_to_e2m1(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` in [-6, 6] rounded to one of its two neighbouring e2m1 values, up (away
+    from 0) where ``uniform`` (a float32 in [0, 1) per element) is below the distance to the
+    lower one in units of the spacing: unbiased ([Note: stochastic rounding])."""
+    mag = x.abs()
+    spacing = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    lo = torch.floor(mag / spacing) * spacing  # exact: spacing is a power of 2
+    up = uniform < (mag - lo) / spacing
+    return torch.copysign(torch.where(up, lo + spacing, lo), x)
+
+
 def _grid_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:
     """max(|x|) of each block of an N-D ``x``, ``block`` one length per dim (None: the whole
     dim), float32 [ceil(n / b) per dim]; edge blocks zero-padded."""
@@ -446,7 +490,8 @@ def _grid_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:
     return torch.amax(x, dim=dims).to(torch.float32)
 
 
-def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor) -> tuple:
+def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor,
+               uniform: Optional[torch.Tensor] = None) -> tuple:
     """``(data, block_scales, tensor_scale)``: ``x`` in NVFP4 ([Note: NVFP4] in
     f8dist/config/cells.py) from ``amax``, the logical tensor's (a 0-dim float32). ``block``: a
     length per dim of ``x`` (None: whole). The decode scales: ``tensor_scale = amax / (448 * 6)``
@@ -454,7 +499,9 @@ def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor) -> tuple:
     range). The data: ``x * (1 / tensor_scale) / block_scale``, clamped to 6, rounded to e2m1 and
     packed two a byte along the last dim ([Note: packed e2m1]). torchao's ``nvfp4_quantize`` to
     the bit, but that a tensor scale below float32's smallest normal (amax < 2688 * 2**-126,
-    all-zero tensors included) is raised to it, so nothing divides by 0.
+    all-zero tensors included) is raised to it, so nothing divides by 0. ``uniform`` (float32 in
+    [0, 1), ``x``'s shape): round stochastically with these draws ([Note: stochastic rounding])
+    instead of to nearest.
     """
     tensor_scale = torch.clamp(amax.to(torch.float32) / (_E4M3_MAX * _E2M1_MAX), min=_F32.tiny)
     block_amax = _grid_amax(x, block)  # [ceil(n / b) per dim]
@@ -463,7 +510,9 @@ def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor) -> tuple:
     block_scale = block_scale.to(torch.float8_e4m3fn)  # e4m3 decode scales
     encode = torch.clamp((1.0 / tensor_scale) / block_scale.to(torch.float32), max=_F32.max)
     scaled = x.to(torch.float32) * expand_blocks(encode, block, x.shape)
-    data = round_to_e2m1(scaled.clamp_(min=-_E2M1_MAX, max=_E2M1_MAX))
+    scaled = scaled.clamp_(min=-_E2M1_MAX, max=_E2M1_MAX)
+    data = (round_to_e2m1(scaled) if uniform is None
+            else stochastic_round_to_e2m1(scaled, uniform))
     return e2m1_pack(data), block_scale, tensor_scale
 
 

@@ -328,3 +328,17 @@ def test_nvfp4_recipe_is_one_row():
     assert (spec.dtype, spec.block_size, spec.scale_dtype) == (
         torch.float4_e2m1fn_x2, (16, 16), torch.float8_e4m3fn)
     assert config.cast_spec("grad_weight", "grad_output", "w").block_size == (1, 16)
+
+
+def test_stochastic_rounding_is_for_nvfp4_casts_only():
+    # [Note: stochastic rounding] in f8dist/core/scaling.py rounds e2m1 values
+    from f8dist.config.cells import E2M1, E4M3
+
+    nvfp4 = dict(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E2M1,
+                 scale_dtype=E4M3, block_size=(1, 16))
+    assert CastConfig(stochastic_rounding=True, **nvfp4).short_str() == "dyn_blk1x16e4m3_e2m1_sr"
+    with pytest.raises(ValueError, match="stochastic_rounding=True rounds NVFP4's e2m1 values, "
+                                         "got target_dtype=torch.float8_e4m3fn"):
+        CastConfig(target_dtype=torch.float8_e4m3fn, stochastic_rounding=True)
+    with pytest.raises(TypeError, match="stochastic_rounding must be a bool, got 1"):
+        CastConfig(stochastic_rounding=1, **nvfp4)

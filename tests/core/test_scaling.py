@@ -279,3 +279,53 @@ def test_nvfp4_cast_of_zeros_and_square_blocks():
     assert scale.shape == (2, 3) and scale.dtype == torch.float8_e4m3fn
     from f8dist.core.numerics import sqnr
     assert sqnr(x, nvfp4_dequantize(data, scale, (16, 16), ts, torch.float32)) > 15
+
+
+def test_stochastic_round_to_e2m1_is_unbiased_and_picks_a_neighbour():
+    # [Note: stochastic rounding]: the mean of n independent roundings is the value, within 5
+    # standard deviations of that mean (each rounding's is at most half the spacing)
+    from f8dist.core.scaling import counter_uniform, round_to_e2m1, stochastic_round_to_e2m1
+
+    v = torch.cat([torch.linspace(-6, 6, 97), torch.tensor([0.1, 0.3, 2.2, 3.9, 4.5, -5.1])])
+    mag = v.abs()
+    spacing = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    n = 400
+    positions = torch.arange(n * v.numel()).view(n, -1)  # [n, V]: n independent draws each
+    out = stochastic_round_to_e2m1(v.expand(n, -1), counter_uniform(positions, key=7))  # [n, V]
+    assert torch.equal(round_to_e2m1(out), out)  # e2m1 values
+    assert ((out - v).abs() < spacing).all()  # one of the two neighbours
+    assert ((out.mean(0) - v).abs() <= 5 * spacing / 2 / n**0.5).all()
+    assert (out.std(0)[(v / spacing) % 1 != 0] > 0).all()  # not to nearest: both neighbours
+
+
+def test_counter_uniform_is_splitmix64_of_the_position():
+    # [Note: stochastic rounding]: SplitMix64's outputs (the reference in Python's integers),
+    # so a draw depends on (key, position) alone
+    from f8dist.core.scaling import counter_uniform
+
+    def splitmix64(state):
+        z = state % 2**64
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+        return z ^ (z >> 31)
+
+    positions = torch.tensor([0, 1, 2, 1000, 2**40 + 3])
+    for key in [0, 12345, 2**64 - 1]:
+        want = [(splitmix64(key + (p + 1) * 0x9E3779B97F4A7C15) >> 40) * 2.0**-24
+                for p in positions.tolist()]
+        assert counter_uniform(positions, key).tolist() == want
+        assert torch.equal(counter_uniform(positions[3:], key), counter_uniform(positions, key)[3:])
+
+
+def test_nvfp4_cast_rounds_stochastically_given_draws():
+    from f8dist.core.scaling import counter_uniform, nvfp4_cast
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    amax, positions = tensor_amax(x), torch.arange(x.numel()).view(x.shape)
+    nearest = nvfp4_cast(x, (1, 16), amax)
+    a, b, c = (nvfp4_cast(x, (1, 16), amax, counter_uniform(positions, k)) for k in (1, 1, 2))
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))  # deterministic
+    assert not torch.equal(a[0].view(torch.uint8), c[0].view(torch.uint8))  # another key
+    assert not torch.equal(a[0].view(torch.uint8), nearest[0].view(torch.uint8))
+    assert torch.equal(a[1].view(torch.uint8), nearest[1].view(torch.uint8))  # the same scales
+    assert torch.equal(a[2], nearest[2])

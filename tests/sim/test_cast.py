@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from f8dist import Float8LinearConfig
-from f8dist.core.cast import cast_to_float8
+from f8dist.core.cast import cast_to_float8, stochastic_rounding
 from f8dist.config import Gemm, Operand
 from f8dist.testing import count_collectives
 from tests.sim.local import local_world, per_rank, shard
@@ -76,7 +76,9 @@ def test_nvfp4_cast_of_a_dtensor_is_one_devices_sliced(gemm, operand, shape, pla
     spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec(gemm, operand)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x[(1,) * (len(shape) - 1) + (7,)] = 40.0  # one outlier: one shard alone holds the amax
+    stochastic_rounding.reset()  # gradients: the same draw as the ranks' below
     ref = cast_to_float8(x, spec)
+    stochastic_rounding.reset()
     with local_world(8) as mode:
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
         with count_collectives() as counts:
@@ -95,3 +97,38 @@ def test_nvfp4_cast_of_a_dtensor_is_one_devices_sliced(gemm, operand, shape, pla
         if axes:
             ranks = mesh[tuple(axes)]._flatten() if len(axes) > 1 else mesh[axes[0]]
             assert reduces.calls_over(ranks, "max") == 1
+
+
+SR_CASES = [  # (ranks, mesh, placements of a [B, S, D] gradient); uneven shards: test_placement.py
+    (2, (2,), [Shard(0)]),
+    (4, (4,), [Shard(1)]),
+    (2, (2,), [Shard(2)]),
+    (4, (2, 2), [Shard(1), Shard(2)]),
+    (4, (2, 2), [Shard(1), Shard(1)]),  # one dim cut twice
+    (4, (2, 2), [Shard(0), Replicate()]),
+]
+
+
+@pytest.mark.parametrize("world, mesh_shape, placements", SR_CASES)
+def test_stochastic_nvfp4_cast_of_a_dtensor_is_one_devices_sliced(world, mesh_shape, placements):
+    """[Note: stochastic rounding] in f8dist/core/scaling.py: each element draws by its position
+    in the logical tensor ([Note: global positions] in f8dist/core/placement.py), so every rank's
+    e2m1 bytes are one device's stochastically rounded cast, sliced, bit for bit."""
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec(Gemm.GRAD_INPUT,
+                                                                   Operand.GRAD_OUTPUT)
+    assert spec.stochastic_rounding  # NVIDIA's recipe rounds gradients stochastically
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(0))  # [B, S, D]
+    stochastic_rounding.reset(3)
+    ref = cast_to_float8(x, spec)
+    stochastic_rounding.reset(3)  # every rank derives the same key ([Note: the stochastic ...])
+    with local_world(world) as mode:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        local = cast_to_float8(shard(x, mesh, placements, mode), spec).to_local()
+        data = per_rank(shard(ref._data.view(torch.uint8), mesh, placements, mode).to_local(), world)
+        got = per_rank(local._data.view(torch.uint8), world)
+        for rank in range(world):
+            assert torch.equal(got[rank], data[rank]), rank
+    stochastic_rounding.reset(3)
+    assert torch.equal(cast_to_float8(x, spec)._data.view(torch.uint8), ref._data.view(torch.uint8))
+    assert not torch.equal(cast_to_float8(x, spec)._data.view(torch.uint8),  # the next draw
+                           ref._data.view(torch.uint8))

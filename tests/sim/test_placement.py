@@ -40,3 +40,37 @@ def test_reduce_over_some_axes_is_one_all_reduce_over_them(placements, axes, cap
         group = grid[tuple(slice(None) if n in axes else 0 for n in NAMES)].flatten().tolist()
         assert counts["all_reduce"].calls_over(group, "max") == 1  # as rank 0 issues it
         assert "sequential" not in caplog.text  # torch warns of one all-reduce per axis
+
+
+@pytest.mark.parametrize("mesh_shape, placements", [
+    ((4,), [Shard(1)]),  # 10 rows over 4 ranks: 3, 3, 3, 1 (torch's chunks)
+    ((2, 2), [Shard(1), Shard(1)]),  # 10 over 2 then 2: 3, 2, 3, 2
+    ((2, 2), [Shard(2), Shard(0)]),  # 6 columns over 2, then 3 over 2: 2, 1
+    ((2, 2), [Replicate(), Shard(2)]),
+])
+def test_global_positions_are_a_shards_flat_indices_in_the_logical_tensor(mesh_shape, placements):
+    # [Note: global positions]: uneven shards as torch's Shard cuts them
+    from f8dist.core.placement import global_positions
+    from tests.sim.local import shard
+
+    whole = torch.arange(3 * 10 * 6).view(3, 10, 6)  # each element's flat index
+    assert torch.equal(global_positions(whole.float()), whole)
+    world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
+    with local_world(world) as mode:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        got = per_rank(global_positions(shard(whole.float(), mesh, placements, mode)), world)
+        want = per_rank(shard(whole, mesh, placements, mode).to_local(), world)
+        for rank in range(world):
+            assert torch.equal(got[rank], want[rank]), rank
+
+
+def test_global_positions_refuse_partial_placements():
+    from torch.distributed.tensor import DTensor, Partial
+
+    from f8dist.core.placement import global_positions
+
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        d = DTensor.from_local(torch.zeros(4, 4), mesh, [Partial()], run_check=False)
+        with pytest.raises(NotImplementedError, match="placed as P.*Shard and Replicate"):
+            global_positions(d)

@@ -171,7 +171,10 @@ def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device(sp):
     two ranks' partial gemms, differ from one device's only in float32 summation order
     (>= 120 dB). With sequence parallelism the activation (forward) and the output's gradient
     (backward) are all-gathered in 4 bits with their 1x16 e4m3 block scales ([Note: two-level
-    scales] in f8dist/core/tensor.py), each cast for its two gemms."""
+    scales] in f8dist/core/tensor.py), each cast for its two gemms.
+    Gradients round stochastically, each rank drawing one device's numbers for its shard
+    ([Note: stochastic rounding] in f8dist/core/scaling.py)."""
+    from f8dist.core.cast import stochastic_rounding
     from torch.distributed.tensor.parallel import parallelize_module
     from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
 
@@ -184,6 +187,7 @@ def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device(sp):
     grad_out = torch.randn(2, 32, 64, generator=gen)
     ref_x = x.clone().requires_grad_()
     reference = copy.deepcopy(model)
+    stochastic_rounding.reset()  # as each rank starts ([Note: a run starts as processes do])
     ref_out = reference(ref_x)
     ref_out.backward(grad_out)
     models = [copy.deepcopy(model) for _ in range(2)]
