@@ -194,6 +194,9 @@ class CastConfig:
     # NVFP4 only: round e2m1 values stochastically ([Note: stochastic rounding] in
     # f8dist/core/scaling.py), as NVIDIA's recipe rounds gradients
     stochastic_rounding: bool = False
+    # NVFP4 grad_weight operands only: transform the tokens first ([Note: random Hadamard
+    # transform] in f8dist/core/scaling.py), as NVIDIA's recipe does
+    random_hadamard: bool = False
 
     def __post_init__(self):
         if not isinstance(self.scaling_type, ScalingType):
@@ -237,8 +240,8 @@ class CastConfig:
         if self.blockwise:
             scale = {E8M0: "e8m0", E4M3: "e4m3"}.get(self.scale_dtype, "f32")
             gran = f"{gran}{self.block_size[0]}x{self.block_size[1]}{scale}"
-        sr = "_sr" if self.stochastic_rounding else ""
-        return f"{self.scaling_type.short_str()}_{gran}_{dtype}{sr}"
+        extra = "_sr" * self.stochastic_rounding + "_rht" * self.random_hadamard
+        return f"{self.scaling_type.short_str()}_{gran}_{dtype}{extra}"
 
 
 def _check_block(cc: "CastConfig") -> None:
@@ -290,13 +293,15 @@ def _check_nvfp4(cc: "CastConfig") -> None:
     fix = (f"NVFP4 is CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, "
            f"target_dtype=torch.float4_e2m1fn_x2, block_size=(1, 16) or (16, 16), "
            f"scale_dtype=torch.float8_e4m3fn) (the 'nvfp4' recipe)")
-    if not isinstance(cc.stochastic_rounding, bool):
-        raise TypeError(f"CastConfig.stochastic_rounding must be a bool, got "
-                        f"{cc.stochastic_rounding!r}")
-    if cc.stochastic_rounding and cc.target_dtype != E2M1:
-        raise ValueError(f"CastConfig.stochastic_rounding=True rounds NVFP4's e2m1 values, got "
-                         f"target_dtype={cc.target_dtype}: set target_dtype=torch.float4_e2m1fn_x2 "
-                         f"({fix}) or leave stochastic_rounding=False")
+    for name, what in (("stochastic_rounding", "rounds NVFP4's e2m1 values"),
+                       ("random_hadamard", "transforms NVFP4 operands")):
+        value = getattr(cc, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"CastConfig.{name} must be a bool, got {value!r}")
+        if value and cc.target_dtype != E2M1:
+            raise ValueError(f"CastConfig.{name}=True {what}, got target_dtype="
+                             f"{cc.target_dtype}: set target_dtype=torch.float4_e2m1fn_x2 "
+                             f"({fix}) or leave {name}=False")
     if cc.target_dtype == E2M1:
         bad = [f"{k}={getattr(cc, k)}" for k, v in nvfp4.items() if getattr(cc, k) != v]
         if cc.block_size not in _NVFP4_BLOCKS:

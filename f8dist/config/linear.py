@@ -188,6 +188,7 @@ class Float8LinearConfig:
             scale_dtype=cc.scale_dtype,
             scale_rounding=cc.scale_rounding,
             stochastic_rounding=cc.stochastic_rounding,
+            random_hadamard=cc.random_hadamard,
         )
 
     def cast_specs(self, fqn: str = "") -> CastSpecs:

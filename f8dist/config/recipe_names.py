@@ -21,3 +21,6 @@ class Float8LinearRecipeName(enum.Enum):
     # e2m1 in 1x16 blocks (16x16 weights), e4m3 block scales, a float32 tensor scale ([Note:
     # NVFP4] in f8dist/config/cells.py)
     NVFP4 = "nvfp4"
+    # nvfp4 without the random Hadamard transform of the grad_weight gemm's operands, which
+    # costs grad_weight SQNR on data with outliers (docs/numerics.md)
+    NVFP4_NO_RHT = "nvfp4_no_rht"

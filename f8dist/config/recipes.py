@@ -23,12 +23,12 @@ def _deepseek(block_size: Tuple[int, int]) -> CastConfig:
                       block_size=block_size)
 
 
-def _nvfp4(block_size: Tuple[int, int] = (1, 16), stochastic_rounding: bool = False) -> CastConfig:
+def _nvfp4(block_size: Tuple[int, int] = (1, 16), **rounding: bool) -> CastConfig:
     """An NVFP4 cast: e2m1 with one e4m3 scale per ``block_size`` block under a float32 tensor
-    scale ([Note: NVFP4] in f8dist/config/cells.py)."""
+    scale ([Note: NVFP4] in f8dist/config/cells.py); ``rounding``: its stochastic_rounding and
+    random_hadamard."""
     return CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E2M1,
-                      block_size=block_size, scale_dtype=E4M3,
-                      stochastic_rounding=stochastic_rounding)
+                      block_size=block_size, scale_dtype=E4M3, **rounding)
 
 
 def recipe_fields(recipe_name: str) -> Dict[str, object]:
@@ -101,12 +101,17 @@ def recipe_fields(recipe_name: str) -> Dict[str, object]:
             cast_config_input=_deepseek((1, 128)), cast_config_weight=_deepseek((128, 128)),
             cast_config_grad_output=_deepseek((1, 128)))
 
-    if recipe_name is Float8LinearRecipeName.NVFP4:
-        # NVIDIA's NVFP4 training recipe, less its random Hadamard transform of the grad_weight
-        # gemm's operands (not yet): 16x16 weight blocks, so one cast serves both of the
+    if recipe_name in (Float8LinearRecipeName.NVFP4, Float8LinearRecipeName.NVFP4_NO_RHT):
+        # NVIDIA's NVFP4 training recipe: 16x16 weight blocks, so one cast serves both of the
         # weight's gemms; gradients rounded stochastically ([Note: stochastic rounding] in
-        # f8dist/core/scaling.py)
-        return dict(cast_config_input=_nvfp4(), cast_config_weight=_nvfp4((16, 16)),
-                    cast_config_grad_output=_nvfp4(stochastic_rounding=True))
+        # f8dist/core/scaling.py); the grad_weight gemm's operands transformed along the tokens
+        # ([Note: random Hadamard transform] there), but in "nvfp4_no_rht"
+        rht = recipe_name is Float8LinearRecipeName.NVFP4
+        return dict(
+            cast_config_input=_nvfp4(), cast_config_weight=_nvfp4((16, 16)),
+            cast_config_grad_output=_nvfp4(stochastic_rounding=True),
+            cast_config_input_for_grad_weight=_nvfp4(random_hadamard=rht),
+            cast_config_grad_output_for_grad_weight=_nvfp4(stochastic_rounding=True,
+                                                           random_hadamard=rht))
 
     raise AssertionError(recipe_name)

@@ -61,6 +61,15 @@ def check_gemm(gemm: Gemm, a: CastConfig, b: CastConfig) -> None:
     """A gemm casts both operands or neither; a block-scaled one agrees on the contraction block
     and scale dtype ([Note: block scales] in f8dist/config/cells.py)."""
     left, right = gemm.operands
+    if a.random_hadamard or b.random_hadamard:  # [Note: random Hadamard transform]
+        if gemm is not Gemm.GRAD_WEIGHT or a.random_hadamard != b.random_hadamard:
+            raise ValueError(
+                f"the {gemm} gemm transforms {left}: random_hadamard={a.random_hadamard}, "
+                f"{right}: random_hadamard={b.random_hadamard}; the transform leaves a product "
+                "unchanged only when both operands take it along the contraction dim, the "
+                "tokens of the grad_weight gemm: set random_hadamard=True on both of "
+                f"{field_name(Gemm.GRAD_WEIGHT, Operand.INPUT)} and "
+                f"{field_name(Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT)} (and on no other cast)")
     if a.enabled != b.enabled:
         on, off = (left, right) if a.enabled else (right, left)
         raise ValueError(

@@ -91,6 +91,8 @@ class CastSpec:
     grouped: bool = False
     # NVFP4 only: [Note: stochastic rounding] in f8dist/core/scaling.py
     stochastic_rounding: bool = False
+    # NVFP4 grad_weight operands only: [Note: random Hadamard transform] in f8dist/core/scaling.py
+    random_hadamard: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "gemm", Gemm.coerce(self.gemm, "CastSpec.gemm"))
@@ -103,7 +105,8 @@ class CastSpec:
         CastConfig(scaling_type=self.scaling_type, scaling_granularity=self.granularity,
                    target_dtype=self.dtype, block_size=self.block_size,
                    scale_dtype=self.scale_dtype, scale_rounding=self.scale_rounding,
-                   stochastic_rounding=self.stochastic_rounding)
+                   stochastic_rounding=self.stochastic_rounding,
+                   random_hadamard=self.random_hadamard)
 
     @property
     def enabled(self) -> bool:

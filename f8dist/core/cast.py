@@ -27,8 +27,8 @@ from f8dist.core.placement import (
     with_layout,
 )
 from f8dist.core.scaling import (
-    E2M1, amax_to_scale, block_cast, counter_uniform, group_amax, group_ids, in_memory, nvfp4_cast,
-    saturated_cast, stored_scale, tensor_amax,
+    E2M1, amax_to_scale, block_cast, counter_uniform, group_amax, group_ids, hadamard_signs,
+    in_memory, nvfp4_cast, random_hadamard, saturated_cast, stored_scale, tensor_amax,
 )
 from f8dist.core.tensor import Block, Float8Tensor, KeptShard, block_of
 
@@ -84,7 +84,8 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 class StochasticRounding:
     """The seed and per-site draw counts of stochastic rounding ([Note: the stochastic rounding
-    key]); one per process, ``f8dist.core.cast.stochastic_rounding``."""
+    key]), and the seed of the random Hadamard transform's signs; one per process,
+    ``f8dist.core.cast.stochastic_rounding``."""
 
     def __init__(self, seed: int = 0):
         self.reset(seed)
@@ -101,6 +102,12 @@ class StochasticRounding:
         self.draws[counter] = draw + 1
         digest = hashlib.blake2b(f"{self.seed}:{name}:{draw}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little")  # the same in every process (hash() is not)
+
+    def signs_key(self) -> int:
+        """The key of the random Hadamard transform's signs: the seed's alone ([Note: random
+        Hadamard transform] in f8dist/core/scaling.py)."""
+        digest = hashlib.blake2b(f"{self.seed}:hadamard".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "draws": dict(self.draws)}
@@ -341,6 +348,10 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
                 "for an FSDP2 weight)"
             )
     if spec.dtype == E2M1:  # two levels: [Note: NVFP4] in f8dist/config/cells.py
+        dtype = t.dtype
+        if spec.random_hadamard:  # [Note: random Hadamard transform] in f8dist/core/scaling.py
+            signs = hadamard_signs(stochastic_rounding.signs_key())  # [16], every rank's
+            t = like(t, random_hadamard(local_part(t), signs))  # observers see it transformed
         t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]
         if amax is None:
             amax = local_part(logical_amax(t))
@@ -350,7 +361,7 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
             uniform = counter_uniform(global_positions(t), key)  # [local shape]
         data, scale, tensor_scale = nvfp4_cast(  # the tensor scale from the logical amax
             local_part(t), _block(spec, t.dim()), amax, uniform)
-        out = like(t, Float8Tensor(data, scale, t.dtype, mm_config=spec.mm_config,
+        out = like(t, Float8Tensor(data, scale, dtype, mm_config=spec.mm_config,
                                    block=_block(spec, t.dim()), tensor_scale=tensor_scale))
         return _observed(spec, t, out)
     local = in_memory(local_part(t))  # read twice: [Note: a cast that waits for its amax]

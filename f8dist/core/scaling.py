@@ -90,6 +90,8 @@ __all__ = [
     "e2m1_unpack",
     "counter_uniform",
     "stochastic_round_to_e2m1",
+    "hadamard_signs",
+    "random_hadamard",
     "nvfp4_cast",
     "nvfp4_dequantize",
 ]
@@ -475,6 +477,46 @@ def stochastic_round_to_e2m1(x: torch.Tensor, uniform: torch.Tensor) -> torch.Te
     lo = torch.floor(mag / spacing) * spacing  # exact: spacing is a power of 2
     up = uniform < (mag - lo) / spacing
     return torch.copysign(torch.where(up, lo + spacing, lo), x)
+
+
+# [Note: random Hadamard transform]
+# NVIDIA's NVFP4 recipe multiplies both operands of the grad_weight gemm by one orthogonal
+# block-diagonal matrix along the gemm's contraction dim (the tokens), each 16-block by
+# ``H16 @ diag(signs) / 4`` (H16 the Sylvester Hadamard matrix, ``signs`` random +-1): since
+# ``(Q G)^T (Q X) = G^T Q^T Q X = G^T X`` the product is unchanged in exact arithmetic, while an
+# outlier token is spread over its block (NVIDIA's reason: the other tokens of its block are not
+# flushed to 0 under its scale; scripts/nvfp4_rounding.py measures what it does to the gemm).
+# The blocks are those of the token-block cast (within each sequence of an N-D operand), a
+# sequence's last partial block left as it is (the identity is orthogonal too). The signs come
+# from the seed alone, the same on every rank; a shard transforms its own blocks, one device's
+# where shards hold whole 16-blocks, which the block cast of a DTensor requires anyway ([Note:
+# shards on block boundaries] in f8dist/core/placement.py).
+
+_HADAMARD = 16
+
+
+def hadamard_signs(key: int) -> torch.Tensor:
+    """The random signs (+-1, float32 [16]) of the transform of ``key`` ([Note: random Hadamard
+    transform])."""
+    return torch.where(counter_uniform(torch.arange(_HADAMARD), key) < 0.5, -1.0, 1.0)
+
+
+def random_hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., S, C] with each 16-block of tokens along dim -2 multiplied by
+    ``H16 @ diag(signs) / 4`` ([Note: random Hadamard transform]): the blocks of its token-block
+    cast ([Note: token blocks of N-D activations] in f8dist/config/specs.py), each sequence's
+    last partial block left as it is; float32 or wider."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < _HADAMARD:  # Sylvester: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    q = (h * signs.to(h.device)[None, :] / 4).to(device=x.device, dtype=dtype)  # [16, 16], exact
+    s, c = x.shape[-2:]
+    seqs = x.reshape(-1, s, c).to(dtype)  # [B, S, C]
+    whole = s - s % _HADAMARD
+    blocks = seqs[:, :whole].reshape(seqs.shape[0], -1, _HADAMARD, c)  # [B, S / 16, 16, C]
+    out = torch.cat([torch.matmul(q, blocks).reshape(-1, whole, c), seqs[:, whole:]], 1)
+    return out.view(x.shape)  # [..., S, C]
 
 
 def _grid_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:

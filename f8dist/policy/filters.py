@@ -52,6 +52,7 @@ CAST_BYTES = {
     Float8LinearRecipeName.MXFP8_SQUARE_WEIGHTS: (6, 6, 3),
     Float8LinearRecipeName.BLOCKWISE: (6, 6, 3),
     Float8LinearRecipeName.NVFP4: (6, 6, 3),
+    Float8LinearRecipeName.NVFP4_NO_RHT: (6, 6, 3),
 }
 
 

@@ -330,7 +330,7 @@ def test_nvfp4_recipe_is_one_row():
     assert config.cast_spec("grad_weight", "grad_output", "w").block_size == (1, 16)
 
 
-def test_stochastic_rounding_is_for_nvfp4_casts_only():
+def test_stochastic_rounding_and_random_hadamard_are_for_nvfp4_casts_only():
     # [Note: stochastic rounding] in f8dist/core/scaling.py rounds e2m1 values
     from f8dist.config.cells import E2M1, E4M3
 
@@ -342,3 +342,8 @@ def test_stochastic_rounding_is_for_nvfp4_casts_only():
         CastConfig(target_dtype=torch.float8_e4m3fn, stochastic_rounding=True)
     with pytest.raises(TypeError, match="stochastic_rounding must be a bool, got 1"):
         CastConfig(stochastic_rounding=1, **nvfp4)
+    # so is the random Hadamard transform ([Note: random Hadamard transform] there)
+    assert CastConfig(random_hadamard=True, **nvfp4).short_str() == "dyn_blk1x16e4m3_e2m1_rht"
+    with pytest.raises(ValueError, match="random_hadamard=True transforms NVFP4 operands, got "
+                                         "target_dtype=None"):
+        CastConfig(random_hadamard=True)

@@ -46,3 +46,24 @@ def test_float8_all_gather_of_nvfp4_weights_is_accepted():
     # tests/sim/parallel/fsdp/test_nvfp4.py)
     config = Float8LinearConfig.from_recipe_name("nvfp4").replace(enable_fsdp_float8_all_gather=True)
     assert config.enable_fsdp_float8_all_gather
+
+
+def test_random_hadamard_takes_both_grad_weight_operands_and_no_other_cast():
+    # [Note: random Hadamard transform] in f8dist/core/scaling.py: the product is unchanged
+    # only when both operands are transformed along the tokens, the grad_weight gemm's
+    # contraction dim
+    config = Float8LinearConfig.from_recipe_name("nvfp4")
+    rht = config.cast_config_input_for_grad_weight
+    assert rht.random_hadamard
+    plain = dataclasses.replace(rht, random_hadamard=False)
+    for fields, words in [
+        (dict(cast_config_input_for_grad_weight=plain),
+         "grad_weight gemm transforms grad_output: random_hadamard=True, input: "
+         "random_hadamard=False"),
+        (dict(cast_config_input=dataclasses.replace(config.cast_config_input,
+                                                    random_hadamard=True)),
+         "output gemm transforms input: random_hadamard=True.*set random_hadamard=True on both "
+         "of cast_config_input_for_grad_weight and cast_config_grad_output_for_grad_weight"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            config.replace(**fields)

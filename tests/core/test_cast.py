@@ -115,3 +115,23 @@ def test_compiled_block_casts_are_eager_bit_for_bit(spec):
         assert torch.equal(nan, torch.isnan(c.float()))
         bits = {1: torch.uint8, 4: torch.int32}[e.element_size()]
         assert torch.equal(e.view(bits)[~nan], c.view(bits)[~nan])
+
+
+def test_nvfp4_grad_weight_casts_take_the_random_hadamard_transform():
+    # [Note: random Hadamard transform] in f8dist/core/scaling.py: the "nvfp4" recipe's
+    # grad_weight operands are the casts of their transformed tokens (signs from the seed), kept
+    # in the operand's dtype
+    from f8dist import Float8LinearConfig
+    from f8dist.core.cast import stochastic_rounding
+    from f8dist.core.scaling import hadamard_signs, nvfp4_cast, random_hadamard, tensor_amax
+
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec("grad_weight", "input")
+    assert spec.random_hadamard and not spec.stochastic_rounding
+    x = torch.randn(2, 24, 32, dtype=torch.bfloat16)  # [B, S, K]: 48 tokens, three 16-blocks
+    stochastic_rounding.reset(7)
+    fp8 = cast_to_float8(x, spec)
+    xt = random_hadamard(x, hadamard_signs(stochastic_rounding.signs_key()))
+    data, scale, tensor_scale = nvfp4_cast(xt, (1, 16, 1), tensor_amax(xt))
+    assert fp8.dtype == torch.bfloat16 and torch.equal(fp8._tensor_scale, tensor_scale)
+    assert torch.equal(fp8._data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(fp8._scale.view(torch.uint8), scale.view(torch.uint8))

@@ -329,3 +329,22 @@ def test_nvfp4_cast_rounds_stochastically_given_draws():
     assert not torch.equal(a[0].view(torch.uint8), nearest[0].view(torch.uint8))
     assert torch.equal(a[1].view(torch.uint8), nearest[1].view(torch.uint8))  # the same scales
     assert torch.equal(a[2], nearest[2])
+
+
+def test_random_hadamard_leaves_the_grad_weight_product_unchanged():
+    # [Note: random Hadamard transform]: Q = H16 diag(signs) / 4 is orthogonal, so transforming
+    # both operands' tokens leaves G^T X unchanged; on integers float64 is exact arithmetic here
+    from f8dist.core.scaling import hadamard_signs, random_hadamard
+
+    signs = hadamard_signs(5)
+    assert set(signs.tolist()) == {-1.0, 1.0} and torch.equal(signs, hadamard_signs(5))
+    q = random_hadamard(torch.eye(16, dtype=torch.float64), signs)  # [16, 16]: Q itself
+    assert torch.equal(q.t() @ q, torch.eye(16, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randint(-8, 9, (2, 21, 24), generator=gen).double()  # [B, S, N]: a partial block
+    x = torch.randint(-8, 9, (2, 21, 40), generator=gen).double()  # [B, S, K]
+    gt, xt = random_hadamard(g, signs), random_hadamard(x, signs)
+    assert not torch.equal(gt, g)
+    plain = g.reshape(-1, 24).t() @ x.reshape(-1, 40)  # [N, K]
+    assert torch.equal(gt.reshape(-1, 24).t() @ xt.reshape(-1, 40), plain)
+

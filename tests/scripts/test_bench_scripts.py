@@ -178,3 +178,20 @@ def test_sqnr_table_prints_every_recipe_above_the_floors(capsys, monkeypatch):
     assert {r[0].strip() for r in rows} == set(sqnr_table.RECIPES)
     for recipe, dtype, *sqnrs in rows:
         assert all(float(v) > 20 for v in sqnrs), (recipe, dtype, sqnrs)
+
+
+def test_nvfp4_rounding_prints_every_variant_on_every_data(capsys, monkeypatch):
+    import nvfp4_rounding
+
+    monkeypatch.setattr(sys, "argv", ["nvfp4_rounding.py", "--tokens", "32", "--features", "32",
+                                      "--draws", "2"])
+    nvfp4_rounding.main()
+    rows = [line.rsplit(None, 4) for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(rows) == 3 * len(nvfp4_rounding.VARIANTS)
+    for label, *sqnrs in rows:
+        (config,) = [c for v, c in nvfp4_rounding.VARIANTS.items() if label.endswith(v)]
+        gw, gw_mean = map(float, sqnrs[2:])
+        if config.cast_config_grad_output.stochastic_rounding:
+            assert gw_mean > gw, label  # two draws' errors average down
+        else:
+            assert gw_mean == gw, label  # round to nearest: every pass the same

@@ -132,3 +132,25 @@ def test_stochastic_nvfp4_cast_of_a_dtensor_is_one_devices_sliced(world, mesh_sh
     assert torch.equal(cast_to_float8(x, spec)._data.view(torch.uint8), ref._data.view(torch.uint8))
     assert not torch.equal(cast_to_float8(x, spec)._data.view(torch.uint8),  # the next draw
                            ref._data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("operand", [Operand.INPUT, Operand.GRAD_OUTPUT])
+def test_random_hadamard_cast_of_token_shards_is_one_devices_sliced(operand):
+    """[Note: random Hadamard transform] in f8dist/core/scaling.py: a sequence shard holding
+    whole 16-token blocks transforms and casts them as one device does; one that splits them is
+    refused, naming the split."""
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec(Gemm.GRAD_WEIGHT, operand)
+    assert spec.random_hadamard
+    x = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(0))  # [B, S, C]
+    stochastic_rounding.reset()
+    ref = cast_to_float8(x, spec)
+    stochastic_rounding.reset()
+    with local_world(2) as mode:
+        mesh = init_device_mesh("cpu", (2,))
+        local = cast_to_float8(shard(x, mesh, [Shard(1)], mode), spec).to_local()
+        data = per_rank(shard(ref._data.view(torch.uint8), mesh, [Shard(1)], mode).to_local(), 2)
+        got = per_rank(local._data.view(torch.uint8), 2)
+        for rank in range(2):
+            assert torch.equal(got[rank], data[rank]), rank
+        with pytest.raises(NotImplementedError, match="into 24 per rank, which splits its 16-wide"):
+            cast_to_float8(shard(x[:, :48], mesh, [Shard(1)], mode), spec)
