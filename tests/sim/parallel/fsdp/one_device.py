@@ -4,21 +4,27 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from f8dist.core.cast import StochasticRounding, stochastic_rounding
+
 
 def one_device_steps(ref: torch.nn.Module, batch: Callable[[int, int], torch.Tensor], world: int,
                      steps: int) -> Tuple[List[List[torch.Tensor]], List[Dict[str, torch.Tensor]]]:
     """``ref`` trained as ``world`` ranks train its copies: each step one device runs every
-    rank's ``batch(step, rank)`` and sums the gradients in rank order (the threaded group's
-    reduce-scatter order), then divides by ``world``, as FSDP2 does, then AdamW (lr 1e-2) steps.
-    Returns each step's outputs per rank and gradients by parameter name."""
+    rank's ``batch(step, rank)`` (with that rank's stochastic rounding draws: [Note: the
+    stochastic rounding key] in f8dist/core/cast.py) and sums the gradients in rank order (the
+    threaded group's reduce-scatter order), then divides by ``world``, as FSDP2 does, then AdamW
+    (lr 1e-2) steps. Returns each step's outputs per rank and gradients by parameter name."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     outs, grads = [], []
+    draws = [StochasticRounding().state_dict() for _ in range(world)]  # each rank's, as it starts
     for step in range(steps):
         outs.append([])
         summed = {}
         for rank in range(world):
+            stochastic_rounding.load_state_dict(draws[rank])
             y = ref(batch(step, rank))
             y.pow(2).mean().backward()
+            draws[rank] = stochastic_rounding.state_dict()
             outs[step].append(y.detach())
             for n, p in ref.named_parameters():
                 summed[n] = p.grad.clone() if n not in summed else summed[n].add_(p.grad)

@@ -8,7 +8,8 @@ tests/sim/parallel/fsdp/test_block.py.
   move 1 byte per element plus one e8m0 byte per 32x32 block (against bf16's 2);
 * every block recipe with a high-precision all-gather, uneven and empty shards included (a
   20-row layer over 8 ranks: 3 rows on six, 2 on one, none on the last): one device's numbers,
-  no amax all-reduce;
+  no amax all-reduce; nvfp4's stochastically rounded gradients too, each rank drawing as one
+  device does for its batch ([Note: the stochastic rounding key] in f8dist/core/cast.py);
 * a float8 all-gather whose shards would split blocks raises, naming the fix;
 * a one-rank FSDP2 group, where FSDP2 runs no collective ([Note: one-rank FSDP2 group]): every
   recipe that gathers in float8, linears and grouped experts, one device's numbers over two
@@ -72,11 +73,11 @@ def batch(step, rank=0):
 
 
 def parity(recipe, fp8_all_gather, head=False, steps=1):
-    """Every rank trains a copy on its own batches; one device runs each rank's batch and sums
-    the gradients in rank order (the threaded group's reduce-scatter order), then divides by 8,
-    as FSDP2 does: outputs and gradients must be equal. Returns, per rank, the names of the
-    weights gathered in float8, each step's (forward, backward) collective counts and the rows of
-    each weight's shard."""
+    """Every rank trains a copy on its own batches; one device runs each rank's batch (with that
+    rank's stochastic rounding draws) and sums the gradients in rank order (the threaded group's
+    reduce-scatter order), then divides by 8, as FSDP2 does: outputs and gradients must be equal.
+    Returns, per rank, the names of the weights gathered in float8, each step's (forward,
+    backward) collective counts and the rows of each weight's shard."""
     ref = make(recipe, fp8_all_gather, head)
     copies = [copy.deepcopy(ref) for _ in range(WORLD)]
     outs, grads = one_device_steps(ref, batch, WORLD, steps)
@@ -137,7 +138,7 @@ def test_square_blocks_all_gather_bytes_on_8_ranks():
     assert bf16 == [2 * DIM * DIM * 2] * WORLD, bf16
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "nvfp4"])
 def test_block_recipes_uneven_and_empty_shards_on_8_ranks(recipe):
     results = parity(recipe, fp8_all_gather=False, head=True)
     assert [rows["head.weight"] for _, _, rows in results] == [3] * 6 + [2, 0]
