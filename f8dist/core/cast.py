@@ -76,10 +76,13 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 # casts that site made before since the seed was set. Every rank of an SPMD program makes the same
 # casts of a site in the same order (its shards of one tensor, each cast once), so each derives
 # the same key with no collective, and with the element's global position the same draw as one
-# device. ``stochastic_rounding`` holds the seed and the counts (``state_dict`` to checkpoint
+# device. Data-parallel ranks, each one device on its own batch, draw alike for their batches too
+# (the positions are the batch's), so their rounding errors are not independent.
+# ``stochastic_rounding`` holds the seed and the counts (``state_dict`` to checkpoint
 # them: a resumed run then draws on as the uninterrupted one), counted per process-group rank so
-# that ranks simulated as threads of one process count as processes do. torch.compile would trace
-# the key as a constant: stochastic rounding is for eager backward casts.
+# that ranks simulated as threads of one process count as processes do. The key is a Python value
+# computed as the cast runs: a compiled graph that held it as a constant would round every step
+# alike (Float8Linear's compiled backward computes it each step, as eager does).
 
 
 class StochasticRounding:
@@ -100,14 +103,12 @@ class StochasticRounding:
         counter = (name, _rank())
         draw = self.draws.get(counter, 0)
         self.draws[counter] = draw + 1
-        digest = hashlib.blake2b(f"{self.seed}:{name}:{draw}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")  # the same in every process (hash() is not)
+        return _key(f"{self.seed}:{name}:{draw}")
 
     def signs_key(self) -> int:
         """The key of the random Hadamard transform's signs: the seed's alone ([Note: random
         Hadamard transform] in f8dist/core/scaling.py)."""
-        digest = hashlib.blake2b(f"{self.seed}:hadamard".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        return _key(f"{self.seed}:hadamard")
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "draws": dict(self.draws)}
@@ -117,6 +118,11 @@ class StochasticRounding:
 
 
 stochastic_rounding = StochasticRounding()
+
+
+def _key(text: str) -> int:
+    """A 64-bit key of ``text``, the same in every process (``hash`` is not)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _rank() -> int:
