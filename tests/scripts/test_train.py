@@ -479,4 +479,4 @@ def test_a_new_recipe_is_picked_up_with_what_its_config_allows(monkeypatch):
     assert train.BLOCK_RECIPES == ("mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_square_weights",
                                    "blockwise", "nvfp4", "nvfp4_no_rht")
     assert train.FLOAT8_ALL_GATHER == ("tensorwise", "delayed", "mxfp8_square_weights",
-                                       "blockwise", "nvfp4")
+                                       "blockwise", "nvfp4", "nvfp4_no_rht")
