@@ -171,11 +171,12 @@ def test_nvfp4_colwise_rowwise_pair_on_2_ranks_is_one_device(sp):
     two ranks' partial gemms, differ from one device's only in float32 summation order
     (>= 120 dB). With sequence parallelism the activation (forward) and the output's gradient
     (backward) are all-gathered in 4 bits with their 1x16 e4m3 block scales ([Note: two-level
-    scales] in f8dist/core/tensor.py), each cast for its two gemms.
-    Gradients round stochastically, each rank drawing one device's numbers for its shard
-    ([Note: stochastic rounding] in f8dist/core/scaling.py)."""
-    from f8dist.core.cast import stochastic_rounding
+    scales] in f8dist/core/tensor.py), each cast for its two gemms. Gradients round
+    stochastically, each rank drawing one device's numbers for its shard ([Note: stochastic
+    rounding] in f8dist/core/scaling.py), and the grad_weight gemm's operands take the random
+    Hadamard transform of their 16-token blocks, whole in every sequence shard."""
     from torch.distributed.tensor.parallel import parallelize_module
+    from f8dist.core.cast import stochastic_rounding
     from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
 
     config = Float8LinearConfig.from_recipe_name("nvfp4")
