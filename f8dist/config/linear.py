@@ -255,9 +255,13 @@ class Float8LinearConfig:
                     "takes e4m3 operands only; leave its target_dtype None (e4m3 in grouped "
                     "gemms) or set it to torch.float8_e4m3fn"
                 )
-            # NVFP4 keeps its e2m1 ([Note: the NVFP4 gemm] in f8dist/core/gemm.py, grouped too)
+            # NVFP4 keeps its e2m1 ([Note: the NVFP4 gemm] in f8dist/core/gemm.py, grouped too),
+            # rounded to nearest and untransformed (not yet for experts: under EP a rank's tokens
+            # are a permutation of one device's, which their draws would need, and a 16-token
+            # block of the transform would cross expert groups)
             dtype = spec.dtype if spec.dtype == E2M1 else E4M3
-            specs.append(dataclasses.replace(spec, dtype=dtype, grouped=True))
+            specs.append(dataclasses.replace(spec, dtype=dtype, grouped=True,
+                                             stochastic_rounding=False, random_hadamard=False))
         return CastSpecs(tuple(specs))
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

@@ -347,3 +347,12 @@ def test_stochastic_rounding_and_random_hadamard_are_for_nvfp4_casts_only():
     with pytest.raises(ValueError, match="random_hadamard=True transforms NVFP4 operands, got "
                                          "target_dtype=None"):
         CastConfig(random_hadamard=True)
+
+
+def test_nvfp4_experts_round_to_nearest_untransformed():
+    # grouped specs drop stochastic rounding and the transform (not yet for experts)
+    config = Float8LinearConfig.from_recipe_name("nvfp4")
+    assert config.cast_spec("grad_weight", "grad_output").stochastic_rounding
+    specs = config.grouped_cast_specs("experts.w1")
+    assert all(s.dtype == torch.float4_e2m1fn_x2 for s in specs)
+    assert not any(s.stochastic_rounding or s.random_hadamard for s in specs)
