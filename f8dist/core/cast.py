@@ -356,6 +356,9 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
     if spec.dtype == E2M1:  # two levels: [Note: NVFP4] in f8dist/config/cells.py
         dtype = t.dtype
         if spec.random_hadamard:  # [Note: random Hadamard transform] in f8dist/core/scaling.py
+            if amax is not None:
+                raise ValueError(f"{spec.site}: random_hadamard=True casts the transformed "
+                                 "tensor, whose amax it computes; give it no amax")
             signs = hadamard_signs(stochastic_rounding.signs_key())  # [16], every rank's
             t = like(t, random_hadamard(local_part(t), signs))  # observers see it transformed
         t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]

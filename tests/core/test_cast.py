@@ -135,3 +135,13 @@ def test_nvfp4_grad_weight_casts_take_the_random_hadamard_transform():
     assert fp8.dtype == torch.bfloat16 and torch.equal(fp8._tensor_scale, tensor_scale)
     assert torch.equal(fp8._data.view(torch.uint8), data.view(torch.uint8))
     assert torch.equal(fp8._scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_random_hadamard_cast_takes_no_given_amax():
+    from f8dist import Float8LinearConfig
+
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec("grad_weight", "input")
+    x = torch.randn(32, 16)
+    with pytest.raises(ValueError, match="random_hadamard=True casts the transformed tensor, "
+                                         "whose amax it computes; give it no amax"):
+        cast_to_float8(x, spec, amax=x.abs().max())
