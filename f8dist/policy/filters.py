@@ -89,7 +89,7 @@ def _recipe(recipe: Union[str, Float8LinearRecipeName]) -> Float8LinearRecipeNam
 # last blocks among them, for stability; torchtitan's NVFP4 converter keeps the last
 # ceil(0.15 * n_layers) decoder layers (and the output head) in bf16
 # (``nvfp4_bf16_tail_fqns``). HIGH_PRECISION_TAIL is that share per recipe (none for float8).
-HIGH_PRECISION_TAIL = {Float8LinearRecipeName.NVFP4: 0.15}
+HIGH_PRECISION_TAIL = {Float8LinearRecipeName.NVFP4.value: 0.15}  # recipe name -> share
 
 
 def high_precision_tail_filter(recipe: Union[str, Float8LinearRecipeName], num_layers: int,
@@ -97,7 +97,8 @@ def high_precision_tail_filter(recipe: Union[str, Float8LinearRecipeName], num_l
     """A ``module_filter_fn`` that keeps the linears of the last ``ceil(num_layers * share)``
     blocks ``{prefix}.{i}`` in high precision, ``share`` the recipe's ``HIGH_PRECISION_TAIL``
     ([Note: a high-precision tail]), and accepts every other linear."""
-    keep = math.ceil(num_layers * HIGH_PRECISION_TAIL.get(_recipe(recipe), 0.0))
+    share = HIGH_PRECISION_TAIL.get(getattr(recipe, "value", recipe), 0.0)
+    keep = math.ceil(num_layers * share)
     tail = tuple(f"{prefix}.{i}." for i in range(num_layers - keep, num_layers))
     return lambda mod, fqn: not (fqn + ".").startswith(tail) if tail else True
 
