@@ -244,6 +244,25 @@ def _check_block_pair(a_block, b_block) -> None:
             "along the contraction dim K")
 
 
+# [Note: an emulated gemm's rounding]
+# An emulated gemm multiplies in float32 and casts the result to its output dtype. As two ops, a
+# compiled graph fused the cast into what reads the output (a Float8Linear's bias add) and, as
+# inductor does by default (``emulate_precision_casts=False``), added the bias to the float32
+# value: compiled outputs differed from eager's in the last bf16 bit. ``emulated_mm`` is one op,
+# whose output leaves it rounded, as a kernel's does.
+
+
+@torch.library.custom_op("f8dist::emulated_mm", mutates_args=())
+def emulated_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (float32) cast to ``out_dtype`` ([Note: an emulated gemm's rounding])."""
+    return torch.mm(a, b).to(out_dtype)
+
+
+@emulated_mm.register_fake
+def _(a, b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def _dequantized(data: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     """float32 ``data / scale``, a block grid expanded: what an emulated gemm multiplies (the
     dense gemms and the block-scaled grouped one; ``Float8LinearConfig(emulate=True)``)."""
@@ -255,8 +274,8 @@ def _block_scaled_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, *
                      mm_config) -> torch.Tensor:
     """The gemm of two block-scaled operands ([Note: the block-scaled gemm])."""
     if mm_config.emulate:
-        return torch.mm(_dequantized(a_data, a_scale, a_block),
-                        _dequantized(b_data, b_scale, b_block)).to(out_dtype)
+        return emulated_mm(_dequantized(a_data, a_scale, a_block),
+                           _dequantized(b_data, b_scale, b_block), out_dtype)
     inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
     inv_b = b_scale.to(torch.float32).reciprocal()
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
@@ -718,7 +737,7 @@ def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_s
         a_hp = nvfp4_dequantize(a_data, a_scale, a_block, ta, torch.float32)
         b_hp = nvfp4_dequantize(b_data, b_scale, b_block, tb, torch.float32)
         if offs is None:
-            return torch.mm(a_hp, b_hp).to(out_dtype)
+            return emulated_mm(a_hp, b_hp, out_dtype)
         return _grouped_hp(a_hp, b_hp, offs.to(torch.int32)).to(out_dtype)
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
         raise NotImplementedError(
@@ -795,8 +814,8 @@ def _scaled_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, *, out_
     m, k = a_data.shape
     n = b_data.shape[1]
     if cfg.emulate:
-        return torch.mm(_dequantized(a_data, a_scale, None),
-                        _dequantized(b_data, b_scale, None)).to(out_dtype)
+        return emulated_mm(_dequantized(a_data, a_scale, None),
+                           _dequantized(b_data, b_scale, None), out_dtype)
 
     check_gemm_shape(k, n, what="float8 gemm", pad_inner_dim=cfg.pad_inner_dim, pad_k=cfg.pad_k)
     pad_k, pad_n = _round_up(k) - k, _round_up(n) - n
