@@ -62,6 +62,7 @@ import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.core.agreement import canonical_name
 from f8dist.policy.checkpoint import Float8LoadPlanner
+from f8dist.policy.filters import high_precision_tail_filter
 from f8dist.core.placement import reduce_over_shards
 from f8dist.models import ModelArgs, Transformer, llama_tp_plan, parallelize_llama
 from f8dist.models.llama_cp import parallelize_llama_cp
@@ -139,7 +140,7 @@ def meta_model(args: argparse.Namespace, **kwargs) -> Transformer:
     with torch.device("meta"):
         model = Transformer(model_args(args))
         if args.float8 != "none":
-            convert_float8(model, float8_config(args), **kwargs)
+            convert_float8(model, float8_config(args), args.float8, **kwargs)
     return model
 
 
@@ -264,16 +265,18 @@ def float8_config(args: argparse.Namespace) -> Optional[Float8LinearConfig]:
     return config
 
 
-def convert_float8(model: Transformer, config: Float8LinearConfig, **kwargs) -> None:
-    # the output layer (logits over the vocabulary) stays in high precision; the experts take the
+def convert_float8(model: Transformer, config: Float8LinearConfig, recipe: str, **kwargs) -> None:
+    # the output layer (logits over the vocabulary) stays in high precision, and the recipe's
+    # high-precision tail of blocks (nvfp4's); the experts take the
     # options they implement, in a call of their own ([Note: options of grouped experts] in
     # f8dist/nn/grouped.py): the linears' memory flags and padding are the linears'
     def is_experts(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, GroupedExperts)
 
+    tail = high_precision_tail_filter(recipe, len(model.layers))  # [Note: a high-precision tail]
     convert_to_float8_training(
         model, config=config, **kwargs,
-        module_filter_fn=lambda mod, fqn: fqn != "output" and not is_experts(mod, fqn))
+        module_filter_fn=lambda mod, fqn: fqn != "output" and not is_experts(mod, fqn) and tail(mod, fqn))
     experts_config = config.replace(pad_inner_dim=False,
                                     **{name: False for name in LINEAR_ONLY_OPTIONS})
     convert_to_float8_training(model, config=experts_config, module_filter_fn=is_experts, **kwargs)
@@ -289,7 +292,7 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device
     model.init_weights(seed=args.seed)  # same weights on every rank before sharding
     config = float8_config(args)
     if config is not None:
-        convert_float8(model, config)
+        convert_float8(model, config, args.float8)
     if args.tp > 1:  # torchtitan's TP + SP plan; float8 linears all-gather their inputs in float8
         # an MoE layer runs whole on every TP rank: [Note: MoE under tensor parallelism]
         parallelize_llama(model, mesh["tp"], float8=config is not None,

@@ -196,10 +196,14 @@ _BLOCK_PRODUCTS = 1 << 24
 def cpu_block_scaled_mm(
     a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
     a_block: List[int], b_block: List[int], out_dtype: torch.dtype,
+    alpha: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``a`` [M, K] @ ``b`` [K, N] in float8 with dequantizing block scales ``inv_a``
-    [M/bm, K/bk] and ``inv_b`` [K/bk, N/bn] (float32): [Note: the block-scaled gemm]."""
-    return block_products(a, b, inv_a, inv_b, a_block, b_block).to(out_dtype)
+    [M/bm, K/bk] and ``inv_b`` [K/bk, N/bn] (float32): [Note: the block-scaled gemm]; ``alpha``
+    (float32, []) multiplies the float32 result before its cast to ``out_dtype`` ([Note: the
+    NVFP4 gemm])."""
+    out = block_products(a, b, inv_a, inv_b, a_block, b_block)  # [M, N] float32
+    return (out if alpha is None else out * alpha).to(out_dtype)
 
 
 def block_products(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
@@ -223,7 +227,7 @@ def block_products(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b:
 
 
 @cpu_block_scaled_mm.register_fake
-def _(a, b, inv_a, inv_b, a_block, b_block, out_dtype):
+def _(a, b, inv_a, inv_b, a_block, b_block, out_dtype, alpha=None):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -240,6 +244,25 @@ def _check_block_pair(a_block, b_block) -> None:
             "along the contraction dim K")
 
 
+# [Note: an emulated gemm's rounding]
+# An emulated gemm multiplies in float32 and casts the result to its output dtype. As two ops, a
+# compiled graph fused the cast into what reads the output (a Float8Linear's bias add) and, as
+# inductor does by default (``emulate_precision_casts=False``), added the bias to the float32
+# value: compiled outputs differed from eager's in the last bf16 bit. ``emulated_mm`` is one op,
+# whose output leaves it rounded, as a kernel's does.
+
+
+@torch.library.custom_op("f8dist::emulated_mm", mutates_args=())
+def emulated_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (float32) cast to ``out_dtype`` ([Note: an emulated gemm's rounding])."""
+    return torch.mm(a, b).to(out_dtype)
+
+
+@emulated_mm.register_fake
+def _(a, b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def _dequantized(data: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     """float32 ``data / scale``, a block grid expanded: what an emulated gemm multiplies (the
     dense gemms and the block-scaled grouped one; ``Float8LinearConfig(emulate=True)``)."""
@@ -251,8 +274,8 @@ def _block_scaled_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, *
                      mm_config) -> torch.Tensor:
     """The gemm of two block-scaled operands ([Note: the block-scaled gemm])."""
     if mm_config.emulate:
-        return torch.mm(_dequantized(a_data, a_scale, a_block),
-                        _dequantized(b_data, b_scale, b_block)).to(out_dtype)
+        return emulated_mm(_dequantized(a_data, a_scale, a_block),
+                           _dequantized(b_data, b_scale, b_block), out_dtype)
     inv_a = a_scale.to(torch.float32).reciprocal()  # powers of 2 (e8m0) invert exactly
     inv_b = b_scale.to(torch.float32).reciprocal()
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
@@ -689,8 +712,11 @@ def kernel_block(block) -> Optional[Tuple[int, int]]:
 # packed, [Note: packed e2m1] in f8dist/core/scaling.py).
 # On the CPU ``f8dist::cpu_block_scaled_mm``: e2m1 products are exact in float32, and so is the
 # product of two e4m3 scales. Emulation dequantizes each operand (``nvfp4_dequantize``) and runs
-# a float32 matmul. CUDA's NVFP4 ``scaled_mm`` (sm100+) is not wired up yet: off the CPU the gemm
-# raises naming ``emulate=True``.
+# a float32 matmul. The tensor scales enter the dense kernel as its ``alpha``, so the output
+# leaves it rounded to its dtype: multiplied outside, inductor fused the cast to bf16 with the
+# layer's bias add and skipped the rounding, so compiled outputs differed from eager's. CUDA's
+# NVFP4 ``scaled_mm`` (sm100+) is not wired up yet: off the CPU the gemm raises naming
+# ``emulate=True``.
 #
 # Grouped (experts: [Note: block grouped gemms] in f8dist/nn/grouped.py) the gemm is the block
 # grouped one ([Note: the CPU block grouped kernel]) on the e4m3 block scales, its float32 result
@@ -711,7 +737,7 @@ def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_s
         a_hp = nvfp4_dequantize(a_data, a_scale, a_block, ta, torch.float32)
         b_hp = nvfp4_dequantize(b_data, b_scale, b_block, tb, torch.float32)
         if offs is None:
-            return torch.mm(a_hp, b_hp).to(out_dtype)
+            return emulated_mm(a_hp, b_hp, out_dtype)
         return _grouped_hp(a_hp, b_hp, offs.to(torch.int32)).to(out_dtype)
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
         raise NotImplementedError(
@@ -720,11 +746,10 @@ def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_s
             "recipe ([Note: the NVFP4 gemm] in f8dist/core/gemm.py)")
     inv_a, inv_b = a_scale.to(torch.float32), b_scale.to(torch.float32)  # decode scales
     if offs is None:
-        out = cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
-                                  list(a_block), list(b_block), torch.float32)  # [M, N]
-    else:
-        out = cpu_block_scaled_grouped_mm(a_data, b_data, inv_a, inv_b, list(a_block),
-                                          list(b_block), offs.to(torch.int32), torch.float32)
+        return cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,
+                                   list(a_block), list(b_block), out_dtype, ta * tb)  # [M, N]
+    out = cpu_block_scaled_grouped_mm(a_data, b_data, inv_a, inv_b, list(a_block),
+                                      list(b_block), offs.to(torch.int32), torch.float32)
     return (out * (ta * tb)).to(out_dtype)
 
 
@@ -789,8 +814,8 @@ def _scaled_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, *, out_
     m, k = a_data.shape
     n = b_data.shape[1]
     if cfg.emulate:
-        return torch.mm(_dequantized(a_data, a_scale, None),
-                        _dequantized(b_data, b_scale, None)).to(out_dtype)
+        return emulated_mm(_dequantized(a_data, a_scale, None),
+                           _dequantized(b_data, b_scale, None), out_dtype)
 
     check_gemm_shape(k, n, what="float8 gemm", pad_inner_dim=cfg.pad_inner_dim, pad_k=cfg.pad_k)
     pad_k, pad_n = _round_up(k) - k, _round_up(n) - n

@@ -515,7 +515,7 @@ def random_hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     seqs = x.reshape(-1, s, c).to(dtype)  # [B, S, C]
     whole = s - s % _HADAMARD
     blocks = seqs[:, :whole].reshape(seqs.shape[0], -1, _HADAMARD, c)  # [B, S / 16, 16, C]
-    out = torch.cat([torch.matmul(q, blocks).reshape(-1, whole, c), seqs[:, whole:]], 1)
+    out = torch.cat([torch.matmul(q, blocks).reshape(seqs.shape[0], whole, c), seqs[:, whole:]], 1)
     return out.view(x.shape)  # [..., S, C]
 
 
@@ -532,6 +532,16 @@ def _grid_amax(x: torch.Tensor, block: tuple) -> torch.Tensor:
     return torch.amax(x, dim=dims).to(torch.float32)
 
 
+# [Note: NVFP4 row blocks]
+# 1x16 blocks of an [R, C] tensor are cast as the rows of its [R * C / 16, 16] view, stored in
+# that shape (:func:`in_memory`), as :func:`block_cast` casts row blocks ([Note: a block cast in
+# one pass]): the same bytes and scales. Cast over [R, C], each element read its block's scale at
+# ``c // 16``, and compiling a layer's backward failed (torch 2.13): inductor's CPU backend fused
+# that cast of the output gradient with its grad_weight cast (16x1 blocks, read transposed) and
+# split both kernels' loops at the division by 16, which their different loop sizes do not
+# allow (an AssertionError in ``CppScheduling.try_loop_split``).
+
+
 def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor,
                uniform: Optional[torch.Tensor] = None) -> tuple:
     """``(data, block_scales, tensor_scale)``: ``x`` in NVFP4 ([Note: NVFP4] in
@@ -545,6 +555,13 @@ def nvfp4_cast(x: torch.Tensor, block: tuple, amax: torch.Tensor,
     [0, 1), ``x``'s shape): round stochastically with these draws ([Note: stochastic rounding])
     instead of to nearest.
     """
+    if x.dim() == 2 and block[0] == 1 and block[1] and x.shape[1] % block[1] == 0:
+        (r, c), cols = x.shape, block[1]  # row blocks as rows: [Note: NVFP4 row blocks]
+        rows = None if uniform is None else uniform.reshape(r * c // cols, cols)
+        data, scale, tensor_scale = nvfp4_cast(x.reshape(r * c // cols, cols), (1, None), amax,
+                                               rows)
+        data = in_memory(data).reshape(r, c // cols * data.shape[1])  # [R, C / 2] packed pairs
+        return data, scale.reshape(r, c // cols), tensor_scale
     tensor_scale = torch.clamp(amax.to(torch.float32) / (_E4M3_MAX * _E2M1_MAX), min=_F32.tiny)
     block_amax = _grid_amax(x, block)  # [ceil(n / b) per dim]
     block_scale = torch.clamp(block_amax / _E2M1_MAX / tensor_scale,

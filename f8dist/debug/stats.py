@@ -13,7 +13,11 @@ per-shard ones (see ``f8dist/debug/recorder.py``):
   ``blocks_saturated`` and ``blocks_underflow`` (blocks with at least one saturated or underflowed
   element) and ``block_amax_log2``, a histogram of the blocks' amaxes by power of 2 (bin ``i``
   counts amaxes in [2**(i + BLOCK_HIST_LO), 2**(i + 1 + BLOCK_HIST_LO)), the ends open; all-zero
-  blocks in none): how spread the magnitudes are that one tensor's scale could not cover.
+  blocks in none): how spread the magnitudes are that one tensor's scale could not cover;
+* NVFP4 casts ([Note: NVFP4] in f8dist/config/cells.py) add ``e2m1_codes``, how many elements took
+  each e2m1 magnitude (``E2M1_MAGNITUDES``, sign aside). Their blocks rarely saturate: a block's
+  scale maps its amax to 6, and the e4m3 rounding of that scale leaves it below 6.375, which
+  rounds to 6; what the two levels lose shows as blocks that flush elements to 0.
 
 [Note: saturation]
 A value counts as saturated when the clamp in ``saturated_cast`` changed its float8 value, i.e.
@@ -34,7 +38,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from f8dist.core.numerics import sqnr_from_energies
-from f8dist.core.scaling import block_amax, dequantize, expand_blocks, fp8_max
+from f8dist.core.scaling import E2M1, block_amax, dequantize, expand_blocks, fp8_max
 
 __all__ = [
     "CastStats",
@@ -46,10 +50,13 @@ __all__ = [
     "worst_per_layer",
     "BLOCK_HIST_LO",
     "BLOCK_HIST_BINS",
+    "E2M1_MAGNITUDES",
 ]
 
 # the block amax histogram's bins: powers of 2 from 2**-64 to 2**64
 BLOCK_HIST_LO, BLOCK_HIST_BINS = -64, 128
+# the e2m1 values' magnitudes, the bins of ``e2m1_codes``
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def saturation_threshold(float8_dtype: torch.dtype) -> Tuple[float, bool]:
@@ -57,7 +64,8 @@ def saturation_threshold(float8_dtype: torch.dtype) -> Tuple[float, bool]:
     not round to the format's max, so clamping it changes the value. See [Note: saturation]."""
     limit = fp8_max(float8_dtype)
     exponent = math.floor(math.log2(limit))
-    ulp = 2.0**exponent * torch.finfo(float8_dtype).eps  # spacing just below the max
+    eps = 0.5 if float8_dtype == E2M1 else torch.finfo(float8_dtype).eps  # finfo has no e2m1 eps
+    ulp = 2.0**exponent * eps  # spacing just below the max
     mantissa_steps = round(limit / ulp)  # the max's significand, in ulps: odd means a tie rounds up
     return limit + ulp / 2, mantissa_steps % 2 == 1
 
@@ -113,6 +121,11 @@ def cast_stats_tensors(
     underflow = underflow_mask(hp, data)
     blocks = (torch.zeros(3 + BLOCK_HIST_BINS, dtype=f64, device=hp.device) if block is None
               else _block_sums(hp32, saturated, underflow, block))
+    codes = torch.zeros(len(E2M1_MAGNITUDES), dtype=f64, device=hp.device)  # [8]
+    if float8_dtype == E2M1:
+        magnitudes = torch.tensor(E2M1_MAGNITUDES, device=hp.device)
+        index = torch.searchsorted(magnitudes, data.abs().reshape(-1))  # [numel]: exact values
+        codes = torch.bincount(index, minlength=len(E2M1_MAGNITUDES)).to(f64)
     sums = torch.cat([torch.stack([
         torch.tensor(float(hp.numel()), dtype=f64, device=hp.device),
         (hp != 0).sum().to(f64),
@@ -120,7 +133,7 @@ def cast_stats_tensors(
         underflow.sum().to(f64),
         hp32.to(f64).square().sum(),
         error.to(f64).square().sum(),
-    ]), blocks])  # [6 + 3 + BLOCK_HIST_BINS]
+    ]), blocks, codes])  # [6 + 3 + BLOCK_HIST_BINS + 8]
     # an empty cast (a rank's empty batch or shard) adds nothing to a max: amax 0, scales -inf (the
     # scale of amax 0, or no scale for per-row scales of no rows or an empty block grid, is no
     # scale a value was cast with; a site that only saw empty casts shows none)
@@ -170,6 +183,7 @@ class CastStats:
     blocks_saturated: int = 0
     blocks_underflow: int = 0
     block_amax_log2: Tuple[int, ...] = ()
+    e2m1_codes: Tuple[int, ...] = ()  # NVFP4 casts only: elements per E2M1_MAGNITUDES entry
 
     SUM_FIELDS = ("numel", "nonzero", "saturated", "underflow", "signal_sq", "error_sq")
     MAX_FIELDS = ("amax", "scale_max", "scale_min")  # scale_min travels negated
@@ -185,7 +199,9 @@ class CastStats:
         sums = sums.tolist()
         values.update(zip(cls.SUM_FIELDS + cls.BLOCK_FIELDS, sums))
         hist = sums[len(cls.SUM_FIELDS) + len(cls.BLOCK_FIELDS):]
+        hist, codes = hist[:BLOCK_HIST_BINS], hist[BLOCK_HIST_BINS:]
         values["block_amax_log2"] = tuple(int(round(h)) for h in hist) if values["blocks"] else ()
+        values["e2m1_codes"] = tuple(int(round(c)) for c in codes) if float8_dtype == E2M1 else ()
         values.update(zip(cls.MAX_FIELDS, maxes.tolist()))
         values["scale_min"] = -values["scale_min"]
         for name in cls._COUNTS:
@@ -199,8 +215,9 @@ class CastStats:
             )
         values = {name: getattr(self, name) + getattr(other, name)
                   for name in ("casts",) + self.SUM_FIELDS + self.BLOCK_FIELDS}
-        a, b = self.block_amax_log2, other.block_amax_log2
-        values["block_amax_log2"] = tuple(x + y for x, y in zip(a, b)) if a and b else a or b
+        for name in ("block_amax_log2", "e2m1_codes"):  # histograms; () where none
+            a, b = getattr(self, name), getattr(other, name)
+            values[name] = tuple(x + y for x, y in zip(a, b)) if a and b else a or b
         values["amax"] = max(self.amax, other.amax)
         values["scale_max"] = max(self.scale_max, other.scale_max)
         values["scale_min"] = min(self.scale_min, other.scale_min)
@@ -254,6 +271,7 @@ class CastStats:
             blocks_underflow_frac=self.blocks_underflow_frac,
         )
         out["block_amax_log2"] = list(self.block_amax_log2)
+        out["e2m1_codes"] = list(self.e2m1_codes)
         return out
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 from typing import Callable, List, Literal, Optional
 
@@ -420,7 +421,9 @@ class Float8LinearConverter(QuantizationConverter):
     * ``filter_fqns``: linears whose FQN contains one of these stay high precision (one string
       is one FQN);
       "auto_filter_small_kn" adds f8dist's auto filter (``docs/auto_filter.md``) for
-      ``auto_filter_tokens`` tokens per gemm (local batch size x sequence length).
+      ``auto_filter_tokens`` tokens per gemm (local batch size x sequence length). The recipe's
+      last blocks stay high precision too (nvfp4: the last 15% of ``layers.*``, as torchtitan's
+      NVFP4 converter keeps them; ``f8dist.policy.filters.HIGH_PRECISION_TAIL``).
     * ``enable_fsdp_float8_all_gather``: FSDP2 all-gathers the weights in float8 (the recipes
       whose one float8 weight serves both of its gemms: tensorwise, delayed and the square-block
       ones); ``precompute_float8_dynamic_scale_for_fsdp``: their scales in one
@@ -481,8 +484,13 @@ class Float8LinearConverter(QuantizationConverter):
     def convert(self, model_config: Module.Config) -> Module.Config:
         cfg = self.config
         converted, kept = [], []
-        for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
-            if type(linear) is not Linear.Config or not self.filter_fn(linear, fqn):
+        linears = list(model_config.traverse(Linear.Config))
+        blocks = {int(f.split(".")[1]) for f, *_ in linears if re.match(r"layers\.\d+\.", f)}
+        tail = filters.high_precision_tail_filter(  # [Note: a high-precision tail]
+            cfg.recipe_name, max(blocks, default=-1) + 1)
+        for fqn, linear, parent, attr in linears:
+            if (type(linear) is not Linear.Config or not self.filter_fn(linear, fqn)
+                    or not tail(linear, fqn)):
                 continue
             problems = gemm.shape_problems(self.float8_config.cast_specs(), linear.in_features,
                                       linear.out_features)

@@ -20,6 +20,7 @@ even then (``docs/auto_filter.md``, from ``scripts/auto_filter_table.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
@@ -36,6 +37,8 @@ __all__ = [
     "auto_filter_for_recipe",
     "float8_gemms",
     "fqn_filter",
+    "HIGH_PRECISION_TAIL",
+    "high_precision_tail_filter",
     "predicted_speedup",
 ]
 
@@ -80,6 +83,25 @@ H100_SXM = GpuSpec(name="H100 SXM", bf16_flops=989.4e12, fp8_flops=1978.9e12,
 def _recipe(recipe: Union[str, Float8LinearRecipeName]) -> Float8LinearRecipeName:
     Float8LinearConfig.from_recipe_name(recipe)  # raises the error naming the known recipes
     return Float8LinearRecipeName(recipe)
+
+
+# [Note: a high-precision tail]
+# NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149) keeps a few linear layers in BF16, the
+# last blocks among them, for stability; torchtitan's NVFP4 converter keeps the last
+# ceil(0.15 * n_layers) decoder layers (and the output head) in bf16
+# (``nvfp4_bf16_tail_fqns``). HIGH_PRECISION_TAIL is that share per recipe (none for float8).
+HIGH_PRECISION_TAIL = {Float8LinearRecipeName.NVFP4.value: 0.15}  # recipe name -> share
+
+
+def high_precision_tail_filter(recipe: Union[str, Float8LinearRecipeName], num_layers: int,
+                               prefix: str = "layers") -> ModuleFilter:
+    """A ``module_filter_fn`` that keeps the linears of the last ``ceil(num_layers * share)``
+    blocks ``{prefix}.{i}`` in high precision, ``share`` the recipe's ``HIGH_PRECISION_TAIL``
+    ([Note: a high-precision tail]), and accepts every other linear."""
+    share = HIGH_PRECISION_TAIL.get(getattr(recipe, "value", recipe), 0.0)
+    keep = math.ceil(num_layers * share)
+    tail = tuple(f"{prefix}.{i}." for i in range(num_layers - keep, num_layers))
+    return lambda mod, fqn: not (fqn + ".").startswith(tail) if tail else True
 
 
 def float8_gemms(recipe: Union[str, Float8LinearRecipeName]) -> tuple:

@@ -152,3 +152,22 @@ def test_recorder_reports_block_columns():
     stats = rec.stats()
     assert all(s.blocks > 0 for s in stats.values())
     assert "blk sat %" in rec.table() and "blk amax p1..p99" in rec.table()
+
+
+def test_nvfp4_cast_stats_count_flushed_blocks_and_e2m1_codes():
+    """NVFP4 ([Note: NVFP4]): the share of 1x16 blocks that flush an element to 0 (an outlier's
+    block), none that saturate, and the e2m1 code histogram; read through float8_values."""
+    from f8dist import Float8LinearConfig
+    from f8dist.core.scaling import E2M1
+
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec("output", "input")
+    row = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    x = torch.cat([row, -row]).repeat(4, 2)  # [4, 32]: each block holds every code twice
+    x[3, 16:] = 1e-3
+    x[3, 17] = 6.0  # with 6 in its block, 1e-3 flushes to 0
+    s = CastStats.from_tensors(*cast_stats_tensors(x, cast_to_float8(x, spec)), float8_dtype=E2M1)
+    assert (s.blocks, s.blocks_saturated, s.blocks_underflow) == (8, 0, 1)
+    assert s.underflow == 15 and s.saturated == 0
+    assert s.e2m1_codes == (14 + 15, 14, 14, 14, 14, 14, 14, 14 + 1)
+    assert (s + s).e2m1_codes == tuple(2 * c for c in s.e2m1_codes)
+    assert saturation_threshold(E2M1) == (7.0, True)  # 7 ties to 8, past 6: clamped

@@ -482,3 +482,13 @@ def test_recipe_names_are_every_float8_recipe():
     from f8dist import Float8LinearRecipeName
     from f8dist.integrations.torchtitan import RecipeName
     assert typing.get_args(RecipeName) == tuple(r.value for r in Float8LinearRecipeName)
+
+
+def test_nvfp4_converter_keeps_the_last_blocks_in_high_precision():
+    # [Note: a high-precision tail]: debugmodel's 6 blocks, ceil(0.15 * 6) = 1 kept (torchtitan's
+    # nvfp4_bf16_tail_fqns); float8 recipes keep none
+    nvfp4 = _float8_configs(model_registry("debugmodel", converters=[_converter("nvfp4")]).model)
+    assert sorted({fqn.split(".")[1] for fqn in nvfp4}) == ["0", "1", "2", "3", "4"]
+    assert len(nvfp4) == N_LINEARS - 5
+    rowwise = _float8_configs(model_registry("debugmodel", converters=[_converter("rowwise")]).model)
+    assert len(rowwise) == N_LINEARS

@@ -115,3 +115,14 @@ def test_dims_that_do_not_divide_into_blocks_stay_high_precision():
     assert auto_filter_for_recipe("mxfp8")(_meta_linear(8192, 8224), "w")
     assert not auto_filter_for_recipe("blockwise")(_meta_linear(8192, 8224), "w")
     assert auto_filter_for_recipe("blockwise")(_meta_linear(8192, 8192), "w")
+
+
+def test_high_precision_tail_filter_keeps_the_recipes_last_blocks():
+    # [Note: a high-precision tail]: nvfp4 keeps ceil(0.15 * n) blocks; "layers.1." is not "layers.10."
+    from f8dist.policy.filters import high_precision_tail_filter
+
+    lin = nn.Linear(16, 16)
+    keep = high_precision_tail_filter("nvfp4", 14)  # ceil(2.1) = 3: blocks 11, 12, 13
+    assert [i for i in range(14) if not keep(lin, f"layers.{i}.attention.wq")] == [11, 12, 13]
+    assert keep(lin, "output") and keep(lin, "layers.1.feed_forward.w1")
+    assert all(high_precision_tail_filter("mxfp8", 14)(lin, f"layers.{i}.wq") for i in range(14))

@@ -58,21 +58,20 @@ def test_policy_saves_matmuls_and_amax_never_pointwise():
     assert any(op is aten.abs.default for op, _ in decisions)  # the casts ran under the policy
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "nvfp4"])
 def test_sac_recompute_is_exact(recipe):
+    """Full activation checkpointing and the float8 policy recompute the casts bit for bit."""
     ffn, x = make_ffn(recipe)
     grads = []
-    for context_fn in (None, float8_sac_context_fn):
+    for ac in (None, {}, dict(context_fn=float8_sac_context_fn)):  # none, full, per-op
         model = copy.deepcopy(ffn)
         xi = x.clone().requires_grad_()
-        if context_fn is None:
-            out = model(xi)
-        else:
-            out = checkpoint(model, xi, use_reentrant=False, context_fn=context_fn)
+        out = model(xi) if ac is None else checkpoint(model, xi, use_reentrant=False, **ac)
         out.float().square().sum().backward()
         grads.append([xi.grad] + [p.grad for p in model.parameters()])
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    for g in grads[1:]:
+        for a, b in zip(grads[0], g):
+            assert torch.equal(a, b)
 
 
 def test_saving_abs_breaks_the_bound_and_ours_does_not():

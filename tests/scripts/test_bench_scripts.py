@@ -195,3 +195,24 @@ def test_nvfp4_rounding_prints_every_variant_on_every_data(capsys, monkeypatch):
             assert gw_mean > gw, label  # two draws' errors average down
         else:
             assert gw_mean == gw, label  # round to nearest: every pass the same
+
+
+def test_nvfp4_sqnr_table_against_mxfp8_tensorwise_and_torchao(capsys, monkeypatch):
+    # docs/numerics.md (NVFP4): a gemm's two e2m1 casts add their noise, so a gemm's SQNR is
+    # below one cast's; f8dist's cast is torchao's, bit for bit
+    import nvfp4_sqnr_table
+
+    monkeypatch.setattr(sys, "argv", ["nvfp4_sqnr_table.py", "--tokens", "64",
+                                      "--in-features", "128", "--out-features", "64"])
+    nvfp4_sqnr_table.main()
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "recipe" not in line and "dB" not in line]
+    gemms = {(r[0], r[1]): [float(v) for v in r[2:]] for r in rows if len(r) == 5}
+    casts = {r[0]: (float(r[1]), r[2]) for r in rows if len(r) == 3}
+    for kind in ("gaussian", "outliers"):
+        for recipe, floor in (("nvfp4", 15), ("mxfp8", 25), ("tensorwise", 20)):
+            assert min(gemms[kind, recipe]) > floor, (kind, recipe, gemms)
+        assert min(gemms[kind, "torchao NVFP4 (emulated, 1x16 weight blocks)"]) > 15
+        assert casts[kind][1] == "identical"
+    assert max(gemms["gaussian", "nvfp4"]) < casts["gaussian"][0]

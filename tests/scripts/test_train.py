@@ -430,6 +430,21 @@ def test_float8_linears_line_folds_the_blocks():
     assert text.endswith("| high precision: 2: layers.{1}.attention.wo, output"), text
 
 
+def test_nvfp4_keeps_the_last_block_in_high_precision():
+    # [Note: a high-precision tail] in f8dist/policy/filters.py: 3 blocks, ceil(0.45) = 1 kept
+    from f8dist import Float8LinearConfig
+    from f8dist.models import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=16))
+    train.convert_float8(model, Float8LinearConfig.from_recipe_name("nvfp4"), "nvfp4")
+    text = train.float8_linears_text(model, "nvfp4")
+    assert text.startswith("float8 linears (nvfp4): 14 of 22: layers.{0,1}.attention.wq"), text
+    assert text.endswith("| high precision: 8: layers.{2}.attention.wq, layers.{2}.attention.wk, "
+                         "layers.{2}.attention.wv, layers.{2}.attention.wo, "
+                         "layers.{2}.feed_forward.w1, layers.{2}.feed_forward.w2, "
+                         "layers.{2}.feed_forward.w3, output"), text
+
+
 def test_float8_linears_line_names_the_grouped_experts():
     from f8dist import Float8LinearConfig, convert_to_float8_training
     from f8dist.models import ModelArgs
