@@ -1,19 +1,19 @@
 """The block-scaled float8 gemm on CUDA against f8dist's exact CPU kernel, on the same float8 data.
 
-Two kernels ([Note: the block-scaled gemm] and [Note: MXFP8 on CUDA] in f8dist/core/gemm.py):
-DeepSeek's blocks (the ``"blockwise"`` recipe: 1x128 activations and gradients, 128x128 weights)
-on sm90, and MXFP8 (the ``"mxfp8"`` recipes: 1x32 blocks with e8m0 scales, the weight in 1x32
-blocks or 32x32 tiles) on sm100+, and NVFP4 (the ``"nvfp4"`` recipe: e2m1 data in 1x16 blocks
-with e4m3 scales and a float32 tensor scale, 16x16 weight blocks; [Note: NVFP4 on CUDA]) on
-sm100+, dense gemms only (grouped NVFP4 has no CUDA kernel f8dist wires up: the part checks that it raises
-naming ``emulate=True``). For each kernel the device runs, for each of the three gemm
-shapes of a linear (output, grad_input, grad_weight with blocks along the tokens), each output
-dtype and ``use_fast_accum``, this prints the SQNR of CUDA's result against the CPU kernel on the
-same float8 bytes and scales, and against the high-precision product; then a ``Float8Linear``
-with each recipe, forward and backward, on CUDA against the same layer on the CPU, eager and
-compiled. A kernel the device lacks is skipped with the reason f8dist's error gives (MXFP8 on an
-sm90 GPU; DeepSeek's blocks on sm100). Other errors are printed per case. Exits non-zero if a
-supported case falls under its floor, or a supported bfloat16 gemm or Float8Linear fails.
+Three kernels ([Note: the block-scaled gemm] and [Note: MXFP8 on CUDA] in f8dist/core/gemm.py):
+DeepSeek's blocks (the ``"blockwise"`` recipe: 1x128 activations and gradients, 128x128 weights) on
+sm90, and MXFP8 (the ``"mxfp8"`` recipes: 1x32 blocks with e8m0 scales, the weight in 1x32 blocks
+or 32x32 tiles) on sm100+, and NVFP4 (the ``"nvfp4"`` recipe: e2m1 data in 1x16 blocks with e4m3
+scales and a float32 tensor scale, 16x16 weight blocks; [Note: NVFP4 on CUDA]) on sm100+, dense
+gemms only (grouped NVFP4 has no CUDA kernel f8dist wires up: the part checks that it raises naming
+``emulate=True``). For each kernel the device runs, for each of the three gemm shapes of a linear
+(output, grad_input, grad_weight with blocks along the tokens), each output dtype and
+``use_fast_accum``, this prints the SQNR of CUDA's result against the CPU kernel on the same float8
+bytes and scales, and against the high-precision product; then a ``Float8Linear`` with each recipe,
+forward and backward, on CUDA against the same layer on the CPU, eager and compiled. A kernel the
+device lacks is skipped with the reason f8dist's error gives (MXFP8 on an sm90 GPU; DeepSeek's
+blocks on sm100). Other errors are printed per case. Exits non-zero if a supported case falls under
+its floor, or a supported bfloat16 gemm or Float8Linear fails.
 
     python scripts/cuda_block_check.py [--csv OUT.csv]     # needs CUDA (sm90 or sm100+)
     python scripts/cuda_block_check.py --dry               # the CPU pieces: cases, CUDA arguments
