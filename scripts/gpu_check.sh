@@ -9,8 +9,9 @@
 #   block  scripts/cuda_block_check.py: CUDA's block-scaled gemms against f8dist's exact CPU kernel
 #          on the same float8 data, and a Float8Linear per block recipe on CUDA against the CPU,
 #          eager and compiled: DeepSeek's blocks ("blockwise") on sm90, MXFP8 ("mxfp8",
-#          "mxfp8_wgrad_with_hp", "mxfp8_square_weights") on sm100+; the kernel the GPU lacks is
-#          skipped with its reason printed
+#          "mxfp8_wgrad_with_hp", "mxfp8_square_weights") and NVFP4 ("nvfp4": dense gemms, the
+#          grouped one's refusal) on sm100+; the kernel the GPU lacks is skipped with its reason
+#          printed
 #   bench  bench_matmul and bench_linear on the LLaMa-2-70B shapes, compiled: bf16 vs f8dist vs
 #          torchao in one run (torchao's columns when it is importable; BENCH_RECIPES picks)
 #   train  scripts/train.py, bf16 and each float8 recipe, compiled, one process: tps and memory

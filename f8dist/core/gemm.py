@@ -100,6 +100,8 @@ dequantize, then a high-precision matmul):
   zero-padded to a multiple of 128 (exact). Run on an H200 (docs/numerics.md).
 * MXFP8's 1x32 e8m0 blocks on sm100+, 32x32 weight tiles expanded to 1x32: ``BlockWise1x32``
   with e8m0 scales in the swizzled 128x4 tile layout ([Note: MXFP8 on CUDA]). Not run on a GPU.
+* NVFP4's 1x16 e4m3 blocks on sm100+, dense gemms: ``BlockWise1x16`` with e2m1 operands packed
+  along K ([Note: NVFP4 on CUDA], from ``_nvfp4_mm``). Not run on a GPU.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ import torch.nn.functional as F
 
 from f8dist.config import E4M3, E8M0, ScaledMMConfig
 from f8dist.core.scaling import (
-    expand_blocks, group_ids, in_memory, nvfp4_dequantize, stored_scale,
+    E2M1, e2m1_pack, expand_blocks, group_ids, in_memory, nvfp4_dequantize, stored_scale,
 )
 
 __all__ = ["float8_mm", "kernel_block", "scaled_mm", "scaled_grouped_mm",
@@ -298,6 +300,12 @@ _CUDA_BLOCK_KIND_PAIRS = {tuple(_CUDA_BLOCKS[b] for b in pair) for pair in _CUDA
 # MXFP8's contraction block, and the tile of its swizzled scale layout ([Note: MXFP8 on CUDA])
 MX_BLOCK = 32
 _SWIZZLE_ROWS, _SWIZZLE_COLS = 128, 4
+# NVFP4's contraction block ([Note: NVFP4 on CUDA])
+NVFP4_BLOCK = 16
+# the block kernels with swizzled scales, by torch's scaling type: (contraction block, the
+# scales' dtype, the operands' dtype)
+_SWIZZLED_KINDS = {"BlockWise1x32": (MX_BLOCK, E8M0, E4M3),
+                   "BlockWise1x16": (NVFP4_BLOCK, E4M3, E2M1)}
 
 
 def _cuda_block_scales(inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
@@ -390,8 +398,9 @@ def _has_block_api(kernel: Optional[str]) -> bool:
     enums = _torch_block_enums()
     if enums is None or kernel is None:
         return False
-    if kernel == "mxfp8":
-        return hasattr(enums[0], "BlockWise1x32") and hasattr(enums[1], "SWIZZLE_32_4_4")
+    if kernel in ("mxfp8", "nvfp4"):
+        kind = "BlockWise1x32" if kernel == "mxfp8" else "BlockWise1x16"
+        return hasattr(enums[0], kind) and hasattr(enums[1], "SWIZZLE_32_4_4")
     return all(hasattr(enums[0], name) for name in _CUDA_BLOCKS.values())
 
 
@@ -415,7 +424,8 @@ def cuda_block_problem(kernel: Optional[str], capability: Optional[Tuple[int, in
     are e8m0; ``dtypes``: the operands' float8 dtypes."""
     where = ("f8dist runs block-scaled gemms on the CPU (an exact kernel) and on CUDA: DeepSeek's "
              "1x128 / 128x128 blocks (the 'blockwise' recipe) on sm90, MXFP8's 1x32 e8m0 blocks "
-             "(the 'mxfp8' recipes, 32x32 weight tiles too) on sm100+")
+             "(the 'mxfp8' recipes, 32x32 weight tiles too) and NVFP4's 1x16 e4m3 blocks (the "
+             "'nvfp4' recipe, dense gemms) on sm100+")
     if capability is None:
         return f"no {device} kernel for float8 blocks {blocks}: {where}. Set {_EMULATE}"
     sm = f"sm{capability[0]}{capability[1]}"
@@ -429,14 +439,16 @@ def cuda_block_problem(kernel: Optional[str], capability: Optional[Tuple[int, in
                    else "use the 'rowwise' or 'tensorwise' recipe")
         return (f"DeepSeek's 1x128 / 128x128 block kernels run on sm90 only (torch's check), this "
                 f"GPU is {sm}: {instead}, or set {_EMULATE}")
-    if kernel == "mxfp8" and capability[0] < 10:
+    if kernel in ("mxfp8", "nvfp4") and capability[0] < 10:
         instead = ("use the 'blockwise' recipe (DeepSeek's 1x128 / 128x128 blocks run on sm90)"
                    if capability[0] == 9 else "use the 'rowwise' or 'tensorwise' recipe")
-        return (f"MXFP8 (1x32 e8m0 blocks) needs sm100+ (Blackwell), this GPU is {sm}: "
-                f"{instead}, or set {_EMULATE}")
+        what = "MXFP8 (1x32 e8m0 blocks)" if kernel == "mxfp8" else "NVFP4 (1x16 e4m3 blocks)"
+        return (f"{what} needs sm100+ (Blackwell), this GPU is {sm}: {instead}, or set "
+                f"{_EMULATE}")
     if not api:
-        names = ("ScalingType.BlockWise1x32 and SwizzleType.SWIZZLE_32_4_4 (MXFP8's gemm)"
-                 if kernel == "mxfp8" else "ScalingType.BlockWise1x128 (DeepSeek's blocks)")
+        names = {"mxfp8": "ScalingType.BlockWise1x32 and SwizzleType.SWIZZLE_32_4_4 (MXFP8's gemm)",
+                 "nvfp4": "ScalingType.BlockWise1x16 and SwizzleType.SWIZZLE_32_4_4 (NVFP4's gemm)",
+                 }.get(kernel, "ScalingType.BlockWise1x128 (DeepSeek's blocks)")
         return (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with {names}: "
                 f"upgrade torch, or set {_EMULATE}")
     if kernel == "mxfp8" and not e8m0:
@@ -511,7 +523,10 @@ def cuda_block_args(a, b, inv_a, inv_b, a_block, b_block, *, out_dtype):
 #   single column may have strides (1, 1);
 # * MXFP8: both operands e4m3, e8m0 scales, contiguous, with round_up(R, 128) *
 #   round_up(ceil(K/32), 4) elements, and one SWIZZLE_32_4_4 each (the order inside is
-#   ``swizzle_32_4_4``'s, which torch cannot check: tests/core/test_gemm.py checks it).
+#   ``swizzle_32_4_4``'s, which torch cannot check: tests/core/test_gemm.py checks it);
+# * NVFP4 (``BlockWise1x16``): both operands float4_e2m1fn_x2, two values a byte along K (so
+#   the K above is the packed K / 2, a multiple of 16), e4m3 scales as MXFP8's with 1x16 blocks:
+#   round_up(R, 128) * round_up(ceil(2 K/16), 4) elements ([Note: NVFP4 on CUDA]).
 #
 # torch 2.11-2.13's meta kernel of ``aten._scaled_mm_v2`` made the same checks, so tests could ask
 # it on the CPU; from torch 2.14 it infers the output's shape only. This check is f8dist's own, so
@@ -567,31 +582,33 @@ def cuda_block_arg_problems(args, kwargs) -> List[str]:
     if len(scales_a) != 1 or len(kinds_a) != 1 or len(scales_b) != 1 or len(kinds_b) != 1:
         return bad + ["one scale tensor and one scaling type per operand"]
     pair, scale_a, scale_b = (kinds_a[0], kinds_b[0]), scales_a[0], scales_b[0]
-    if (a.dtype, b.dtype) != (E4M3, E4M3):
-        bad.append(f"both operands must be {E4M3} for {pair[0]} x {pair[1]}, got {a.dtype} x "
+    dtype = _SWIZZLED_KINDS[pair[0]][2] if pair[0] in _SWIZZLED_KINDS else E4M3
+    if (a.dtype, b.dtype) != (dtype, dtype):
+        bad.append(f"both operands must be {dtype} for {pair[0]} x {pair[1]}, got {a.dtype} x "
                    f"{b.dtype}")
     if pair in _CUDA_BLOCK_KIND_PAIRS:
         bad += [p for p in (_deepseek_scale_problem("scale_a", scale_a, pair[0], m, k),
                             _deepseek_scale_problem("scale_b", scale_b, pair[1], n, k)) if p]
         if kwargs.get("use_fast_accum"):
             bad.append("use_fast_accum must be False with DeepSeek's block scales")
-    elif pair == ("BlockWise1x32", "BlockWise1x32"):
+    elif pair[0] == pair[1] and pair[0] in _SWIZZLED_KINDS:
+        kind, (bk, scale_dtype, _) = pair[0], _SWIZZLED_KINDS[pair[0]]
+        k = 2 * k if a.dtype == E2M1 else k  # two e2m1 values a byte along K
         swizzles = [_name(x) for x in _as_list(kwargs.get("swizzle_a") or [])], \
             [_name(x) for x in _as_list(kwargs.get("swizzle_b") or [])]
         for what, scale, rows, swizzle in (("scale_a", scale_a, m, swizzles[0]),
                                            ("scale_b", scale_b, n, swizzles[1])):
-            numel = _round_up_to(rows, _SWIZZLE_ROWS) * _round_up_to(-(-k // MX_BLOCK),
-                                                                      _SWIZZLE_COLS)
-            if scale.dtype != E8M0:
-                bad.append(f"{what} must be {E8M0} for BlockWise1x32, got {scale.dtype}")
+            numel = _round_up_to(rows, _SWIZZLE_ROWS) * _round_up_to(-(-k // bk), _SWIZZLE_COLS)
+            if scale.dtype != scale_dtype:
+                bad.append(f"{what} must be {scale_dtype} for {kind}, got {scale.dtype}")
             if scale.numel() != numel:
-                bad.append(f"{what} must have {numel} elements for BlockWise1x32 "
-                           f"(round_up({rows}, 128) * round_up(ceil({k}/32), 4)), got "
+                bad.append(f"{what} must have {numel} elements for {kind} "
+                           f"(round_up({rows}, 128) * round_up(ceil({k}/{bk}), 4)), got "
                            f"{scale.numel()}")
             if not scale.is_contiguous():
-                bad.append(f"{what} must be contiguous for BlockWise1x32")
+                bad.append(f"{what} must be contiguous for {kind}")
             if swizzle != ["SWIZZLE_32_4_4"]:
-                bad.append(f"swizzle_{what[-1]} must be [SWIZZLE_32_4_4] for BlockWise1x32, got "
+                bad.append(f"swizzle_{what[-1]} must be [SWIZZLE_32_4_4] for {kind}, got "
                            f"{swizzle}")
     else:
         bad.append(f"no CUDA block kernel takes {pair[0]} x {pair[1]}")
@@ -714,15 +731,95 @@ def kernel_block(block) -> Optional[Tuple[int, int]]:
 # product of two e4m3 scales. Emulation dequantizes each operand (``nvfp4_dequantize``) and runs
 # a float32 matmul. The tensor scales enter the dense kernel as its ``alpha``, so the output
 # leaves it rounded to its dtype: multiplied outside, inductor fused the cast to bf16 with the
-# layer's bias add and skipped the rounding, so compiled outputs differed from eager's. CUDA's
-# NVFP4 ``scaled_mm`` (sm100+) is not wired up yet: off the CPU the gemm raises naming
-# ``emulate=True``.
+# layer's bias add and skipped the rounding, so compiled outputs differed from eager's. On CUDA
+# sm100+ torch's NVFP4 ``scaled_mm`` runs the dense gemm ([Note: NVFP4 on CUDA]); elsewhere off
+# the CPU the gemm raises naming ``emulate=True``.
 #
 # Grouped (experts: [Note: block grouped gemms] in f8dist/nn/grouped.py) the gemm is the block
 # grouped one ([Note: the CPU block grouped kernel]) on the e4m3 block scales, its float32 result
 # times ``ta * tb``: one tensor scale per operand, the logical tensor's (all tokens; the whole
 # [E, N, K] weight), which factors out of every expert's gemm as it does out of a dense one.
 # Per expert, bit for bit the dense NVFP4 gemm of that expert's rows.
+
+
+# [Note: NVFP4 on CUDA]
+# torch's NVFP4 gemm is ``torch.nn.functional.scaled_mm(a, b, sa, ScalingType.BlockWise1x16, sb,
+# ScalingType.BlockWise1x16, swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=...)``: cuBLAS's
+# block-scaled kernel on CUDA sm100+ (built with CUDA >= 12.8), found by feature (``BlockWise1x16``
+# in torch's ScalingType; read against torch 2.13's source and meta kernel). It is MXFP8's
+# ([Note: MXFP8 on CUDA]) with e2m1 data and e4m3 scales of 1x16 blocks: ``a`` [M, K/2]
+# row-major and ``b`` [K/2, N] column-major, float4_e2m1fn_x2 packed along K (torchao's
+# ``_addmm_nvfp4_dispatch`` passes the same), each operand's e4m3 decode scales [rows, K/16]
+# swizzled by :func:`swizzle_32_4_4` (torchao's ``to_blocked``, bit for bit; f8dist pads with 1,
+# torchao with 0: padding meets zero data or output columns that are sliced off). The kernel
+# runs single-level, as torchao calls it: its float32 output times ``ta * tb`` in float32, then
+# ``out_dtype``, the CPU kernel's order ([Note: the NVFP4 gemm]).
+#
+# The gemm reads e2m1 values one a byte (``_gemm_data`` in f8dist/core/tensor.py), so every
+# operand is packed along K here (:func:`_pack_along_k`): a cast in (1, 16) blocks was packed
+# along K already, grad_weight's operands (packed along the features, [Note: packed e2m1]) were
+# not. Either way the repack costs an unpack (tensor.py: 0.5 byte read, 1 written per value), a
+# float32 copy (4 bytes) and the pack (0.5 byte written): elementwise passes over the operand,
+# no gemm. K is zero-padded to a multiple of 32 (16 packed bytes; exact) and N to 16 (zero
+# columns, sliced off). Token groups (experts) have no NVFP4 kernel f8dist wires up: grouped on
+# CUDA raises naming ``emulate=True``. Not run on an sm100 GPU (scripts/cuda_block_check.py's
+# nvfp4 part is the check to run there).
+
+
+def _pack_along_k(x: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    """e2m1 values ``x`` [R, K] (one a byte, any float dtype) zero-padded to [rows, k] and packed
+    two a byte along K: [rows, k/2] float4_e2m1fn_x2, row-major ([Note: NVFP4 on CUDA])."""
+    x = x.to(torch.float32)
+    x = F.pad(x, (0, k - x.shape[1], 0, rows - x.shape[0]))  # [rows, k]
+    packed = e2m1_pack(x, dim=1)  # [rows, k / 2], in whatever strides the pack left
+    return packed.view(torch.uint8).contiguous().view(E2M1)  # float4 has no copy kernel
+
+
+def _nvfp4_scales(decode: torch.Tensor, block: Tuple[int, int], rows: int) -> torch.Tensor:
+    """e4m3 decode scales of an operand [rows, K] (contraction dim last) in ``block = (r, 16)``
+    blocks, in the kernel's swizzled layout ([Note: NVFP4 on CUDA])."""
+    grid = _row_block_scales(decode.to(torch.float32), block, rows)  # [rows, ceil(K/16)]
+    return swizzle_32_4_4(grid).to(E4M3)  # e4m3 values and the padding 1: exact
+
+
+def cuda_nvfp4_args(a, b, scale_a, scale_b, a_block, b_block, *, out_dtype):
+    """The arguments of ``torch.nn.functional.scaled_mm`` that compute ``a`` [M, K] @ ``b``
+    [K, N] for e2m1 values (one a byte) with e4m3 decode block scales, ``a_block`` / ``b_block``
+    along K of 16, on CUDA: (args, kwargs), the output float32 with round_up(N, 16) columns, not
+    yet times the tensor scales ([Note: NVFP4 on CUDA]); checked by
+    :func:`check_cuda_block_args`."""
+    kinds, swizzles = _torch_block_enums()
+    a_block, bt_block = tuple(a_block), (b_block[1], b_block[0])  # b's blocks seen from b.t()
+    (m, k), n = a.shape, b.shape[1]
+    kp = _round_up_to(k, 2 * GEMM_ALIGNMENT)  # 16 packed bytes
+    a2 = _pack_along_k(a, kp, m)  # [M, K'/2] row-major
+    bt = _pack_along_k(b.t(), kp, _round_up(n))  # [N', K'/2]
+    sa = _nvfp4_scales(scale_a, a_block, m)  # a's blocks, swizzled
+    sb = _nvfp4_scales(scale_b.t(), bt_block, n)  # b.t()'s blocks, swizzled
+    nv, swizzle = kinds.BlockWise1x16, swizzles.SWIZZLE_32_4_4
+    args = (a2, bt.t(), sa, nv, sb, nv)
+    kwargs = dict(swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype)
+    check_cuda_block_args(args, kwargs)
+    return args, kwargs
+
+
+def _cuda_nvfp4_mm(a, b, scale_a, scale_b, a_block, b_block, offs, tensor_scales, *,
+                   out_dtype) -> torch.Tensor:
+    """The NVFP4 gemm on CUDA's kernel ([Note: NVFP4 on CUDA]), or the error naming what runs."""
+    cuda = a.device.type == "cuda"
+    kernel = "nvfp4" if a_block[1] == b_block[0] == NVFP4_BLOCK and offs is None else None
+    blocks = f"{tuple(a_block)} x {tuple(b_block)}" + (" grouped" if offs is not None else "")
+    problem = cuda_block_problem(
+        kernel, torch.cuda.get_device_capability(a.device) if cuda else None,
+        device=a.device.type, api=_has_block_api(kernel),
+        rocm=cuda and torch.version.hip is not None, blocks=f"(NVFP4) {blocks}")
+    if problem is not None:
+        raise NotImplementedError(problem + " ([Note: NVFP4 on CUDA] in f8dist/core/gemm.py)")
+    args, kwargs = cuda_nvfp4_args(a, b, scale_a, scale_b, a_block, b_block,
+                                   out_dtype=torch.float32)
+    out = F.scaled_mm(*args, **kwargs)[:, :b.shape[1]]  # [M, N]
+    ta, tb = tensor_scales
+    return (out * (ta * tb)).to(out_dtype)
 
 
 def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_scales, *,
@@ -740,10 +837,8 @@ def _nvfp4_mm(a_data, a_scale, a_block, b_data, b_scale, b_block, offs, tensor_s
             return emulated_mm(a_hp, b_hp, out_dtype)
         return _grouped_hp(a_hp, b_hp, offs.to(torch.int32)).to(out_dtype)
     if a_data.device.type not in ("cpu", "meta"):  # meta: shapes only, the CPU op's fake kernel
-        raise NotImplementedError(
-            f"f8dist runs NVFP4 gemms on the CPU (an exact kernel) only: torch's NVFP4 scaled_mm "
-            f"(sm100+) is not wired up, so on {a_data.device.type} set {_EMULATE} or use another "
-            "recipe ([Note: the NVFP4 gemm] in f8dist/core/gemm.py)")
+        return _cuda_nvfp4_mm(a_data, b_data, a_scale, b_scale, a_block, b_block, offs,
+                              tensor_scales, out_dtype=out_dtype)
     inv_a, inv_b = a_scale.to(torch.float32), b_scale.to(torch.float32)  # decode scales
     if offs is None:
         return cpu_block_scaled_mm(in_memory(a_data.contiguous()), b_data, inv_a, inv_b,

@@ -558,6 +558,12 @@ def test_square_weight_tiles_expand_to_row_blocks_exactly():
     ("mxfp8", (10, 0), {}, None),  # Blackwell runs MXFP8
     ("mxfp8", (12, 0), {}, None),
     ("deepseek", (9, 0), {}, None),  # Hopper runs DeepSeek's blocks
+    ("nvfp4", (9, 0), {}, ["NVFP4", "sm100", "sm90", "emulate=True"]),
+    ("nvfp4", (8, 9), {}, ["NVFP4", "sm100", "sm89", "emulate=True"]),
+    ("nvfp4", (10, 0), dict(api=False), ["BlockWise1x16", "upgrade torch", "emulate=True"]),
+    ("nvfp4", (10, 0), dict(rocm=True), ["ROCm", "emulate=True"]),
+    ("nvfp4", None, dict(device="xpu"), ["no xpu kernel", "NVFP4", "sm100", "emulate=True"]),
+    ("nvfp4", (10, 0), {}, None),  # Blackwell runs NVFP4
 ])
 def test_cuda_block_problem_names_the_fix(kernel, capability, kw, words):
     from f8dist.core.gemm import cuda_block_problem
@@ -650,7 +656,7 @@ def _nvfp4_operands(m, k, n, emulate=False, b_block=(16, 16)):
     return a, b, cast_to_float8(a, spec((1, 16), 1)), cast_to_float8(b, spec(b_block, 0))
 
 
-@on_cpu  # [Note: the NVFP4 gemm]: CUDA's NVFP4 kernel is not wired up
+@on_cpu  # the exact CPU kernel; scripts/cuda_block_check.py checks CUDA's (sm100+) against it
 def test_nvfp4_gemm_is_exact_and_torchaos_emulation():
     # [Note: the NVFP4 gemm]: block products of e2m1 values, e4m3 block scales, the tensor scales
     # as alpha; against float64 on the dequantized operands and torchao's dequantize-then-matmul
@@ -682,3 +688,132 @@ def test_nvfp4_gemm_needs_nvfp4_on_both_sides():
     _, _, _, mx = _block_operands(16, 64, 32, (1, 16), (16, 16), torch.float32)
     with pytest.raises(TypeError, match="NVFP4 operand meets another format"):
         torch.mm(fa, mx)
+
+
+# -- NVFP4 on CUDA ([Note: NVFP4 on CUDA]): arguments checked on the CPU ---------------------------
+
+@pytest.mark.parametrize("rows, cols", [(128, 4), (256, 8), (130, 9), (5, 3)])
+def test_nvfp4_scales_are_torchaos_to_blocked(rows, cols):
+    # the e4m3 scales f8dist hands CUDA's NVFP4 kernel, byte for byte torchao's swizzle of the same
+    # grid (to_blocked, which _addmm_nvfp4_dispatch passes): padded with 1 where torchao pads 0
+    to_blocked = pytest.importorskip("torchao.prototype.mx_formats.utils").to_blocked
+    from f8dist.core.gemm import _nvfp4_scales
+
+    torch.manual_seed(0)
+    grid = torch.rand(rows, cols).mul(400).add(0.01).to(E4M3)  # [rows, K/16] decode scales
+    ours = _nvfp4_scales(grid, (1, 16), rows).view(torch.uint8)
+    padded = torch.nn.functional.pad(grid.float(), (0, -cols % 4, 0, -rows % 128), value=1.0)
+    assert torch.equal(ours, to_blocked(padded.to(E4M3)).view(torch.uint8))
+    theirs = to_blocked(grid).view(torch.uint8)  # zero padding
+    assert torch.equal(ours[theirs != 0], theirs[theirs != 0])
+
+
+def _nvfp4_linear_gemms(t, k_in, n_out):
+    """The three gemms of an "nvfp4" linear as Float8Tensors: (name, a, b), the weight's transpose
+    and grad_output's as views (packed along the features, not grad_weight's K)."""
+    from f8dist import Float8LinearConfig
+
+    torch.manual_seed(0)
+    specs = Float8LinearConfig.from_recipe_name("nvfp4").cast_specs()
+    x, w, go = torch.randn(t, k_in), torch.randn(n_out, k_in), torch.randn(t, n_out)
+    fx = cast_to_float8(x, specs["output", "input"])
+    fw = cast_to_float8(w, specs["output", "weight"])
+    fgo = cast_to_float8(go, specs["grad_input", "grad_output"])
+    fw_gi = cast_to_float8(w, specs["grad_input", "weight"])
+    fgo_gw = cast_to_float8(go, specs["grad_weight", "grad_output"])
+    fx_gw = cast_to_float8(x, specs["grad_weight", "input"])
+    return [("output", fx, fw.t()), ("grad_input", fgo, fw_gi),
+            ("grad_weight", fgo_gw.t(), fx_gw)]
+
+
+def _nvfp4_args(a, b, device="cpu"):
+    from f8dist.core.gemm import cuda_nvfp4_args, kernel_block
+
+    def on(t):
+        return t.to(device) if device == "cpu" else torch.empty_like(t, device=device)
+
+    return cuda_nvfp4_args(on(a.values().to(E4M3)), on(b.values().to(E4M3)), on(a._scale),
+                           on(b._scale), kernel_block(a._block), kernel_block(b._block),
+                           out_dtype=torch.float32)
+
+
+# (tokens, in_features, out_features): whole tiles; tokens and K-blocks that pad to 128 / 4 and
+# grad_weight's K (37 tokens) to 64; an N (out_features = 40) that pads to 48
+_NVFP4_SHAPES = [(128, 64, 32), (37, 96, 40)]
+
+
+@pytest.mark.parametrize("t, k_in, n_out", _NVFP4_SHAPES)
+def test_nvfp4_cuda_args_repack_along_k_and_pass_torchs_meta_kernel(t, k_in, n_out):
+    # [Note: NVFP4 on CUDA]: each operand packed along K, byte for byte the unpack -> pack of its
+    # values (and its own bytes where its cast packed along K already); the same arguments built on
+    # the meta device pass f8dist's statement of CUDA's rules and torch 2.13's meta kernel of
+    # scaled_mm, which checks the fp4 K, layouts, scale counts, scale dtype and swizzle
+    from f8dist.core.gemm import _torch_block_enums, cuda_block_arg_problems
+    from f8dist.core.scaling import e2m1_pack, e2m1_unpack
+
+    kinds, swizzles = _torch_block_enums()
+    for name, a, b in _nvfp4_linear_gemms(t, k_in, n_out):
+        (m, k), n = a.shape, b.shape[1]
+        (a2, b2, sa, ka, sb, kb), kwargs = _nvfp4_args(a, b)
+        assert a2.dtype == b2.dtype == torch.float4_e2m1fn_x2, name
+        assert a2.stride(1) == 1 and b2.stride(0) == 1, name  # row-major, column-major
+        assert ka == kb == kinds.BlockWise1x16 and sa.dtype == sb.dtype == E4M3, name
+        assert kwargs["swizzle_a"] == kwargs["swizzle_b"] == swizzles.SWIZZLE_32_4_4, name
+        kp = 2 * a2.shape[1]
+        assert kp % 32 == 0 and kp - k < 32 and b2.shape == (kp // 2, -(-n // 16) * 16), name
+        for x, x2, k_dim in ((a, a2, 1), (b, b2, 0)):
+            values = e2m1_unpack(x._data, x._packed_dim)  # zero-padded along K to K'
+            values = torch.nn.functional.pad(values, (0, kp - k) if k_dim else (0, 0, 0, kp - k))
+            got = x2 if k_dim else x2[:, :n]  # N padded: zero columns
+            assert torch.equal(got.view(torch.uint8),
+                               e2m1_pack(values, dim=k_dim).view(torch.uint8)), name
+            if x._packed_dim == k_dim and kp == k:  # packed along K by its cast: its own bytes
+                assert torch.equal(got.view(torch.uint8), x._data.view(torch.uint8)), name
+        args, kwargs = _nvfp4_args(a, b, device="meta")
+        assert cuda_block_arg_problems(args, kwargs) == [], name
+        out = torch.nn.functional.scaled_mm(*args, **kwargs)  # torch's meta kernel checks
+        assert out.shape == (m, b2.shape[1]), name
+        with pytest.raises(RuntimeError, match="swizzle"):
+            torch.nn.functional.scaled_mm(*args, **dict(kwargs, swizzle_a=swizzles.NO_SWIZZLE))
+        short = (args[0], args[1], args[2][:-1], *args[3:])
+        assert "scale_a must have" in cuda_block_arg_problems(short, kwargs)[0], name
+
+
+@on_cpu  # the exact CPU kernel is the reference
+@pytest.mark.parametrize("t, k_in, n_out", _NVFP4_SHAPES)
+def test_nvfp4_cuda_args_compute_the_cpu_kernel_bit_for_bit(t, k_in, n_out):
+    # CUDA's NVFP4 gemm read on the CPU: the packed operands unpacked, each scale read where cuBLAS
+    # reads it (_swizzled_index), through the CPU kernel in 1x16 blocks, times the tensor scales
+    # (what _cuda_nvfp4_mm does with the kernel's float32 output): f8dist's CPU NVFP4 gemm, bit for
+    # bit, for the three gemms of a linear (16x16 weight blocks expand exactly)
+    from f8dist.core.gemm import cpu_block_scaled_mm
+    from f8dist.core.scaling import e2m1_unpack
+
+    for name, a, b in _nvfp4_linear_gemms(t, k_in, n_out):
+        n = b.shape[1]
+        want = torch.mm(a, b).float()  # the CPU NVFP4 gemm, out_dtype float32
+        (a2, b2, sa, _, sb, _), _ = _nvfp4_args(a, b)
+        (m, kp), np_ = (a2.shape[0], 2 * a2.shape[1]), b2.shape[1]
+        sa_rows = _read_swizzled(sa, m, kp // 16)  # [M, K'/16]
+        sb_rows = _read_swizzled(sb, np_, kp // 16)  # [N', K'/16]
+        got = cpu_block_scaled_mm(e2m1_unpack(a2, 1).to(E4M3), e2m1_unpack(b2, 0).to(E4M3),
+                                  sa_rows, sb_rows.t(), [1, 16], [16, 1], torch.float32)
+        got = got[:, :n] * (a._tensor_scale * b._tensor_scale)
+        assert torch.equal(got, want), name
+
+
+def test_nvfp4_gemm_off_the_cpu_raises_naming_emulate():
+    # [Note: NVFP4 on CUDA]: a device without CUDA's NVFP4 kernel (here meta, standing for one
+    # without a GPU) gets the error naming emulate=True, dense and grouped
+    from f8dist.core.gemm import _cuda_nvfp4_mm
+
+    a = torch.empty(16, 64, dtype=E4M3, device="meta")
+    b = torch.empty(64, 32, dtype=E4M3, device="meta")
+    sa = torch.empty(16, 4, dtype=E4M3, device="meta")  # [M, K/16]
+    sb = torch.empty(4, 2, dtype=E4M3, device="meta")  # [K/16, N/16]
+    ts = (torch.ones((), device="meta"),) * 2
+    with pytest.raises(NotImplementedError, match="no meta kernel.*NVFP4.*sm100.*emulate=True"):
+        _cuda_nvfp4_mm(a, b, sa, sb, (1, 16), (16, 16), None, ts, out_dtype=torch.bfloat16)
+    offs = torch.empty(2, dtype=torch.int32, device="meta")
+    with pytest.raises(NotImplementedError, match="grouped.*emulate=True"):
+        _cuda_nvfp4_mm(a, b, sa, sb, (1, 16), (16, 16), offs, ts, out_dtype=torch.bfloat16)
