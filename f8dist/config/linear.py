@@ -255,13 +255,15 @@ class Float8LinearConfig:
                     "takes e4m3 operands only; leave its target_dtype None (e4m3 in grouped "
                     "gemms) or set it to torch.float8_e4m3fn"
                 )
-            # NVFP4 keeps its e2m1 ([Note: the NVFP4 gemm] in f8dist/core/gemm.py, grouped too),
-            # rounded to nearest and untransformed (not yet for experts: under EP a rank's tokens
-            # are a permutation of one device's, which their draws would need, and a 16-token
-            # block of the transform would cross expert groups)
+            # NVFP4 keeps its e2m1 ([Note: the NVFP4 gemm] in f8dist/core/gemm.py, grouped too);
+            # the tokens round stochastically where the cell says, drawing by their place in
+            # their expert's group ([Note: positions in token groups] in f8dist/core/scaling.py),
+            # the weights to nearest (a rank's gemm reads its shard as a plain tensor); none is
+            # transformed yet (docs/design.md's NVFP4 paragraph says what stands in the way)
             dtype = spec.dtype if spec.dtype == E2M1 else E4M3
+            sr = spec.stochastic_rounding and op is not Operand.WEIGHT
             specs.append(dataclasses.replace(spec, dtype=dtype, grouped=True,
-                                             stochastic_rounding=False, random_hadamard=False))
+                                             stochastic_rounding=sr, random_hadamard=False))
         return CastSpecs(tuple(specs))
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

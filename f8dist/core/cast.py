@@ -250,6 +250,7 @@ def cast_to_float8(
     t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *,
     amax: Optional[torch.Tensor] = None, store: bool = False,
     offsets: Optional[torch.Tensor] = None, shared: Optional[Dict[tuple, torch.Tensor]] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
@@ -262,7 +263,10 @@ def cast_to_float8(
     once and takes the other layout from them. ``offsets``: the token groups of a grouped cast
     (``spec.grouped``, [Note: grouped casts] in f8dist/config/specs.py). ``shared``: a table of casts of
     the same tensor (:func:`shared_casts`), looked up first and filled ([Note: one cast per
-    input]; a delayed cast found there has the first sibling's scale). Not differentiable: see :class:`ToFloat8` for that.
+    input]; a delayed cast found there has the first sibling's scale). ``positions``: where a
+    stochastically rounded cast draws, int64 of the local shape (the experts' tokens: [Note:
+    positions in token groups] in f8dist/core/scaling.py); else the elements' global positions.
+    Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
 
@@ -290,7 +294,7 @@ def cast_to_float8(
     if not spec.enabled:
         raise ValueError(f"{spec.site}: its CastSpec says ScalingType.DISABLED; nothing to cast")
     if spec.blockwise:
-        return _cast_blocks(t, spec, scale, amax, store)
+        return _cast_blocks(t, spec, scale, amax, store, positions)
     if spec.scaling_type is ScalingType.DELAYED and scale is None:
         raise RuntimeError(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
@@ -335,7 +339,8 @@ def _observed(spec: CastSpec, t: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> torch.Tensor:
+def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool,
+                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A blockwise cast ([Note: block scales] in f8dist/config/cells.py): each block scaled by its own
     amax, so no collective; a DTensor casts its local shard, whose blocks must be whole ([Note:
     shards on block boundaries] in f8dist/core/placement.py)."""
@@ -366,8 +371,10 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool) -> t
             amax = local_part(logical_amax(t))
         uniform = None
         if spec.stochastic_rounding:  # one device's draws: [Note: the stochastic rounding key]
+            if positions is None:
+                positions = global_positions(t)  # [local shape]
             key = stochastic_rounding.key(spec.site)
-            uniform = counter_uniform(global_positions(t), key)  # [local shape]
+            uniform = counter_uniform(positions, key)  # [local shape]
         data, scale, tensor_scale = nvfp4_cast(  # the tensor scale from the logical amax
             local_part(t), _block(spec, t.dim()), amax, uniform)
         out = like(t, Float8Tensor(data, scale, dtype, mm_config=spec.mm_config,

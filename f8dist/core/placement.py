@@ -55,6 +55,7 @@ __all__ = [
     "all_gather",
     "blocks_split_by_shards",
     "global_positions",
+    "shard_index",
     "expert_token_placements",
 ]
 
@@ -232,6 +233,18 @@ def global_positions(t: torch.Tensor) -> torch.Tensor:
                 "it first or turn stochastic_rounding off for this cast")
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return _positions(tuple(t.shape), shape, offset, t.device)
+
+
+def shard_index(mesh, placements: Sequence, dim: int = 0) -> int:
+    """The index of this rank's chunk of ``dim`` among those ``placements`` cut it into over
+    ``mesh`` (0 where nothing shards it): as torch nests the mesh axes that shard one dim, the
+    first outermost (experts under EP: [Note: positions in token groups] in
+    f8dist/core/scaling.py)."""
+    coordinate, index = mesh.get_coordinate(), 0
+    for axis, p in enumerate(placements):
+        if p.is_shard(dim):
+            index = index * mesh.size(axis) + coordinate[axis]
+    return index
 
 
 def _positions(shape: tuple, local_shape, offset, device) -> torch.Tensor:

@@ -76,6 +76,7 @@ __all__ = [
     "saturated_cast",
     "dequantize",
     "group_ids",
+    "group_positions",
     "group_amax",
     "block_amax",
     "block_scale",
@@ -441,7 +442,8 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 # Gradients in e2m1 round stochastically (NVIDIA's NVFP4 recipe): a value between two
 # neighbouring e2m1 values ``lo < v < hi`` goes up with probability ``(v - lo) / (hi - lo)``, so
 # the rounding is unbiased in expectation. The uniform draw of an element is a counter-based
-# generator of (key, the element's flat position in the logical tensor): SplitMix64's output
+# generator of (key, the element's flat position in the logical tensor; a grouped gemm's tokens:
+# their place in their group, [Note: positions in token groups]): SplitMix64's output
 # number ``position`` of the stream ``key`` (its state after ``position + 1`` steps, mixed), in
 # int64 ops that wrap as uint64's do. No generator state moves, so a rank's shard draws exactly
 # the numbers one device draws for those elements ([Note: global positions] in
@@ -637,6 +639,28 @@ def group_ids(offsets: torch.Tensor, m: int) -> torch.Tensor:
     offset get ``len(offsets)``."""
     rows = torch.arange(m, device=offsets.device, dtype=offsets.dtype)  # [M]
     return torch.searchsorted(offsets, rows, right=True)  # [M]
+
+
+# [Note: positions in token groups]
+# A stochastically rounded token operand of a grouped gemm ([Note: stochastic rounding]) draws
+# by each element's place in its group, not in the [M, C] tensor: the flat index of (group, row
+# in the group, column) in a logical [groups, 2**32, C] tensor (int64, wrapping: distinct while
+# groups * C <= 2**32). Under expert parallelism a rank holds its experts' groups, each in one
+# device's row order ([Note: expert parallelism] in f8dist/parallel/ep/dispatch.py), at rows
+# that depend on the other experts' counts; the group's global index and the row within it do
+# not, so each rank draws one device's numbers with no collective, padded groups too (their
+# real rows keep their place, [Note: block grouped gemms] in f8dist/nn/grouped.py).
+
+
+def group_positions(offsets: torch.Tensor, m: int, c: int, first_group: int = 0) -> torch.Tensor:
+    """The position of each element of a [m, c] token tensor in groups ``offsets`` whose first
+    group is group ``first_group`` of the logical layer ([Note: positions in token groups]):
+    [m, c] int64. Rows past the last offset count as one more group."""
+    ids = group_ids(offsets, m)  # [M]
+    starts = torch.cat([offsets.new_zeros(1), offsets]).long()  # [E + 1]
+    rows = torch.arange(m, device=offsets.device) - starts[ids]  # [M] row in its group
+    place = (ids + first_group) * 2**32 + rows  # [M]
+    return place[:, None] * c + torch.arange(c, device=offsets.device)  # [M, C]
 
 
 def group_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

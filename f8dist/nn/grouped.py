@@ -24,7 +24,9 @@ f8dist/core/placement.py), one scalar all-reduce per cast: every rank casts with
 tensor scales, and its block scales are its own blocks', so its bytes are one device's. The
 float8 dispatch casts the tokens so on their source rank ([Note: float8 dispatch] in
 f8dist/parallel/ep/dispatch.py); without it each gemm casts the high-precision tokens it
-receives (the same bytes as one cast before both).
+receives (the same bytes as one cast before both). The gradients' stochastic rounding draws by
+each element's place in its expert's group, one device's on every rank ([Note: positions in token
+groups] in f8dist/core/scaling.py).
 
 [Note: delayed experts]
 Delayed scaling ([Note: delayed scaling] in f8dist/policy/delayed/) keeps one amax history per expert
@@ -70,9 +72,9 @@ from f8dist.policy.delayed import (
 from f8dist.core.weight import wrap_weight_for_float8_all_gather
 from f8dist.core.gemm import pad_groups, scatter_rows, shape_problems
 from f8dist.core.placement import (
-    expert_token_placements, is_dtensor, local_part, reduce_over_shards,
+    expert_token_placements, is_dtensor, local_part, reduce_over_shards, shard_index,
 )
-from f8dist.core.scaling import tensor_amax
+from f8dist.core.scaling import group_positions, tensor_amax
 from f8dist.core.tensor import Float8Tensor
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
@@ -147,8 +149,22 @@ def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch
         offsets = padded
     # blocks of tokens need no offsets
     shards = sharding or {}
-    return (cast_to_float8(a, sa, amax=_nvfp4_amax(a, sa, shards.get(left))),
-            cast_to_float8(b, sb, amax=_nvfp4_amax(b, sb, shards.get(right))), offsets)
+    return (cast_to_float8(a, sa, amax=_nvfp4_amax(a, sa, shards.get(left)),
+                           positions=_draw_positions(a, sa, offsets, shards.get(left))),
+            cast_to_float8(b, sb, amax=_nvfp4_amax(b, sb, shards.get(right)),
+                           positions=_draw_positions(b, sb, offsets, shards.get(right))), offsets)
+
+
+def _draw_positions(t: torch.Tensor, spec: CastSpec, offsets: torch.Tensor,
+                    sharding) -> Optional[torch.Tensor]:
+    """Where a stochastically rounded token operand ``t`` [M, C] in groups ``offsets`` draws:
+    one device's places in its experts' groups ([Note: positions in token groups] in
+    f8dist/core/scaling.py), the rank's first expert found from ``sharding`` (the tokens'
+    (mesh, placements) under EP); None where ``spec`` rounds to nearest."""
+    if not spec.stochastic_rounding:
+        return None
+    first = 0 if sharding is None else shard_index(*sharding) * offsets.shape[0]
+    return group_positions(offsets, *t.shape, first)  # [M, C]
 
 
 class _Float8GroupedMM(torch.autograd.Function):

@@ -348,3 +348,15 @@ def test_random_hadamard_leaves_the_grad_weight_product_unchanged():
     plain = g.reshape(-1, 24).t() @ x.reshape(-1, 40)  # [N, K]
     assert torch.equal(gt.reshape(-1, 24).t() @ xt.reshape(-1, 40), plain)
 
+
+
+def test_group_positions_are_each_groups_own():
+    """[Note: positions in token groups]: a group's elements draw at the same positions whatever
+    the other groups hold and wherever its rows are (one device, or a rank holding groups 2-3);
+    every element's position is distinct."""
+    from f8dist.core.scaling import group_positions
+
+    whole = group_positions(torch.tensor([3, 3, 7, 8], dtype=torch.int32), 8, 16)  # [8, 16]
+    part = group_positions(torch.tensor([4, 5], dtype=torch.int32), 5, 16, first_group=2)
+    assert torch.equal(whole[3:], part)
+    assert whole.unique().numel() == whole.numel()

@@ -12,7 +12,7 @@ from f8dist.nn.grouped import (
     WEIGHTS, Float8GroupedExperts, GroupedExperts, float8_grouped_mm, grouped_mm,
 )
 from f8dist.config.cells import E2M1
-from f8dist.core.cast import cast_to_float8
+from f8dist.core.cast import cast_to_float8, stochastic_rounding
 from f8dist.core.numerics import sqnr
 from tests.floors import exact_gemm_db, on_cpu
 
@@ -271,11 +271,36 @@ def test_nvfp4_grouped_gemms_sqnr_and_emulation():
     specs = config.grouped_cast_specs("experts.w1")
     assert specs["output", "input"].dtype == specs["output", "weight"].dtype == E2M1
     emu = config.replace(emulate=True).grouped_cast_specs("experts.w1")
+    stochastic_rounding.reset()  # both draw alike ([Note: the stochastic rounding key])
     out = _run(lambda x, w, o: float8_grouped_mm(x, w, o, specs), x, w, grad)
     ref = _run(grouped_mm, x, w, grad)
+    stochastic_rounding.reset()
     for r, a, e in zip(ref, out, _run(lambda x, w, o: float8_grouped_mm(x, w, o, emu), x, w, grad)):
         assert sqnr(r, a) > NVFP4_FLOOR and sqnr(e, a) > exact_gemm_db()
     assert torch.equal(out[2][1], torch.zeros_like(out[2][1]))  # the expert without tokens
+
+
+@on_cpu
+def test_nvfp4_experts_round_their_gradients_stochastically():
+    """The "nvfp4" recipe's gradient casts round stochastically in experts too ([Note: positions
+    in token groups] in f8dist/core/scaling.py): a seed draws alike every time, another seed
+    otherwise; the weights round to nearest."""
+    specs = Float8LinearConfig.from_recipe_name("nvfp4").grouped_cast_specs("experts.w1")
+    assert specs["grad_input", "grad_output"].stochastic_rounding
+    assert specs["grad_weight", "grad_output"].stochastic_rounding
+    assert not specs["output", "weight"].stochastic_rounding
+    x, w, grad = _operands(torch.float32)
+
+    def grads(seed):
+        stochastic_rounding.reset(seed)
+        return _run(lambda x, w, o: float8_grouped_mm(x, w, o, specs), x, w, grad)[1:]
+
+    try:
+        first, again, other = grads(1), grads(1), grads(2)
+    finally:
+        stochastic_rounding.reset()
+    for a, b, c in zip(first, again, other):
+        assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def test_block_grouped_casts_block_each_expert_apart():

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
 from f8dist.core import agreement
-from f8dist.core.cast import cast_to_float8
+from f8dist.core.cast import cast_to_float8, stochastic_rounding
 from f8dist.parallel.ep.dispatch import COMBINE_SPEC, GRAD_SPEC
 from f8dist.parallel.ep import Float8ExpertParallel
 from f8dist.models.moe import MoE, MoEArgs
@@ -63,6 +63,7 @@ def test_style_on_an_moe_matches_one_device(recipe, recompute):
     sizes = SIZES[:WORLD]
     x, grad = _batch(sum(sizes))
     x_ref = x.clone().requires_grad_()
+    stochastic_rounding.reset()  # as each rank starts ([Note: a run starts as processes do])
     out = ref(x_ref)
     out.backward(grad)
 
@@ -94,10 +95,13 @@ def _rank_matches(experts, ref, rank, o, xi, out, all_tokens, order, weights):
             (rank, w)
 
 
-def test_style_on_bare_experts_matches_one_device():
+@pytest.mark.parametrize("recipe", ["rowwise", "nvfp4"])
+def test_style_on_bare_experts_matches_one_device(recipe):
     """The experts module alone, called as one device calls it: ``experts(tokens, offsets)``
-    with this rank's tokens sorted by expert and its offsets over all experts."""
-    ref = _moe("rowwise", WORLD).experts
+    with this rank's tokens sorted by expert and its offsets over all experts. "nvfp4": its
+    gradients rounded stochastically, each rank drawing one device's numbers for its experts'
+    groups ([Note: positions in token groups] in f8dist/core/scaling.py)."""
+    ref = _moe(recipe, WORLD).experts
     e = PER_RANK * WORLD
     g = torch.Generator().manual_seed(3)
     # each rank's tokens per expert (some zero), sorted by expert
@@ -107,6 +111,7 @@ def test_style_on_bare_experts_matches_one_device():
     order = [(r, i) for j in range(e) for r in range(WORLD)
              for i in range(int(counts[r][:j].sum()), int(counts[r][:j + 1].sum()))]
     all_tokens = torch.stack([tokens[r][i] for r, i in order]).requires_grad_()
+    stochastic_rounding.reset()  # as each rank starts ([Note: a run starts as processes do])
     out = ref(all_tokens, torch.cumsum(sum(counts), 0).to(torch.int32))
     out.sum().backward()
     layers = [copy.deepcopy(ref) for _ in range(WORLD)]
