@@ -90,7 +90,8 @@ def _recipe(recipe: Union[str, Float8LinearRecipeName]) -> Float8LinearRecipeNam
 # last blocks among them, for stability; torchtitan's NVFP4 converter keeps the last
 # ceil(0.15 * n_layers) decoder layers (and the output head) in bf16
 # (``nvfp4_bf16_tail_fqns``). HIGH_PRECISION_TAIL is that share per recipe (none for float8).
-HIGH_PRECISION_TAIL = {Float8LinearRecipeName.NVFP4.value: 0.15}  # recipe name -> share
+HIGH_PRECISION_TAIL = {r.value: 0.15 for r in (  # recipe name -> share (nvfp4's variants alike)
+    Float8LinearRecipeName.NVFP4, Float8LinearRecipeName.NVFP4_NO_RHT)}
 
 
 def high_precision_tail_filter(recipe: Union[str, Float8LinearRecipeName], num_layers: int,

@@ -124,5 +124,7 @@ def test_high_precision_tail_filter_keeps_the_recipes_last_blocks():
     lin = nn.Linear(16, 16)
     keep = high_precision_tail_filter("nvfp4", 14)  # ceil(2.1) = 3: blocks 11, 12, 13
     assert [i for i in range(14) if not keep(lin, f"layers.{i}.attention.wq")] == [11, 12, 13]
+    no_rht = high_precision_tail_filter("nvfp4_no_rht", 14)  # the variant keeps the same tail
+    assert [i for i in range(14) if not no_rht(lin, f"layers.{i}.attention.wq")] == [11, 12, 13]
     assert keep(lin, "output") and keep(lin, "layers.1.feed_forward.w1")
     assert all(high_precision_tail_filter("mxfp8", 14)(lin, f"layers.{i}.wq") for i in range(14))

@@ -325,6 +325,36 @@ def test_loss_table_compares_8bit_states_with_fp32_states():
     assert "| tensorwise, 8bit states | 2.1500 | +7.50% | +2.38% |" in table
 
 
+def test_loss_table_versus_adds_each_runs_gap_to_that_run():
+    curves = {"none": [5.0, 2.0, 2.0], "mxfp8": [5.0, 2.0, 2.02], "nvfp4": [5.0, 2.1, 2.1]}
+    table = compare_loss.loss_table(curves, tail=2, title="t", versus="mxfp8")
+    assert "| recipe | final loss (mean of last 2 steps) | vs bf16 | vs mxfp8 |\n|---|---|---|---|\n" in table
+    assert "| bf16 | 2.0000 |  | -0.50% |" in table
+    assert "| mxfp8 | 2.0100 | +0.50% |  |" in table
+    assert "| nvfp4 | 2.1000 | +5.00% | +4.48% |" in table
+
+
+def test_gap_table_gives_each_runs_loss_and_gaps_at_each_step():
+    curves = {"none": [5.0, 4.0, 2.0, 2.0], "mxfp8": [5.0, 4.0, 2.0, 2.02],
+              "nvfp4": [5.0, 4.4, 2.1, 2.1]}
+    table = compare_loss.gap_table(curves, [1, 2, 3, 4], [2, 4], tail=2, versus="mxfp8")
+    assert "in brackets vs bf16 / vs mxfp8" in table
+    assert "| step | bf16 | mxfp8 | nvfp4 |\n|---|---|---|---|\n" in table
+    assert "| 2 | 4.5000 | 4.5000 (+0.00%) | 4.7000 (+4.44% / +4.44%) |" in table  # steps 1-2
+    assert "| 4 | 2.0000 | 2.0100 (+0.50%) | 2.1000 (+5.00% / +4.48%) |" in table  # steps 3-4
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--recipes", "none,nvfp4", "--versus", "mxfp8"], "--versus mxfp8: one of --recipes"),
+    (["--recipes", "none,nvfp4", "--steps", "40", "--gap-at", "20,41"],
+     "--gap-at 20,41: steps from 1 to --steps 40"),
+])
+def test_compare_loss_refuses_a_versus_or_gap_step_it_cannot_show(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        compare_loss.main(argv)
+    assert match in capsys.readouterr().err
+
+
 def test_optim_states_flag_picks_the_optimizer():
     import torch
 
