@@ -279,7 +279,9 @@ def convert_float8(model: Transformer, config: Float8LinearConfig, recipe: str, 
         module_filter_fn=lambda mod, fqn: fqn != "output" and not is_experts(mod, fqn) and tail(mod, fqn))
     experts_config = config.replace(pad_inner_dim=False,
                                     **{name: False for name in LINEAR_ONLY_OPTIONS})
-    convert_to_float8_training(model, config=experts_config, module_filter_fn=is_experts, **kwargs)
+    convert_to_float8_training(model, config=experts_config,
+                               module_filter_fn=lambda mod, fqn: is_experts(mod, fqn) and tail(mod, fqn),
+                               **kwargs)
 
 
 def build_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> nn.Module:

@@ -475,6 +475,21 @@ def test_nvfp4_keeps_the_last_block_in_high_precision():
                          "layers.{2}.feed_forward.w3, output"), text
 
 
+def test_nvfp4_keeps_the_last_blocks_experts_in_high_precision_too():
+    # the tail is whole blocks: a kept block's grouped experts stay high precision with its linears
+    from f8dist import Float8LinearConfig
+    from f8dist.models import ModelArgs
+    from f8dist.models.moe import MoEArgs, MoETransformer
+    from f8dist.nn.grouped import Float8GroupedExperts
+
+    model = MoETransformer(ModelArgs(dim=32, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=16),
+                           MoEArgs(num_experts=4, top_k=2))
+    train.convert_float8(model, Float8LinearConfig.from_recipe_name("nvfp4"), "nvfp4")
+    converted = [name for name, layer in model.layers.named_children()
+                 if any(isinstance(m, Float8GroupedExperts) for m in layer.modules())]
+    assert converted == ["0", "1"], converted
+
+
 def test_float8_linears_line_names_the_grouped_experts():
     from f8dist import Float8LinearConfig, convert_to_float8_training
     from f8dist.models import ModelArgs
