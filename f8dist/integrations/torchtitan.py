@@ -408,6 +408,14 @@ _LAYER_OPTIONS = ("recipe_name", "enable_fsdp_float8_all_gather", "pad_inner_dim
                   "precompute_float8_dynamic_scale_for_fsdp")
 
 
+
+def _tail_filter(model_config: Module.Config, recipe_name: str):
+    """The recipe's high-precision tail of ``model_config``'s blocks ``layers.N`` ([Note: a
+    high-precision tail] in f8dist/policy/filters.py), one rule for its linears and experts."""
+    blocks = {int(f.split(".")[1]) for f, *_ in model_config.traverse(Linear.Config)
+              if re.match(r"layers\.\d+\.", f)}
+    return filters.high_precision_tail_filter(recipe_name, max(blocks, default=-1) + 1)
+
 class Float8LinearConverter(QuantizationConverter):
     """Convert the ``Linear.Config``\\ s of a torchtitan model config to :class:`Float8Linear`.
 
@@ -485,9 +493,7 @@ class Float8LinearConverter(QuantizationConverter):
         cfg = self.config
         converted, kept = [], []
         linears = list(model_config.traverse(Linear.Config))
-        blocks = {int(f.split(".")[1]) for f, *_ in linears if re.match(r"layers\.\d+\.", f)}
-        tail = filters.high_precision_tail_filter(  # [Note: a high-precision tail]
-            cfg.recipe_name, max(blocks, default=-1) + 1)
+        tail = _tail_filter(model_config, cfg.recipe_name)
         for fqn, linear, parent, attr in linears:
             if (type(linear) is not Linear.Config or not self.filter_fn(linear, fqn)
                     or not tail(linear, fqn)):
@@ -673,10 +679,11 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         converted, kept = [], []
+        tail = _tail_filter(model_config, self.config.recipe_name)
         for fqn, experts, parent, attr in model_config.traverse(GroupedExperts.Config):
             if type(experts) is not GroupedExperts.Config:
                 continue
-            if any(f in fqn for f in self.filter_fqns):
+            if any(f in fqn for f in self.filter_fqns) or not tail(experts, fqn):
                 continue
             problems = grouped.grouped_problems(experts, self.float8_config)  # alignment, blocks
             if problems:

@@ -476,6 +476,22 @@ def test_grouped_experts_converter_refuses_delayed_and_keeps_filtered_experts():
                       tt.Float8GroupedExperts.Config)
 
 
+
+def test_nvfp4_experts_converter_keeps_the_last_blocks_experts_in_high_precision():
+    # [Note: a high-precision tail]: the tail is whole blocks, their experts with their linears
+    from torchtitan.models.deepseek_v3 import model_registry as deepseek_registry
+
+    def converted(recipe):
+        spec = tt.Float8GroupedExpertsConverter(tt.Float8GroupedExpertsConverter.Config(
+            recipe_name=recipe)).convert(deepseek_registry("debugmodel").model)
+        return {i: isinstance(layer.moe.routed_experts.inner_experts, tt.Float8GroupedExperts.Config)
+                for i, layer in enumerate(spec.layers) if getattr(layer, "moe", None) is not None}
+
+    rowwise, nvfp4 = converted("rowwise"), converted("nvfp4")
+    last = max(rowwise)
+    assert all(rowwise.values()) and len(rowwise) > 1, rowwise
+    assert nvfp4 == {i: i != last for i in rowwise}, nvfp4
+
 def test_recipe_names_are_every_float8_recipe():
     """torchtitan's configs take the recipe names of Float8LinearRecipeName, the one list."""
     import typing
