@@ -56,7 +56,7 @@ KERNELS = {
     "mxfp8": dict(recipes=["mxfp8", "mxfp8_square_weights", "mxfp8_wgrad_with_hp"], inner=32,
                   scale_dtype=E8M0,
                   weights={"mxfp8": ((1, 32), (32, 1)), "mxfp8_square_weights": ((32, 32),) * 2}),
-    "nvfp4": dict(recipes=["nvfp4"]),  # its casts are the recipe's: nvfp4_cases
+    "nvfp4": dict(recipes=["nvfp4", "nvfp4_no_rht"]),  # its casts are the recipe's: nvfp4_cases
 }
 
 

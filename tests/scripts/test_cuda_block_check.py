@@ -41,14 +41,14 @@ def test_recipes_of_each_kernel_are_the_block_recipes():
 
     listed = sorted(r for spec in cuda_block_check.KERNELS.values() for r in spec["recipes"])
     block = sorted(r.value for r in Float8LinearRecipeName
-                   if r.value.startswith(("mxfp8", "blockwise")))
+                   if r.value.startswith(("mxfp8", "blockwise", "nvfp4")))
     assert listed == block
 
 
-@pytest.mark.parametrize("capability, skipped", [((9, 0), ["mxfp8"]), ((10, 0), ["deepseek"]),
-                                                  ((8, 0), ["deepseek", "mxfp8"])])
+@pytest.mark.parametrize("capability, skipped", [((9, 0), ["mxfp8", "nvfp4"]), ((10, 0), ["deepseek"]),
+                                                  ((8, 0), ["deepseek", "mxfp8", "nvfp4"])])
 def test_skip_reason_is_f8dists_error(capability, skipped, monkeypatch):
-    # an sm90 GPU skips MXFP8 naming 'blockwise' and sm100 skips DeepSeek's blocks naming 'mxfp8'
+    # an sm90 GPU skips MXFP8 and NVFP4 naming 'blockwise' and sm100 skips DeepSeek's blocks naming 'mxfp8'
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     reasons = {k: cuda_block_check.skip_reason(k) for k in cuda_block_check.KERNELS}
     assert sorted(k for k, r in reasons.items() if r is not None) == skipped
