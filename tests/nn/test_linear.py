@@ -8,17 +8,12 @@ import torch.nn as nn
 from f8dist import Float8Linear, Float8LinearConfig, Float8Tensor
 from f8dist.core.cast import stochastic_rounding
 from f8dist.core.numerics import sqnr
-from tests.floors import exact_gemm_db, on_cpu
+from tests.floors import NVFP4_FLOOR, NVFP4_GRAD_FLOOR, exact_gemm_db, on_cpu
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 # dB floors against an fp32/bf16 nn.Linear on gaussian data (float8 gives ~24-29 dB here)
 OUTPUT_FLOOR, GRAD_FLOOR = 25.0, 20.0
-# e2m1 (3 bits of magnitude) gives about 17 dB per gemm on gaussian data (docs/numerics.md)
-NVFP4_FLOOR = 15.0
-# its gradients round stochastically, which costs about 2 dB per gradient gemm (docs/numerics.md,
-# "NVFP4's stochastic rounding and random Hadamard transform")
-NVFP4_GRAD_FLOOR = NVFP4_FLOOR - 2.0
 
 
 def _pair(recipe, dtype, bias=True, in_features=64, out_features=32, **overrides):
