@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 
 from f8dist import Float8Linear, Float8LinearConfig
-from f8dist.core.cast import cast_to_float8
+from f8dist.core.cast import cast_to_float8, stochastic_rounding
 from f8dist.core.numerics import sqnr
 from sqnr_table import fwd_bwd
 
-RECIPES = ("nvfp4", "mxfp8", "tensorwise")
+RECIPES = ("nvfp4", "nvfp4_no_rht", "mxfp8", "tensorwise")
 
 
 def make_data(kind: str, shape, generator: torch.Generator) -> torch.Tensor:
@@ -62,6 +62,7 @@ def main():
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--in-features", type=int, default=1024)
     p.add_argument("--out-features", type=int, default=512)
+    p.add_argument("--sr-seed", type=int, default=0, help="stochastic rounding's seed")
     args = p.parse_args()
     m, k, n = args.tokens, args.in_features, args.out_features
     print(f"Float8Linear({k} -> {n}) float32, {m} tokens, seed 0, {torch.__version__}, cpu")
@@ -76,6 +77,7 @@ def main():
             base.weight.copy_(make_data(kind, (n, k), g) / k**0.5)
         ref = fwd_bwd(base, x, grad)
         for recipe in RECIPES:
+            stochastic_rounding.reset(args.sr_seed)  # each row draws alike, whatever ran before
             ours = Float8Linear.from_float(copy.deepcopy(base),
                                            Float8LinearConfig.from_recipe_name(recipe))
             cells = [f"{sqnr(r, a):.1f}" for r, a in zip(ref, fwd_bwd(ours, x, grad))]

@@ -80,9 +80,20 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 # (the positions are the batch's), so their rounding errors are not independent.
 # ``stochastic_rounding`` holds the seed and the counts (``state_dict`` to checkpoint
 # them: a resumed run then draws on as the uninterrupted one), counted per process-group rank so
-# that ranks simulated as threads of one process count as processes do. The key is a Python value
-# computed as the cast runs: a compiled graph that held it as a constant would round every step
-# alike (Float8Linear's compiled backward computes it each step, as eager does).
+# that ranks simulated as threads of one process count as processes do. Two runs compared draw
+# alike only from the same state: ``stochastic_rounding.reset(seed)`` (or ``load_state_dict``)
+# before each.
+# The cast reads its key from the custom op ``f8dist::sr_key(t, site)``, an int64 tensor: opaque
+# to torch.compile, so a compiled graph calls it each step (a Python int would be traced as a
+# constant, every step rounding alike, and its count a side effect dynamo refuses). Counting per
+# site makes the order of sites' casts within a graph irrelevant; ``t``, the tensor being cast,
+# is an input so the op runs where the cast does (backward, for a gradient) and two casts are
+# never merged into one call (nondeterministic_seeded: no CSE either).
+
+
+def _key(text: str) -> int:
+    """A 64-bit key of ``text``, the same in every process (``hash`` is not)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 class StochasticRounding:
@@ -95,10 +106,11 @@ class StochasticRounding:
 
     def reset(self, seed: int = 0) -> None:
         """Start over from ``seed`` (every rank the same), no site having drawn."""
-        self.seed, self.draws = int(seed), {}
+        self.load_state_dict({"seed": seed, "draws": {}})
 
-    def key(self, site: CastSite) -> int:
-        """The key of ``site``'s next cast (a 64-bit int); counts the draw."""
+    def key(self, site) -> int:
+        """The key of ``site``'s next cast (a 64-bit int); counts the draw. Casts call it through
+        :func:`sr_key`."""
         name = str(site)
         counter = (name, _rank())
         draw = self.draws.get(counter, 0)
@@ -107,22 +119,44 @@ class StochasticRounding:
 
     def signs_key(self) -> int:
         """The key of the random Hadamard transform's signs: the seed's alone ([Note: random
-        Hadamard transform] in f8dist/core/scaling.py)."""
-        return _key(f"{self.seed}:hadamard")
+        Hadamard transform] in f8dist/core/scaling.py). Kept from when the seed was set: a
+        compiled graph reads it as a constant (guarded), which hashing in the cast would not be."""
+        return self._signs_key
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "draws": dict(self.draws)}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.draws = int(state["seed"]), dict(state["draws"])
+        self._signs_key = _key(f"{self.seed}:hadamard")
 
 
 stochastic_rounding = StochasticRounding()
 
 
-def _key(text: str) -> int:
-    """A 64-bit key of ``text``, the same in every process (``hash`` is not)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+@torch.library.custom_op("f8dist::sr_key", mutates_args=(), tags=torch.Tag.nondeterministic_seeded)
+def sr_key(t: torch.Tensor, site: str) -> torch.Tensor:
+    """``stochastic_rounding.key(site)`` as an int64 [] on ``t``'s device (its bits; ``t`` is the
+    tensor being cast): [Note: the stochastic rounding key]."""
+    key = stochastic_rounding.key(site)
+    return torch.tensor(key - 2**64 if key >= 2**63 else key, dtype=torch.int64, device=t.device)
+
+
+@sr_key.register_fake
+def _(t: torch.Tensor, site: str) -> torch.Tensor:
+    return t.new_empty((), dtype=torch.int64)
+
+
+def _draw_key(t: torch.Tensor, site: str) -> torch.Tensor:
+    """:func:`sr_key` of ``t``: one call for the ranks a LocalTensorMode simulates in this process,
+    as each process makes one (the op would otherwise run, and count, once per simulated rank)."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return sr_key(t, site)
+    with mode.disable():
+        return sr_key(torch.empty(0, device=t.device), site)  # every rank's key
 
 
 def _rank() -> int:
@@ -373,7 +407,7 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool,
         if spec.stochastic_rounding:  # one device's draws: [Note: the stochastic rounding key]
             if positions is None:
                 positions = global_positions(t)  # [local shape]
-            key = stochastic_rounding.key(spec.site)
+            key = _draw_key(local_part(t), str(spec.site))  # int64 []
             uniform = counter_uniform(positions, key)  # [local shape]
         data, scale, tensor_scale = nvfp4_cast(  # the tensor scale from the logical amax
             local_part(t), _block(spec, t.dim()), amax, uniform)

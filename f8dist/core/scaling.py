@@ -459,11 +459,16 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def counter_uniform(positions: torch.Tensor, key: int) -> torch.Tensor:
+def counter_uniform(positions: torch.Tensor, key) -> torch.Tensor:
     """A float32 in [0, 1) (24 random bits) per element of the int64 ``positions``: SplitMix64
-    of the stream ``key`` at those counters ([Note: stochastic rounding])."""
-    start = (key + _GOLDEN + 2**63) % 2**64 - 2**63  # the state after 1 step, as an int64
-    z = positions * _GOLDEN + start  # after position + 1 steps (int64 wraps as uint64)
+    of the stream ``key`` (an int, or the int64 tensor [] of its bits) at those counters
+    ([Note: stochastic rounding])."""
+    if not isinstance(key, torch.Tensor):
+        key = torch.tensor((key + 2**63) % 2**64 - 2**63, dtype=torch.int64)  # its bits
+    # [Note: SplitMix64 compiled]: inductor folds integer arithmetic on an arange into an index
+    # expression, which does not wrap at 64 bits (OverflowError at codegen, torch 2.13); it does
+    # not fold ``^``, so the product stays an int64 multiply that wraps as in eager
+    z = (positions ^ 0) * _GOLDEN + (key + _GOLDEN)  # after position + 1 steps (wraps as uint64)
     z = (z ^ _shr(z, 30)) * _MIX[0]
     z = (z ^ _shr(z, 27)) * _MIX[1]
     z = z ^ _shr(z, 31)
@@ -514,7 +519,7 @@ def random_hadamard(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)
     q = (h * signs.to(h.device)[None, :] / 4).to(device=x.device, dtype=dtype)  # [16, 16], exact
     s, c = x.shape[-2:]
-    seqs = x.reshape(-1, s, c).to(dtype)  # [B, S, C]
+    seqs = x.reshape(math.prod(x.shape[:-2]), s, c).to(dtype)  # [B, S, C]; S may be 0
     whole = s - s % _HADAMARD
     blocks = seqs[:, :whole].reshape(seqs.shape[0], -1, _HADAMARD, c)  # [B, S / 16, 16, C]
     out = torch.cat([torch.matmul(q, blocks).reshape(seqs.shape[0], whole, c), seqs[:, whole:]], 1)
@@ -601,6 +606,13 @@ def nvfp4_dequantize(data: torch.Tensor, block_scale: torch.Tensor, block: tuple
 _E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+# [Note: float4 in a compiled graph]
+# Inductor's CPU backend has no C++ type for float4_e2m1fn_x2 (torch 2.13): a kernel that packs
+# the codes and bitcasts them to float4 in one loop fails at codegen (it did once the stochastic
+# rounding key, an opaque op's output, changed how the cast fused). :func:`e2m1_pack` stores the
+# bytes as uint8 (:func:`in_memory`) and views that buffer as float4, which no kernel computes.
+
+
 def e2m1_pack(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """e2m1 values ``x`` (float32, as :func:`round_to_e2m1` gives them) packed two a byte along
     ``dim`` ([Note: packed e2m1]): float4_e2m1fn_x2, ``x``'s shape with ``dim`` halved."""
@@ -615,7 +627,7 @@ def e2m1_pack(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     code = index.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)  # [..., n]
     pairs = code.reshape(*code.shape[:-1], n // 2, 2)  # [..., n / 2, 2]
     packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [..., n / 2]
-    return packed.view(E2M1).movedim(-1, dim)
+    return in_memory(packed).view(E2M1).movedim(-1, dim)  # [Note: float4 in a compiled graph]
 
 
 def e2m1_unpack(data: torch.Tensor, dim: int = -1) -> torch.Tensor:

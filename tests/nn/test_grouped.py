@@ -14,7 +14,7 @@ from f8dist.nn.grouped import (
 from f8dist.config.cells import E2M1
 from f8dist.core.cast import cast_to_float8, stochastic_rounding
 from f8dist.core.numerics import sqnr
-from tests.floors import exact_gemm_db, on_cpu
+from tests.floors import NVFP4_FLOOR, exact_gemm_db, on_cpu
 
 OFFSETS = torch.tensor([7, 7, 30, 48], dtype=torch.int32)  # expert 1 gets no token
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -257,8 +257,6 @@ def test_block_grouped_gemm_is_a_block_scaled_float8_linear_per_expert_bit_for_b
         start = end
 
 
-# e2m1 with 1x16 e4m3 blocks: about 17 dB per gemm on gaussian data (tests/nn/test_linear.py)
-NVFP4_FLOOR = 15.0
 
 
 @on_cpu  # [Note: the NVFP4 gemm] in f8dist/core/gemm.py: the CPU kernel or emulation
