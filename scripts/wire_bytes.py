@@ -8,11 +8,13 @@ process group), counted by f8dist's collective counter (``f8dist.testing.count_c
   (``enable_fsdp_float8_all_gather``; MXFP8 as 32x32 weight tiles) with their block scales;
 * EP dispatch: the dispatch all-to-all of an MoE (dim 64, 8 experts, top 2) with
   ``Float8ExpertParallel``, input bytes per rank less the bf16 combine's and the counts';
-  per routed token.
+  per routed token;
+* SP all-gather: a colwise / rowwise pair (dim 64 -> 128 -> 64) with sequence parallelism
+  (``f8dist.parallel.tp``; bf16: torch's styles), output bytes per rank of the forward's
+  all-gathers (the activation) and the backward's (the output's gradient), [2, 64, 64] each; the
+  float8 recipes gather each of their two casts of it (one per gemm) with its block scales.
 
-The SP all-gather (activations with their 1x16 / 1x32 block scales) moves the bytes per element of
-the EP dispatch's tokens: tests/sim/parallel/tp/test_style.py counts it. Figures in
-docs/performance.md.
+Figures in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from f8dist.testing import count_collectives  # noqa: E402
 from tests.sim.threads import run_threads  # noqa: E402
 
 WORLD, DIM, HIDDEN, TOKENS = 2, 64, 32, 16
+SP_SHAPE = (2, 64, DIM)  # [batch, seq, dim]: 32 tokens a sequence shard, whole 1x32 blocks
 RECIPES = (None, "mxfp8", "nvfp4")  # None: bf16
 
 
@@ -84,14 +87,50 @@ def ep_dispatch(recipe) -> float:
     return run_threads(WORLD, rank_main)[0]
 
 
+def sp_all_gather(recipe) -> dict:
+    """Forward and backward all-gather output bytes on rank 0 of a colwise / rowwise pair with
+    sequence parallelism (``f8dist.parallel.tp``; bf16: torch's ``ColwiseParallel`` /
+    ``RowwiseParallel``): the forward gathers the activation, the backward the output's
+    gradient, each of ``SP_SHAPE`` (bf16 in, bf16 gradient out)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False),
+                        nn.Linear(2 * DIM, DIM, bias=False)).bfloat16()
+    if recipe is not None:
+        convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe))
+    colwise, rowwise = ((ColwiseParallel, RowwiseParallel) if recipe is None
+                        else (Float8ColwiseParallel, Float8RowwiseParallel))
+    gen = torch.Generator().manual_seed(1)
+    x, grad_out = (torch.randn(SP_SHAPE, generator=gen).bfloat16() for _ in range(2))
+    nets = [copy.deepcopy(net) for _ in range(WORLD)]
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        m = parallelize_module(nets[rank], mesh, {
+            "0": colwise(input_layouts=Shard(1)), "1": rowwise(output_layouts=Shard(1))})
+        h = x.chunk(WORLD, 1)[rank].clone().requires_grad_()
+        with count_collectives() as fwd:
+            out = m(h)
+        with count_collectives() as bwd:
+            out.backward(grad_out.chunk(WORLD, 1)[rank])
+        out.sum(), h.grad.sum()  # wait for the two reduce-scatters (async collective tensors)
+        return {"SP all-gather, forward (bytes, rank 0)": fwd.expect("all_gather").output_bytes,
+                "SP all-gather, backward (bytes, rank 0)": bwd.expect("all_gather").output_bytes}
+
+    return run_threads(WORLD, rank_main)[0]
+
+
 def main() -> list:
     rows = []
     base = {}
     for recipe in RECIPES:
         name = recipe or "bf16"
-        for what, fn in (("FSDP2 all-gather (bytes, rank 0)", fsdp_all_gather),
-                         ("EP dispatch (bytes per token)", ep_dispatch)):
-            value = fn(recipe)
+        values = {"FSDP2 all-gather (bytes, rank 0)": fsdp_all_gather(recipe),
+                  "EP dispatch (bytes per token)": ep_dispatch(recipe), **sp_all_gather(recipe)}
+        for what, value in values.items():
             base.setdefault(what, value)
             rows.append((what, name, value, value / base[what]))
     print(f"| collective | recipe | bytes | vs bf16 |\n|---|---|---|---|")
