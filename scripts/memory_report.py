@@ -30,12 +30,13 @@ from torch.utils.checkpoint import noop_context_fn
 
 from bench_common import check_device
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
+from f8dist.config.recipe_names import Float8LinearRecipeName
 from f8dist.core.gemm import block_problems
 from f8dist.testing import compiled_saved_bytes, measure_fwd_bwd
 from f8dist.models.llama import FeedForward, ModelArgs, TransformerBlock, precompute_rope
 
-RECIPES = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8",
-           "mxfp8_square_weights", "blockwise"]
+# bf16, then every recipe (one list: f8dist/config/recipe_names.py)
+RECIPES = ["bf16", *(name.value for name in Float8LinearRecipeName)]
 # the "f8 act" column: float8_activations_for_backward off, on, on with recompute_swiglu_product,
 # and with recompute_norm_output too
 MODES = {"off": {"float8_activations_for_backward": False},
