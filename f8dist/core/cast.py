@@ -76,13 +76,19 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 # casts that site made before since the seed was set. Every rank of an SPMD program makes the same
 # casts of a site in the same order (its shards of one tensor, each cast once), so each derives
 # the same key with no collective, and with the element's global position the same draw as one
-# device. Data-parallel ranks, each one device on its own batch, draw alike for their batches too
-# (the positions are the batch's), so their rounding errors are not independent.
-# ``stochastic_rounding`` holds the seed and the counts (``state_dict`` to checkpoint
-# them: a resumed run then draws on as the uninterrupted one), counted per process-group rank so
-# that ranks simulated as threads of one process count as processes do. Two runs compared draw
-# alike only from the same state: ``stochastic_rounding.reset(seed)`` (or ``load_state_dict``)
-# before each.
+# device. Data-parallel replicas, each on its own batch, must not draw alike: their positions are
+# their batches', and alike draws would correlate their rounding errors, which then would not
+# average down over the gradient reduction (what rounding stochastically is for). So each rank
+# draws from a stream, ``stochastic_rounding.reset(seed, stream=k)``, mixed into the key: its
+# data-parallel replica's index (scripts/train.py's ``sr_stream``). The ranks that shard one
+# tensor (TP, CP, EP; FSDP2's weight, which is never rounded stochastically) are one replica and
+# share a stream; one device running replica k's batch with stream k draws as its ranks do.
+# Stream 0 keys as before streams were.
+# ``stochastic_rounding`` holds the seed, the streams and the counts (``state_dict`` to
+# checkpoint them: a resumed run then draws on as the uninterrupted one), streams and counts per
+# process-group rank so that ranks simulated as threads of one process count as processes do
+# (``reset`` starts over the calling rank's). Two runs compared draw alike only from the same
+# state: ``stochastic_rounding.reset(seed, stream)`` (or ``load_state_dict``) before each.
 # The cast reads its key from the custom op ``f8dist::sr_key(t, site)``, an int64 tensor: opaque
 # to torch.compile, so a compiled graph calls it each step (a Python int would be traced as a
 # constant, every step rounding alike, and its count a side effect dynamo refuses). Counting per
@@ -101,21 +107,25 @@ class StochasticRounding:
     key]), and the seed of the random Hadamard transform's signs; one per process,
     ``f8dist.core.cast.stochastic_rounding``."""
 
-    def __init__(self, seed: int = 0):
-        self.reset(seed)
+    def __init__(self, seed: int = 0, stream: int = 0):
+        self.load_state_dict({"seed": seed, "streams": {0: stream}, "draws": {}})
 
-    def reset(self, seed: int = 0) -> None:
-        """Start over from ``seed`` (every rank the same), no site having drawn."""
-        self.load_state_dict({"seed": seed, "draws": {}})
+    def reset(self, seed: int = 0, stream: int = 0) -> None:
+        """Start this rank over from ``seed`` (every rank the same) on ``stream`` (its
+        data-parallel replica's index), none of its sites having drawn."""
+        rank = _rank()
+        self.load_state_dict({
+            "seed": seed, "streams": {**self.streams, rank: stream},
+            "draws": {c: n for c, n in self.draws.items() if c[1] != rank}})
 
     def key(self, site) -> int:
         """The key of ``site``'s next cast (a 64-bit int); counts the draw. Casts call it through
         :func:`sr_key`."""
-        name = str(site)
-        counter = (name, _rank())
-        draw = self.draws.get(counter, 0)
-        self.draws[counter] = draw + 1
-        return _key(f"{self.seed}:{name}:{draw}")
+        name, rank = str(site), _rank()
+        draw = self.draws.get((name, rank), 0)
+        self.draws[(name, rank)] = draw + 1
+        stream = self.streams.get(rank, 0)
+        return _key(f"{self.seed}:{name}:{draw}" + (f":{stream}" if stream else ""))
 
     def signs_key(self) -> int:
         """The key of the random Hadamard transform's signs: the seed's alone ([Note: random
@@ -124,10 +134,11 @@ class StochasticRounding:
         return self._signs_key
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "draws": dict(self.draws)}
+        return {"seed": self.seed, "streams": dict(self.streams), "draws": dict(self.draws)}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.draws = int(state["seed"]), dict(state["draws"])
+        self.streams = dict(state.get("streams", {}))  # none: stream 0 (a state before streams)
         self._signs_key = _key(f"{self.seed}:hadamard")
 
 
