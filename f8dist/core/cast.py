@@ -80,7 +80,7 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 # their batches', and alike draws would correlate their rounding errors, which then would not
 # average down over the gradient reduction (what rounding stochastically is for). So each rank
 # draws from a stream, ``stochastic_rounding.reset(seed, stream=k)``, mixed into the key: its
-# data-parallel replica's index (scripts/train.py's ``sr_stream``). The ranks that shard one
+# data-parallel replica's index (scripts/train.py's ``sr_stream_of``). The ranks that shard one
 # tensor (TP, CP, EP; FSDP2's weight, which is never rounded stochastically) are one replica and
 # share a stream; one device running replica k's batch with stream k draws as its ranks do.
 # Stream 0 keys as before streams were.
