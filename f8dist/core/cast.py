@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.core.placement import (
     blocks_split_by_shards, global_positions, is_dtensor, layout, like, local_part, reduce_partial,
-    with_layout,
+    reduce_over_shards, with_layout,
 )
 from f8dist.core.scaling import (
     E2M1, amax_to_scale, block_cast, counter_uniform, group_amax, group_ids, hadamard_signs,
@@ -295,7 +295,7 @@ def cast_to_float8(
     t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *,
     amax: Optional[torch.Tensor] = None, store: bool = False,
     offsets: Optional[torch.Tensor] = None, shared: Optional[Dict[tuple, torch.Tensor]] = None,
-    positions: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None, shards: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
@@ -311,7 +311,9 @@ def cast_to_float8(
     input]; a delayed cast found there has the first sibling's scale). ``positions``: where a
     stochastically rounded cast draws, int64 of the local shape (the experts' tokens: [Note:
     positions in token groups] in f8dist/core/scaling.py); else the elements' global positions.
-    Not differentiable: see :class:`ToFloat8` for that.
+    ``shards``: the (mesh, placements) a plain NVFP4 ``t`` is a local part of, its own amax (of
+    what it casts: transformed, under ``spec.random_hadamard``) reduced over their axes
+    (experts under EP: [Note: NVFP4 experts] in f8dist/nn/grouped.py). Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
 
@@ -339,7 +341,7 @@ def cast_to_float8(
     if not spec.enabled:
         raise ValueError(f"{spec.site}: its CastSpec says ScalingType.DISABLED; nothing to cast")
     if spec.blockwise:
-        return _cast_blocks(t, spec, scale, amax, store, positions)
+        return _cast_blocks(t, spec, scale, amax, store, positions, shards)
     if spec.scaling_type is ScalingType.DELAYED and scale is None:
         raise RuntimeError(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
@@ -385,7 +387,8 @@ def _observed(spec: CastSpec, t: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 
 
 def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool,
-                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 positions: Optional[torch.Tensor] = None,
+                 shards: Optional[tuple] = None) -> torch.Tensor:
     """A blockwise cast ([Note: block scales] in f8dist/config/cells.py): each block scaled by its own
     amax, so no collective; a DTensor casts its local shard, whose blocks must be whole ([Note:
     shards on block boundaries] in f8dist/core/placement.py)."""
@@ -414,6 +417,8 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool,
         t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]
         if amax is None:
             amax = local_part(logical_amax(t))
+            if shards is not None:  # [] float32, the logical tensor's
+                amax = reduce_over_shards(amax, *shards, "max")
         uniform = None
         if spec.stochastic_rounding:  # one device's draws: [Note: the stochastic rounding key]
             if positions is None:
