@@ -61,6 +61,7 @@ import f8dist
 import f8dist.optim
 from f8dist import Float8LinearConfig, convert_to_float8_training, float8_sac_context_fn
 from f8dist.core.agreement import canonical_name
+from f8dist.core.cast import stochastic_rounding
 from f8dist.policy.checkpoint import Float8LoadPlanner
 from f8dist.policy.filters import high_precision_tail_filter
 from f8dist.core.placement import reduce_over_shards
@@ -229,6 +230,19 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
     if "dp_replicate" in mesh.mesh_dim_names:
         return mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh["dp"]
+
+
+def sr_stream_of(mesh: DeviceMesh) -> int:
+    """This rank's stochastic rounding stream: its data-parallel replica's index over the dp
+    axes ([Note: the stochastic rounding key] in f8dist/core/cast.py). The ranks that shard one
+    tensor (tp, cp, ep; pp's stages run one replica's batch) share it: with --ep the dp_shard
+    axis alone, since an expert's tokens from the ep ranks are one tensor, so those ranks' dense
+    layers draw alike too."""
+    stream = 0
+    for dim, name in enumerate(mesh.mesh_dim_names):
+        if name in ("dp", "dp_replicate", "dp_shard"):
+            stream = stream * mesh.size(dim) + mesh.get_local_rank(name)
+    return stream
 
 
 def fsdp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
@@ -789,6 +803,7 @@ def train(args: argparse.Namespace) -> Dict[str, object]:
     dp_rank, dp_size = dp_mesh_of(mesh).get_local_rank(), dp_mesh_of(mesh).size()
     cp_rank = mesh["cp"].get_local_rank() if args.cp > 1 else 0
     torch.manual_seed(args.seed)
+    stochastic_rounding.reset(stream=sr_stream_of(mesh))  # each replica its own draws
 
     model = build_model(args, mesh, device)  # with --pp: this rank's stage
     margs = model.args

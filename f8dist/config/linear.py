@@ -258,12 +258,13 @@ class Float8LinearConfig:
             # NVFP4 keeps its e2m1 ([Note: the NVFP4 gemm] in f8dist/core/gemm.py, grouped too);
             # the tokens round stochastically where the cell says, drawing by their place in
             # their expert's group ([Note: positions in token groups] in f8dist/core/scaling.py),
-            # the weights to nearest (a rank's gemm reads its shard as a plain tensor); none is
-            # transformed yet (docs/design.md's NVFP4 paragraph says what stands in the way)
+            # the weights to nearest (a rank's gemm reads its shard as a plain tensor); the
+            # grad_weight gemm's tokens take the random Hadamard transform as a linear's, in
+            # 16-row blocks of one group each (the gemm pads each group to 16 rows)
             dtype = spec.dtype if spec.dtype == E2M1 else E4M3
             sr = spec.stochastic_rounding and op is not Operand.WEIGHT
             specs.append(dataclasses.replace(spec, dtype=dtype, grouped=True,
-                                             stochastic_rounding=sr, random_hadamard=False))
+                                             stochastic_rounding=sr))
         return CastSpecs(tuple(specs))
 
     def resolved_dtype(self, gemm: Union[str, Gemm], operand: Union[str, Operand]) -> torch.dtype:

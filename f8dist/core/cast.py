@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from f8dist.config import CastSite, CastSpec, ScalingType
 from f8dist.core.placement import (
     blocks_split_by_shards, global_positions, is_dtensor, layout, like, local_part, reduce_partial,
-    with_layout,
+    reduce_over_shards, with_layout,
 )
 from f8dist.core.scaling import (
     E2M1, amax_to_scale, block_cast, counter_uniform, group_amax, group_ids, hadamard_signs,
@@ -76,13 +76,19 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 # casts that site made before since the seed was set. Every rank of an SPMD program makes the same
 # casts of a site in the same order (its shards of one tensor, each cast once), so each derives
 # the same key with no collective, and with the element's global position the same draw as one
-# device. Data-parallel ranks, each one device on its own batch, draw alike for their batches too
-# (the positions are the batch's), so their rounding errors are not independent.
-# ``stochastic_rounding`` holds the seed and the counts (``state_dict`` to checkpoint
-# them: a resumed run then draws on as the uninterrupted one), counted per process-group rank so
-# that ranks simulated as threads of one process count as processes do. Two runs compared draw
-# alike only from the same state: ``stochastic_rounding.reset(seed)`` (or ``load_state_dict``)
-# before each.
+# device. Data-parallel replicas, each on its own batch, must not draw alike: their positions are
+# their batches', and alike draws would correlate their rounding errors, which then would not
+# average down over the gradient reduction (what rounding stochastically is for). So each rank
+# draws from a stream, ``stochastic_rounding.reset(seed, stream=k)``, mixed into the key: its
+# data-parallel replica's index (scripts/train.py's ``sr_stream_of``). The ranks that shard one
+# tensor (TP, CP, EP; FSDP2's weight, which is never rounded stochastically) are one replica and
+# share a stream; one device running replica k's batch with stream k draws as its ranks do.
+# Stream 0 keys as before streams were.
+# ``stochastic_rounding`` holds the seed, the streams and the counts (``state_dict`` to
+# checkpoint them: a resumed run then draws on as the uninterrupted one), streams and counts per
+# process-group rank so that ranks simulated as threads of one process count as processes do
+# (``reset`` starts over the calling rank's). Two runs compared draw alike only from the same
+# state: ``stochastic_rounding.reset(seed, stream)`` (or ``load_state_dict``) before each.
 # The cast reads its key from the custom op ``f8dist::sr_key(t, site)``, an int64 tensor: opaque
 # to torch.compile, so a compiled graph calls it each step (a Python int would be traced as a
 # constant, every step rounding alike, and its count a side effect dynamo refuses). Counting per
@@ -101,21 +107,25 @@ class StochasticRounding:
     key]), and the seed of the random Hadamard transform's signs; one per process,
     ``f8dist.core.cast.stochastic_rounding``."""
 
-    def __init__(self, seed: int = 0):
-        self.reset(seed)
+    def __init__(self, seed: int = 0, stream: int = 0):
+        self.load_state_dict({"seed": seed, "streams": {0: stream}, "draws": {}})
 
-    def reset(self, seed: int = 0) -> None:
-        """Start over from ``seed`` (every rank the same), no site having drawn."""
-        self.load_state_dict({"seed": seed, "draws": {}})
+    def reset(self, seed: int = 0, stream: int = 0) -> None:
+        """Start this rank over from ``seed`` (every rank the same) on ``stream`` (its
+        data-parallel replica's index), none of its sites having drawn."""
+        rank = _rank()
+        self.load_state_dict({
+            "seed": seed, "streams": {**self.streams, rank: stream},
+            "draws": {c: n for c, n in self.draws.items() if c[1] != rank}})
 
     def key(self, site) -> int:
         """The key of ``site``'s next cast (a 64-bit int); counts the draw. Casts call it through
         :func:`sr_key`."""
-        name = str(site)
-        counter = (name, _rank())
-        draw = self.draws.get(counter, 0)
-        self.draws[counter] = draw + 1
-        return _key(f"{self.seed}:{name}:{draw}")
+        name, rank = str(site), _rank()
+        draw = self.draws.get((name, rank), 0)
+        self.draws[(name, rank)] = draw + 1
+        stream = self.streams.get(rank, 0)
+        return _key(f"{self.seed}:{name}:{draw}" + (f":{stream}" if stream else ""))
 
     def signs_key(self) -> int:
         """The key of the random Hadamard transform's signs: the seed's alone ([Note: random
@@ -124,10 +134,11 @@ class StochasticRounding:
         return self._signs_key
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "draws": dict(self.draws)}
+        return {"seed": self.seed, "streams": dict(self.streams), "draws": dict(self.draws)}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.draws = int(state["seed"]), dict(state["draws"])
+        self.streams = dict(state.get("streams", {}))  # none: stream 0 (a state before streams)
         self._signs_key = _key(f"{self.seed}:hadamard")
 
 
@@ -284,7 +295,7 @@ def cast_to_float8(
     t: torch.Tensor, spec: CastSpec, scale: Optional[torch.Tensor] = None, *,
     amax: Optional[torch.Tensor] = None, store: bool = False,
     offsets: Optional[torch.Tensor] = None, shared: Optional[Dict[tuple, torch.Tensor]] = None,
-    positions: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None, shards: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Cast ``t`` as ``spec`` says: a Float8Tensor, or a DTensor of them if ``t`` is a DTensor.
 
@@ -300,7 +311,9 @@ def cast_to_float8(
     input]; a delayed cast found there has the first sibling's scale). ``positions``: where a
     stochastically rounded cast draws, int64 of the local shape (the experts' tokens: [Note:
     positions in token groups] in f8dist/core/scaling.py); else the elements' global positions.
-    Not differentiable: see :class:`ToFloat8` for that.
+    ``shards``: the (mesh, placements) a plain NVFP4 ``t`` is a local part of, its own amax (of
+    what it casts: transformed, under ``spec.random_hadamard``) reduced over their axes
+    (experts under EP: [Note: NVFP4 experts] in f8dist/nn/grouped.py). Not differentiable: see :class:`ToFloat8` for that.
 
     Example::
 
@@ -328,7 +341,7 @@ def cast_to_float8(
     if not spec.enabled:
         raise ValueError(f"{spec.site}: its CastSpec says ScalingType.DISABLED; nothing to cast")
     if spec.blockwise:
-        return _cast_blocks(t, spec, scale, amax, store, positions)
+        return _cast_blocks(t, spec, scale, amax, store, positions, shards)
     if spec.scaling_type is ScalingType.DELAYED and scale is None:
         raise RuntimeError(
             f"{spec.site}: a delayed cast needs the scale from the module's amax history"
@@ -374,7 +387,8 @@ def _observed(spec: CastSpec, t: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 
 
 def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool,
-                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 positions: Optional[torch.Tensor] = None,
+                 shards: Optional[tuple] = None) -> torch.Tensor:
     """A blockwise cast ([Note: block scales] in f8dist/config/cells.py): each block scaled by its own
     amax, so no collective; a DTensor casts its local shard, whose blocks must be whole ([Note:
     shards on block boundaries] in f8dist/core/placement.py)."""
@@ -403,6 +417,8 @@ def _cast_blocks(t: torch.Tensor, spec: CastSpec, scale, amax, store: bool,
         t = in_memory(t)  # read twice: [Note: a cast that waits for its amax]
         if amax is None:
             amax = local_part(logical_amax(t))
+            if shards is not None:  # [] float32, the logical tensor's
+                amax = reduce_over_shards(amax, *shards, "max")
         uniform = None
         if spec.stochastic_rounding:  # one device's draws: [Note: the stochastic rounding key]
             if positions is None:

@@ -18,10 +18,11 @@ product), so that no block holds two experts' tokens: per expert, bit for bit a 
 NVFP4's tensor scale is the amax of the logical tensor ([Note: NVFP4] in f8dist/config/cells.py):
 all the tokens of the layer, the whole [E, N, K] weight. Under expert parallelism a rank holds
 its experts' rows of them (tokens from every rank, weights sharded on dim 0), so each NVFP4
-operand of the experts' gemms takes its local amax reduced over the mesh axes that shard it
-(``sharding``, the tokens' from the weight's: [Note: tokens of sharded experts] in
-f8dist/core/placement.py), one scalar all-reduce per cast: every rank casts with one device's
-tensor scales, and its block scales are its own blocks', so its bytes are one device's. The
+operand of the experts' gemms takes the amax of what it casts (transformed, for the grad_weight
+gemm's tokens: [Note: random Hadamard transform] in f8dist/core/scaling.py) reduced over the mesh
+axes that shard it (``cast_to_float8(..., shards=)``; ``sharding``, the tokens' from the weight's:
+[Note: tokens of sharded experts] in f8dist/core/placement.py), one scalar all-reduce per cast:
+every rank casts with one device's tensor scales, and its block scales are its own blocks', so its bytes are one device's. The
 float8 dispatch casts the tokens so on their source rank ([Note: float8 dispatch] in
 f8dist/parallel/ep/dispatch.py); without it each gemm casts the high-precision tokens it
 receives (the same bytes as one cast before both). The gradients' stochastic rounding draws by
@@ -72,9 +73,9 @@ from f8dist.policy.delayed import (
 from f8dist.core.weight import wrap_weight_for_float8_all_gather
 from f8dist.core.gemm import pad_groups, scatter_rows, shape_problems
 from f8dist.core.placement import (
-    expert_token_placements, is_dtensor, local_part, reduce_over_shards, shard_index,
+    expert_token_placements, is_dtensor, local_part, shard_index,
 )
-from f8dist.core.scaling import group_positions, tensor_amax
+from f8dist.core.scaling import group_positions
 from f8dist.core.tensor import Float8Tensor
 
 __all__ = ["GroupedExperts", "Float8GroupedExperts", "ExpertWeightScaling", "float8_grouped_mm",
@@ -129,11 +130,10 @@ def _sharded_nvfp4(t: torch.Tensor, spec: CastSpec, sharding) -> bool:
     return spec.dtype == E2M1 and sharding is not None and not isinstance(t, Float8Tensor)
 
 
-def _nvfp4_amax(t: torch.Tensor, spec: CastSpec, sharding) -> Optional[torch.Tensor]:
-    """The logical amax of ``t`` where :func:`_sharded_nvfp4`; None where the cast finds it."""
-    if not _sharded_nvfp4(t, spec, sharding):
-        return None
-    return reduce_over_shards(tensor_amax(t), *sharding, "max")  # [] float32
+def _nvfp4_shards(t: torch.Tensor, spec: CastSpec, sharding):
+    """The (mesh, placements) the cast reduces its amax over where :func:`_sharded_nvfp4`;
+    None where the cast's local amax is the tensor's."""
+    return sharding if _sharded_nvfp4(t, spec, sharding) else None
 
 
 def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
@@ -149,9 +149,9 @@ def _block_operands(gemm: Gemm, a: torch.Tensor, b: torch.Tensor, offsets: torch
         offsets = padded
     # blocks of tokens need no offsets
     shards = sharding or {}
-    return (cast_to_float8(a, sa, amax=_nvfp4_amax(a, sa, shards.get(left)),
+    return (cast_to_float8(a, sa, shards=_nvfp4_shards(a, sa, shards.get(left)),
                            positions=_draw_positions(a, sa, offsets, shards.get(left))),
-            cast_to_float8(b, sb, amax=_nvfp4_amax(b, sb, shards.get(right)),
+            cast_to_float8(b, sb, shards=_nvfp4_shards(b, sb, shards.get(right)),
                            positions=_draw_positions(b, sb, offsets, shards.get(right))), offsets)
 
 

@@ -349,12 +349,13 @@ def test_stochastic_rounding_and_random_hadamard_are_for_nvfp4_casts_only():
         CastConfig(random_hadamard=True)
 
 
-def test_nvfp4_experts_round_gradients_stochastically_untransformed():
+def test_nvfp4_experts_round_gradients_stochastically_and_transform_grad_weight_tokens():
     # grouped specs keep the gradients' stochastic rounding ([Note: positions in token groups]),
-    # round the weights to nearest, and drop the transform (not yet for experts)
+    # round the weights to nearest, and transform the grad_weight gemm's tokens as a linear does
     config = Float8LinearConfig.from_recipe_name("nvfp4")
     specs = config.grouped_cast_specs("experts.w1")
     assert all(s.dtype == torch.float4_e2m1fn_x2 for s in specs)
     assert [(s.gemm.value, s.operand.value) for s in specs if s.stochastic_rounding] == [
         ("grad_input", "grad_output"), ("grad_weight", "grad_output")]
-    assert not any(s.random_hadamard for s in specs)
+    assert [(s.gemm.value, s.operand.value) for s in specs if s.random_hadamard] == [
+        ("grad_weight", "grad_output"), ("grad_weight", "input")]

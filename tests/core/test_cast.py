@@ -145,3 +145,35 @@ def test_random_hadamard_cast_takes_no_given_amax():
     with pytest.raises(ValueError, match="random_hadamard=True casts the transformed tensor, "
                                          "whose amax it computes; give it no amax"):
         cast_to_float8(x, spec, amax=x.abs().max())
+
+
+def _sr_error(x: torch.Tensor, stream: int) -> torch.Tensor:
+    """The stochastically rounded NVFP4 cast of ``x`` less ``x``, drawn from ``stream``."""
+    from f8dist import Float8LinearConfig
+    from f8dist.core.cast import stochastic_rounding
+
+    spec = Float8LinearConfig.from_recipe_name("nvfp4").cast_spec("grad_input", "grad_output")
+    assert spec.stochastic_rounding
+    stochastic_rounding.reset(5, stream=stream)
+    try:
+        return cast_to_float8(x, spec).to_original_precision() - x
+    finally:
+        stochastic_rounding.reset()
+
+
+def test_data_parallel_streams_draw_apart_and_each_reproduces():
+    # [Note: the stochastic rounding key]: a replica's stream is mixed into the key, so two
+    # replicas round one tensor differently, and one device on a stream draws as it does
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_sr_error(x, 1), _sr_error(x, 1))
+    assert not torch.equal(_sr_error(x, 0), _sr_error(x, 1))
+
+
+def test_data_parallel_streams_round_independently():
+    # two replicas' errors on the same tensor (their batches' worst case: alike positions) are
+    # uncorrelated, so they average down over the gradient reduction: |corr| below 5 sigma of
+    # independent samples' (1 / sqrt(n)); one stream's are the same errors (corr 1)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    e0, e1 = _sr_error(x, 0).flatten(), _sr_error(x, 1).flatten()
+    corr = torch.corrcoef(torch.stack([e0, e1]))[0, 1]
+    assert corr.abs() < 5 / e0.numel() ** 0.5, corr

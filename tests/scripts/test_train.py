@@ -204,6 +204,21 @@ CP_TINY = ("--dim 32 --n-layers 1 --n-heads 4 --seq-len 16 --batch-size 2 --warm
            "--log-every 100 --cp 2")
 
 
+def test_stochastic_rounding_streams_follow_the_data_parallel_coordinate():
+    # [Note: the stochastic rounding key]: a stream per data-parallel replica, shared by the
+    # ranks that shard one tensor (tp, cp, ep), whatever the axes' order
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = {("dp", "tp"): (2, 2), ("dp_shard", "ep"): (2, 2), ("dp", "cp"): (2, 2),
+              ("pp", "dp"): (2, 2), ("dp_replicate", "dp_shard", "tp"): (2, 2, 1)}
+    streams = run_threads(4, lambda rank: {
+        names: train.sr_stream_of(init_device_mesh("cpu", shape, mesh_dim_names=names))
+        for names, shape in meshes.items()})
+    assert {names: [s[names] for s in streams] for names in meshes} == {
+        ("dp", "tp"): [0, 0, 1, 1], ("dp_shard", "ep"): [0, 0, 1, 1], ("dp", "cp"): [0, 0, 1, 1],
+        ("pp", "dp"): [0, 1, 0, 1], ("dp_replicate", "dp_shard", "tp"): [0, 1, 2, 3]}
+
+
 def test_train_cp_with_tp_matches_cp_alone(monkeypatch):
     """``--cp 2 --tp 2`` on 4 simulated ranks trains as ``--cp 2`` on 2 (the same K/V casts,
     [Note: context parallelism with tensor parallelism]): fp32, high-precision linears, so tp's

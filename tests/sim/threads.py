@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from f8dist.core import agreement
-from f8dist.core.cast import stochastic_rounding
+from f8dist.core.cast import StochasticRounding, stochastic_rounding
 
 
 def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
@@ -54,11 +54,11 @@ def run_threads(world: int, fn: Callable[[int], object], timeout: float = 120,
     # an earlier run's counts (2 ranks) would put this run's ranks 0-1 and 2-3 (4 ranks) on
     # different keys, waiting for each other until the agreement times out.
     # So are stochastic rounding's draw counts ([Note: the stochastic rounding key]): each run
-    # starts from seed 0 with none drawn, as a process does.
+    # starts from seed 0 on stream 0 with none drawn, as a process does.
     saved_rounds = dict(agreement._rounds)
     agreement._rounds.clear()
     saved_draws = stochastic_rounding.state_dict()
-    stochastic_rounding.reset()
+    stochastic_rounding.load_state_dict(StochasticRounding().state_dict())  # every rank's
     _install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # functional collectives per thread
     ProcessLocalGroup.reset()

@@ -10,13 +10,13 @@ from f8dist.core.cast import StochasticRounding, stochastic_rounding
 def one_device_steps(ref: torch.nn.Module, batch: Callable[[int, int], torch.Tensor], world: int,
                      steps: int) -> Tuple[List[List[torch.Tensor]], List[Dict[str, torch.Tensor]]]:
     """``ref`` trained as ``world`` ranks train its copies: each step one device runs every
-    rank's ``batch(step, rank)`` (with that rank's stochastic rounding draws: [Note: the
-    stochastic rounding key] in f8dist/core/cast.py) and sums the gradients in rank order (the
+    rank's ``batch(step, rank)`` (with that rank's stochastic rounding draws, from its stream
+    ``rank``: [Note: the stochastic rounding key] in f8dist/core/cast.py) and sums the gradients in rank order (the
     threaded group's reduce-scatter order), then divides by ``world``, as FSDP2 does, then AdamW
     (lr 1e-2) steps. Returns each step's outputs per rank and gradients by parameter name."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     outs, grads = [], []
-    draws = [StochasticRounding().state_dict() for _ in range(world)]  # each rank's, as it starts
+    draws = [StochasticRounding(stream=rank).state_dict() for rank in range(world)]  # as each starts
     for step in range(steps):
         outs.append([])
         summed = {}

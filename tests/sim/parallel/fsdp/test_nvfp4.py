@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.core.cast import stochastic_rounding
 from f8dist.parallel.fsdp import Float8AllGatherWeight
 from f8dist.testing import count_collectives
 from tests.sim.parallel.fsdp.one_device import one_device_steps
@@ -50,6 +51,7 @@ def test_nvfp4_weights_all_gathered_in_4_bits_match_one_device():
     outs, grads = one_device_steps(ref, batch, WORLD, STEPS)
 
     def rank_main(rank):
+        stochastic_rounding.reset(stream=rank)  # each replica its own draws, as one_device_steps
         model = shard(copies[rank])
         assert all(isinstance(p.to_local(), Float8AllGatherWeight) for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

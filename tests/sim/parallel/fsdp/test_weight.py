@@ -8,8 +8,9 @@ tests/sim/parallel/fsdp/test_block.py.
   move 1 byte per element plus one e8m0 byte per 32x32 block (against bf16's 2);
 * every block recipe with a high-precision all-gather, uneven and empty shards included (a
   20-row layer over 8 ranks: 3 rows on six, 2 on one, none on the last): one device's numbers,
-  no amax all-reduce; nvfp4's stochastically rounded gradients too, each rank drawing as one
-  device does for its batch ([Note: the stochastic rounding key] in f8dist/core/cast.py);
+  no amax all-reduce; nvfp4's stochastically rounded gradients too, each rank (a replica)
+  drawing from its own stream as one device does for its batch with that stream ([Note: the
+  stochastic rounding key] in f8dist/core/cast.py);
 * a float8 all-gather whose shards would split blocks raises, naming the fix;
 * a one-rank FSDP2 group, where FSDP2 runs no collective ([Note: one-rank FSDP2 group]): every
   recipe that gathers in float8, linears and grouped experts, one device's numbers over two
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from f8dist import (
     Float8Linear, Float8LinearConfig, convert_to_float8_training, sync_float8_amax_and_scale_history,
 )
+from f8dist.core.cast import stochastic_rounding
 from f8dist.parallel.fsdp import Float8AllGatherWeight
 from f8dist.nn.grouped import GroupedExperts
 from f8dist.testing import count_collectives
@@ -74,7 +76,7 @@ def batch(step, rank=0):
 
 def parity(recipe, fp8_all_gather, head=False, steps=1):
     """Every rank trains a copy on its own batches; one device runs each rank's batch (with that
-    rank's stochastic rounding draws) and sums the gradients in rank order (the threaded group's
+    rank's stochastic rounding stream) and sums the gradients in rank order (the threaded group's
     reduce-scatter order), then divides by 8, as FSDP2 does: outputs and gradients must be equal.
     Returns, per rank, the names of the weights gathered in float8, each step's (forward,
     backward) collective counts and the rows of each weight's shard."""
@@ -83,6 +85,7 @@ def parity(recipe, fp8_all_gather, head=False, steps=1):
     outs, grads = one_device_steps(ref, batch, WORLD, steps)
 
     def rank_main(rank):
+        stochastic_rounding.reset(stream=rank)  # each replica its own draws, as one_device_steps
         model = shard(copies[rank])
         gathered_in_float8 = [n for n, p in model.named_parameters()
                               if isinstance(p.to_local(), Float8AllGatherWeight)]
