@@ -488,6 +488,17 @@ def _rng_key() -> str:
     return f"rank{dist.get_rank()}"
 
 
+# [Note: stochastic rounding in checkpoints]
+# NVFP4's gradients round with draws keyed on each site's count of casts ([Note: the stochastic
+# rounding key] in f8dist/core/cast.py); a checkpoint keeps the counts (json bytes, the same on
+# every rank) so that a resumed run draws on as the unbroken one, on any number of ranks: the
+# seed is --seed's and the stream the rank's data-parallel index, set when the run starts.
+
+
+def _as_bytes(obj) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+
+
 def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int,
                     args: argparse.Namespace) -> None:
     """Save to ``path/step-{step}``, atomically ([Note: atomic checkpoints]), with the flags of
@@ -497,7 +508,8 @@ def save_checkpoint(path: str, model, optimizer, batches: ByteBatches, step: int
         "optimizer": get_optimizer_state_dict(model, optimizer),
         "train": {"step": torch.tensor(step), "batches_step": torch.tensor(batches.step),
                   "schedule": {k: torch.tensor(float(getattr(args, k)), dtype=torch.float64)
-                               for k in SCHEDULE}},
+                               for k in SCHEDULE},
+                  "sr_draws": _as_bytes(stochastic_rounding.counts())},
         "rng": {_rng_key(): torch.get_rng_state()},
     }
     final = os.path.join(path, f"step-{step}")
@@ -582,6 +594,8 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
     train_state = {"step": torch.tensor(0), "batches_step": torch.tensor(0)}
     if f"train.schedule.{SCHEDULE[0]}" in saved:
         train_state["schedule"] = {k: torch.tensor(0.0, dtype=torch.float64) for k in SCHEDULE}
+    if "train.sr_draws" in saved:  # [Note: stochastic rounding in checkpoints]
+        train_state["sr_draws"] = torch.empty(saved["train.sr_draws"].size, dtype=torch.uint8)
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
@@ -602,6 +616,8 @@ def load_checkpoint(checkpoint: str, model, optimizer, batches: ByteBatches, see
         recipes = "; the checkpoint's delayed-scaling state is not used by this --float8 recipe"
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     batches.load_state_dict({"step": int(state["train"]["batches_step"])})
+    if "sr_draws" in state["train"]:
+        stochastic_rounding.load_counts(json.loads(bytes(state["train"]["sr_draws"].tolist())))
     step = int(state["train"]["step"])
     schedule = state["train"].get("schedule")
     schedule = schedule and {k: float(v) for k, v in schedule.items()}

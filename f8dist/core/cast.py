@@ -133,6 +133,18 @@ class StochasticRounding:
         compiled graph reads it as a constant (guarded), which hashing in the cast would not be."""
         return self._signs_key
 
+    def counts(self) -> Dict[str, int]:
+        """This rank's draw count per site: what a checkpoint keeps so that a resumed run draws on
+        as the unbroken one (the same on every rank of an SPMD program)."""
+        rank = _rank()
+        return {name: n for (name, r), n in self.draws.items() if r == rank}
+
+    def load_counts(self, counts: Dict[str, int]) -> None:
+        """Set this rank's draw counts to ``counts`` (:meth:`counts` of a saved run)."""
+        rank = _rank()
+        self.draws = {**{c: n for c, n in self.draws.items() if c[1] != rank},
+                      **{(name, rank): int(n) for name, n in counts.items()}}
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "streams": dict(self.streams), "draws": dict(self.draws)}
 

@@ -240,6 +240,18 @@ def test_train_cp_resumes_bit_for_bit_with_activation_checkpointing(tmp_path, mo
     assert resumed == unbroken[2:] and len(unbroken) == 4, (resumed, unbroken)
 
 
+def test_nvfp4_resumes_its_stochastic_rounding_bit_for_bit(tmp_path, monkeypatch):
+    """[Note: stochastic rounding in checkpoints]: a resumed nvfp4 run draws on as the unbroken one
+    (its gradients' stochastic rounding keyed on each site's count of casts), so its losses are the
+    unbroken run's bit for bit."""
+    flags = ("--steps", 4, "--float8", "nvfp4", "--checkpoint-dir", tmp_path, "--cp", 1,
+             "--n-heads", 2, "--batch-size", 2, "--n-layers", 3)  # 2 nvfp4 blocks, 1 kept
+    unbroken = _train_on_threads(1, *flags, "--checkpoint-every", 2, monkeypatch=monkeypatch)
+    shutil.rmtree(tmp_path / "step-4")
+    resumed = _train_on_threads(1, *flags, "--resume", monkeypatch=monkeypatch)
+    assert resumed == unbroken[2:] and len(unbroken) == 4, (resumed, unbroken)
+
+
 @pytest.mark.parametrize("argv", [
     ["--moe-experts", "4", "--tp", "2"],  # [Note: MoE under tensor parallelism]
     ["--moe-experts", "4", "--ep", "2", "--ac", "sac"],  # [Note: SAC around a nested FSDP2 unit]
