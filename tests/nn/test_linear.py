@@ -789,6 +789,24 @@ def test_nvfp4_layer_dims_must_divide_into_16():
         _pair("nvfp4", torch.float32, in_features=40, out_features=32)
 
 
+def _forward_gather_and_derive(recipe, x, grad):
+    """A Float8Linear's weight gradient under sp_grad_weight "forward_gather" and "derive" (each
+    from a reset stochastic rounding state), and the derive run's specs; asserts that the output
+    and grad_input gemms are the same bit for bit."""
+    base, runs = nn.Linear(x.shape[1], grad.shape[1], bias=False), {}
+    for mode in ("forward_gather", "derive"):
+        config = Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight=mode)
+        m = Float8Linear.from_float(copy.deepcopy(base), config)
+        xr = x.clone().requires_grad_()
+        stochastic_rounding.reset()
+        out = m(xr)
+        out.backward(grad)
+        runs[mode] = (out.detach(), xr.grad, m.weight.grad, m.specs)
+    (out, grad_x, direct, _), (out_d, grad_x_d, derived, specs) = runs.values()
+    assert torch.equal(out, out_d) and torch.equal(grad_x, grad_x_d)
+    return direct, derived, specs
+
+
 def test_derive_re_casts_the_other_gemms_row_blocks_for_grad_weight():
     # sp_grad_weight="derive" ([Note: the grad_weight operand of a gathered tensor]): the output
     # and grad_input gemms are the default's bit for bit; grad_weight reads token blocks re-cast
@@ -798,21 +816,37 @@ def test_derive_re_casts_the_other_gemms_row_blocks_for_grad_weight():
 
     torch.manual_seed(0)
     x, grad = torch.randn(256, 256), torch.randn(256, 256)  # [M, K], [M, N]
-    base, runs = nn.Linear(256, 256, bias=False), {}
-    for mode in ("forward_gather", "derive"):
-        config = Float8LinearConfig.from_recipe_name("blockwise").replace(sp_grad_weight=mode)
-        m = Float8Linear.from_float(copy.deepcopy(base), config)
-        xr = x.clone().requires_grad_()
-        out = m(xr)
-        out.backward(grad)
-        runs[mode] = (out.detach(), xr.grad, m.weight.grad, m.specs)
-    (out, grad_x, direct, _), (out_d, grad_x_d, derived, specs) = runs.values()
-    assert torch.equal(out, out_d) and torch.equal(grad_x, grad_x_d)
+    direct, derived, specs = _forward_gather_and_derive("blockwise", x, grad)
 
     def re_cast(t, gemm, operand):
         row_blocks = cast_to_float8(t, specs[gemm, operand])
         return cast_to_float8(row_blocks, specs[Gemm.GRAD_WEIGHT, operand])
 
+    expected = torch.mm(re_cast(grad, Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT).t(),
+                        re_cast(x, Gemm.OUTPUT, Operand.INPUT))  # [N, K]
+    assert torch.equal(derived, expected) and not torch.equal(derived, direct)
+
+
+def test_nvfp4_derive_re_casts_with_the_grad_weight_casts_hadamard_and_rounding():
+    # nvfp4 with sp_grad_weight="derive": grad_weight reads the 1x16 row blocks of the other
+    # gemms dequantized and re-cast as the recipe's grad_weight casts say, the random Hadamard
+    # transform (input) and stochastic rounding (grad_output, the same draws) included; each
+    # re-cast's tensor scale is that of what it casts, the dequantized (transformed) tensor
+    from f8dist.core.cast import cast_to_float8
+    from f8dist.config import Gemm, Operand
+
+    torch.manual_seed(0)
+    x, grad = torch.randn(64, 64), torch.randn(64, 32)  # [M, K], [M, N]
+    direct, derived, specs = _forward_gather_and_derive("nvfp4", x, grad)
+    gw_input = specs[Gemm.GRAD_WEIGHT, Operand.INPUT]
+    gw_grad = specs[Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT]
+    assert gw_input.random_hadamard and gw_grad.random_hadamard and gw_grad.stochastic_rounding
+
+    def re_cast(t, gemm, operand):
+        row_blocks = cast_to_float8(t, specs[gemm, operand])
+        return cast_to_float8(row_blocks.to_original_precision(), specs[Gemm.GRAD_WEIGHT, operand])
+
+    stochastic_rounding.reset()  # the key state the derive run's casts drew from
     expected = torch.mm(re_cast(grad, Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT).t(),
                         re_cast(x, Gemm.OUTPUT, Operand.INPUT))  # [N, K]
     assert torch.equal(derived, expected) and not torch.equal(derived, direct)

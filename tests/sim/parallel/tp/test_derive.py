@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from f8dist import Float8LinearConfig, convert_to_float8_training
+from f8dist.core.cast import stochastic_rounding
 from f8dist.core.numerics import sqnr
 from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
 from f8dist.testing import count_collectives
@@ -21,9 +22,10 @@ from tests.sim.threads import run_threads
 TP, BATCH, SEQ, DIM = 2, 1, 64, 64  # 32-token sequence shards: whole 32x1 token blocks (mxfp8)
 
 
-def run(mode):
+def run(mode, recipe="mxfp8"):
     """Per rank: (SQNRs against one device, all-gather bytes on the wire by dtype)."""
-    config = Float8LinearConfig.from_recipe_name("mxfp8").replace(sp_grad_weight=mode)
+    config = Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight=mode)
+    stochastic_rounding.reset()  # as each rank starts ([Note: a run starts as processes do])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False))
     convert_to_float8_training(model, config=config)
@@ -63,3 +65,14 @@ def test_derive_sends_one_cast_and_matches_one_device():
         # weight gradients are its bits; the rest differs in the order of fp32 sums across ranks
         assert sqnrs["grad:0.weight"] == sqnrs["grad:1.weight"] == float("inf"), sqnrs
         assert min(sqnrs.values()) >= FLOOR_DB, sqnrs
+
+
+def test_nvfp4_derive_sends_one_4_bit_cast_and_matches_one_device():
+    # NVFP4: one cast of each, packed e2m1 (half a byte an element) with an e4m3 scale byte per
+    # 1x16 row block (forward_gather sends 2 casts); the derived 16-token blocks take the recipe's
+    # Hadamard transform and (grad_output) stochastic rounding with one device's draws
+    gathered = 2 * BATCH * SEQ * DIM
+    for sqnrs, wires in run("derive", "nvfp4"):
+        assert wires == {"uint8": gathered * (1 / 2 + 1 / 16)}, wires
+        assert sqnrs["grad:0.weight"] == sqnrs["grad:1.weight"] == float("inf"), sqnrs
+        assert min(sqnrs.values()) >= 120, sqnrs
