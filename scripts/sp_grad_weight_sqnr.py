@@ -5,7 +5,9 @@ Float8Linear's weight gradient against float64, per recipe, ``sp_grad_weight`` a
 * ``forward_gather`` (the default): the grad_weight gemm casts the high-precision input and
   grad_output in token blocks, as the output and grad_input gemms cast them in row blocks;
 * ``derive``: it re-casts the row-block float8 of the other gemms (dequantize, re-cast in token
-  blocks: DeepSeek-V3's way), so TP+SP sends one cast (tests/sim/parallel/tp/test_derive.py).
+  blocks: DeepSeek-V3's way), so TP+SP sends one cast (tests/sim/parallel/tp/test_derive.py);
+  nvfp4's re-casts take its grad_weight casts' Hadamard transform and stochastic rounding (one
+  draw, seed 0).
 
 Data (seed 0): ``gaussian`` input and grad_output; ``outliers``: the input's channels scaled by a
 log-normal factor (sigma 2) and one channel in 64 by 100 more, grad_output's tokens by a
@@ -26,10 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import report  # noqa: E402
 from f8dist import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from f8dist.core.cast import stochastic_rounding  # noqa: E402
 from f8dist.core.numerics import sqnr  # noqa: E402
 
 COLUMNS = ["recipe", "data", "forward_gather_db", "derive_db", "derive_minus_direct_db"]
-RECIPES = ("mxfp8", "blockwise")
+RECIPES = ("mxfp8", "blockwise", "nvfp4")
 MODES = ("forward_gather", "derive")
 
 
@@ -49,6 +52,7 @@ def grad_weight(recipe: str, mode: str, x: torch.Tensor, grad: torch.Tensor) -> 
     linear = linear.bfloat16()
     config = Float8LinearConfig.from_recipe_name(recipe).replace(sp_grad_weight=mode, emulate=True)
     convert_to_float8_training(linear, config=config)
+    stochastic_rounding.reset()  # nvfp4's grad_output rounds stochastically: seed 0's draws
     linear(x).backward(grad)
     return linear[0].weight.grad  # [N, K]
 

@@ -12,7 +12,9 @@ process group), counted by f8dist's collective counter (``f8dist.testing.count_c
 * SP all-gather: a colwise / rowwise pair (dim 64 -> 128 -> 64) with sequence parallelism
   (``f8dist.parallel.tp``; bf16: torch's styles), output bytes per rank of the forward's
   all-gathers (the activation) and the backward's (the output's gradient), [2, 64, 64] each; the
-  float8 recipes gather each of their two casts of it (one per gemm) with its block scales.
+  float8 recipes gather each of their two casts of it (one per gemm) with its block scales;
+  ``nvfp4+derive`` (``sp_grad_weight="derive"``) gathers the row-block cast alone, from which the
+  grad_weight gemm derives its operands.
 
 Figures in docs/performance.md.
 """
@@ -41,6 +43,7 @@ from tests.sim.threads import run_threads  # noqa: E402
 WORLD, DIM, HIDDEN, TOKENS = 2, 64, 32, 16
 SP_SHAPE = (2, 64, DIM)  # [batch, seq, dim]: 32 tokens a sequence shard, whole 1x32 blocks
 RECIPES = (None, "mxfp8", "nvfp4")  # None: bf16
+SP_RECIPES = (*RECIPES, "nvfp4+derive")  # sp_grad_weight="derive": one cast of each crosses
 
 
 def fsdp_all_gather(recipe) -> int:
@@ -100,7 +103,10 @@ def sp_all_gather(recipe) -> dict:
     net = nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False),
                         nn.Linear(2 * DIM, DIM, bias=False)).bfloat16()
     if recipe is not None:
-        convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe))
+        name, _, mode = recipe.partition("+")  # "nvfp4+derive": the recipe, its sp_grad_weight
+        config = Float8LinearConfig.from_recipe_name(name)
+        convert_to_float8_training(net, config=config.replace(
+            sp_grad_weight=mode or config.sp_grad_weight))
     colwise, rowwise = ((ColwiseParallel, RowwiseParallel) if recipe is None
                         else (Float8ColwiseParallel, Float8RowwiseParallel))
     gen = torch.Generator().manual_seed(1)
@@ -133,6 +139,9 @@ def main() -> list:
         for what, value in values.items():
             base.setdefault(what, value)
             rows.append((what, name, value, value / base[what]))
+    for recipe in SP_RECIPES[len(RECIPES):]:  # SP-only variants
+        for what, value in sp_all_gather(recipe).items():
+            rows.append((what, recipe, value, value / base[what]))
     print(f"| collective | recipe | bytes | vs bf16 |\n|---|---|---|---|")
     for what, name, value, ratio in sorted(rows, key=lambda r: r[0]):
         print(f"| {what} | {name} | {value:g} | {ratio:.3f} |")
