@@ -344,7 +344,7 @@ class Float8Tensor(torch.Tensor):
         the WireMeta that :meth:`from_wire` rebuilds it with) ([Note: the wire])."""
         travels = self.scale_travels(dim)
         inner = (self._data, self._scale) if travels else (self._data,)
-        wire = tuple(t.contiguous().view(torch.uint8) for t in inner)
+        wire = tuple(_as_bytes(t) for t in inner)
         return wire, WireMeta(self._data.dtype, self._scale.dtype, None if travels else self._scale,
                               self._orig_dtype, self._block, self._mm_config, self._tensor_scale,
                               self._packed_dim)
@@ -487,11 +487,23 @@ def rewrap(t: Float8Tensor, data: torch.Tensor, scale=None, *, block=None, mm_co
     )
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, contiguous, as uint8 [..., n * itemsize]. A 1-byte dtype is viewed as uint8
+    before it is copied: torch has no copy or fill kernels for float4_e2m1fn_x2 (a copy under
+    ``torch.use_deterministic_algorithms``, as torchtitan's deterministic runs set, fills the new
+    memory first), and uint8 has all of them."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).contiguous()
+    return t.contiguous().view(torch.uint8)
+
+
 @_implements([aten.detach.default, aten.alias.default, aten.clone.default])
 def _same_scale_unary(func, args, kwargs):
     t = args[0]
-    scale = t._scale if func is not aten.clone.default else t._scale.clone()
-    return rewrap(t, func(t._data, *args[1:], **kwargs), scale)
+    if func is not aten.clone.default:
+        return rewrap(t, func(t._data, *args[1:], **kwargs))
+    data = func(t._data.view(torch.uint8), *args[1:], **kwargs).view(t._data.dtype)  # _as_bytes
+    return rewrap(t, data, t._scale.clone())
 
 
 @_implements([aten.t.default, aten.transpose.int])

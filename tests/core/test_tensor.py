@@ -237,6 +237,28 @@ def test_as_strided_of_a_gathered_whole_dim_takes_the_grid_that_stayed_home():
         rows.as_strided((8, 32), (32, 1))
 
 
+def test_nvfp4_clones_and_crosses_the_wire_under_deterministic_algorithms():
+    """torch has no copy or fill kernels for float4_e2m1fn_x2, and under
+    ``torch.use_deterministic_algorithms`` (torchtitan's deterministic runs) every new tensor is
+    filled: a clone and the wire copy NVFP4 bytes as uint8 (``_as_bytes``)."""
+    from f8dist.config.cells import E2M1
+
+    spec = CastSpec(dtype=E2M1, granularity=ScalingGranularity.BLOCKWISE, axis=-1,
+                    block_size=(1, 16), scale_dtype=E4M3)
+    t = cast_to_float8(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)), spec)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        copy = t.t().clone()
+        wire, meta = t.t().to_wire(0)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert copy._data.dtype == E2M1 and torch.equal(copy.to_original_precision(),
+                                                     t.to_original_precision().t())
+    assert torch.equal(Float8Tensor.from_wire(meta, wire).to_original_precision(),
+                       t.to_original_precision().t())
+
+
 def test_nvfp4_packs_two_values_a_byte_and_its_ops_keep_the_logical_shape():
     """[Note: two-level scales]: NVFP4 data is float4_e2m1fn_x2, half a byte an element along its
     packed dim; the tensor keeps the logical shape, a transpose moves the packed dim with the
