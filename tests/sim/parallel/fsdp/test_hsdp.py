@@ -3,7 +3,9 @@
 reduction: the float8 reduce-scatter's floors (tests/sim/parallel/fsdp/test_reduce_scatter.py),
 replicas bit-identical, no float32 all-reduce over dp_replicate, the gradient collectives'
 bytes against FSDP2's float32 reduce-scatter and all-reduce, gradient accumulation
-(set_requires_gradient_sync) and the refusal of set_requires_all_reduce(False)."""
+(set_requires_gradient_sync) and the refusal of set_requires_all_reduce(False); and on a
+2 x 2 x 2 mesh (dp_replicate x dp_shard x tp), FSDP2 over a float8 TP pair's DTensor parameters
+(scripts/step_table.py's 3-D layout): the same floors, replicas and wire."""
 
 import pytest
 import torch
@@ -148,3 +150,72 @@ def test_hsdp_float8_gradient_accumulation_matches_fp32():
             assert {dtype for _, dtype in counts["all_gather"].wires} == {"float32"}, counts
         assert "all_to_all" in synced.as_dict(), synced
         assert any(dtype == "uint8" for _, dtype in synced["all_gather"].wires), synced
+
+
+TP = 2  # the 3-D mesh: rank = (replica * SHARDS + shard) * TP + tp
+
+
+def _tp_model(mesh, float8_reduce):
+    """A tensorwise float8 colwise -> rowwise pair on mesh["tp"], under FSDP2 on
+    mesh["dp_replicate", "dp_shard"] (parameters: DTensors over all three axes), as
+    scripts/step_table.py's 3-D layout."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from f8dist import Float8LinearConfig, convert_to_float8_training
+    from f8dist.parallel.tp import Float8ColwiseParallel, Float8RowwiseParallel
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 16))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 4)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    parallelize_module(model, mesh["tp"], {"0": Float8ColwiseParallel(),
+                                           "1": Float8RowwiseParallel()})
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for unit in (model[0], model[1], model):
+        fully_shard(unit, mesh=mesh["dp_replicate", "dp_shard"], mp_policy=mp)
+    if float8_reduce:
+        enable_float8_reduce_scatter(model)
+    return model
+
+
+def test_hsdp_float8_reduction_over_tp_parameters():
+    # FSDP2 over TP's DTensor parameters (dp_replicate 2 x dp_shard 2 x tp 2): the float8 comm
+    # reduces each tp rank's local shards over dp_shard, then over dp_replicate as a uint8
+    # all-gather; replicas (same dp_shard and tp coordinate) add the same rows in the same order
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (REPLICAS, SHARDS, TP),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        out = {}
+        for name, float8 in (("fp32", False), ("float8", True)):
+            model = _tp_model(mesh, float8)
+            _backward(model, rank // TP)  # FSDP2's lazy init, uncounted; tp ranks share a batch
+            model.zero_grad()
+            counts = _backward(model, rank // TP)
+            out[name] = (_grads(model), counts)
+        return out
+
+    out = run_threads(REPLICAS * SHARDS * TP, rank_main)
+    for rank, r in enumerate(out):
+        ref, f8 = r["fp32"][0], r["float8"][0]
+        whole = sqnr(torch.cat([g.flatten() for g in ref.values()]),
+                     torch.cat([g.flatten() for g in f8.values()]))
+        assert whole > WHOLE_FLOOR_DB, (rank, whole)
+        for name in ref:
+            assert sqnr(ref[name], f8[name]) > PARAM_FLOOR_DB, (rank, name)
+        replica = (rank + SHARDS * TP) % (REPLICAS * SHARDS * TP)  # same dp_shard and tp
+        for name in f8:
+            assert torch.equal(f8[name], out[replica]["float8"][0][name]), (rank, replica, name)
+        replicate = tuple(sorted((rank, replica)))
+        shard = tuple(sorted((rank, rank ^ TP)))  # same dp_replicate and tp (SHARDS == 2)
+        fp32, f8_counts = r["fp32"][1], r["float8"][1]
+        assert fp32["all_reduce"].wires[replicate, "float32"][0] == 2, fp32  # FSDP2's, a module
+        # what is left: the tensorwise casts' amax all-reduces over tp, in both
+        tp_amax = {k: v for k, v in fp32["all_reduce"].wires.items() if k[0] != replicate}
+        assert f8_counts["all_reduce"].wires == tp_amax, f8_counts
+        assert "reduce_scatter" not in f8_counts.as_dict(), f8_counts
+        assert set(f8_counts["all_to_all"].wires) == {(shard, "uint8")}, f8_counts
+        gathers = f8_counts["all_gather"].wires  # over dp_shard: backward's weight re-gather
+        assert set(gathers) == {(shard, "float32"), (replicate, "uint8")}, f8_counts
+        assert gathers[replicate, "uint8"][0] == 2, f8_counts  # one per module
