@@ -18,7 +18,7 @@ from f8dist.config import (
 from f8dist.nn.convert import convert_to_float8_training
 from f8dist import debug  # noqa: E402  (f8dist.debug.record)
 from f8dist.policy.delayed import strip_delayed_scaling_state, sync_float8_amax_and_scale_history
-from f8dist.policy.filters import auto_filter_for_recipe, fqn_filter
+from f8dist.policy.filters import auto_filter_for_recipe, auto_recipe_filters, fqn_filter
 from f8dist.parallel.fsdp import precompute_float8_dynamic_scale_for_fsdp
 from f8dist.nn.linear import Float8Linear
 from f8dist.policy.sac import Float8SACConfig, float8_sac_context_fn
@@ -36,6 +36,7 @@ __all__ = [
     "ScalingGranularity",
     "ScalingType",
     "auto_filter_for_recipe",
+    "auto_recipe_filters",
     "convert_to_float8_training",
     "debug",
     "float8_sac_context_fn",

@@ -8,33 +8,40 @@ a linear only where a roofline model of one fwd+bwd predicts float8 faster than 
 and micro-batch):
 
 * each gemm takes ``max(2MKN / peak_flops, bytes / bandwidth)``, bytes being both operands (2 per
-  element in bf16, 1 in float8) plus the bf16 output; float8 gemms use the float8 peak;
+  element in bf16, 1 in float8, ``NVFP4_OPERAND_BYTES`` in NVFP4) plus the bf16 output; float8
+  gemms use the float8 peak, NVFP4 gemms ``GpuSpec.fp4_flops`` (a GPU without it refuses them);
 * the casts move ``CAST_BYTES[recipe]`` bytes per element of each operand, as compiled: a
   dynamic cast reads twice and writes 1 byte (5), a delayed or block cast one pass (3), each extra
   layout +1; an operand pays once per gemm it is cast for ([Note: what the matmul keeps for
   backward] in f8dist/nn/linear.py).
 
 The model assumes the ideal float8 speedup, so a linear it keeps in high precision cannot gain
-even then (``docs/auto_filter.md``, from ``scripts/auto_filter_table.py``).
+even then (``docs/auto_filter.md``, from ``scripts/auto_filter_table.py``). The per-layer choice
+among recipes (``auto_recipe_filters``) is the same model: each linear takes the recipe of the
+highest predicted speedup, bf16 when none is above 1.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch.nn as nn
 
 from f8dist.config import Float8LinearConfig, Float8LinearRecipeName, Gemm
+from f8dist.config.cells import E2M1
 from f8dist.core.gemm import GEMM_ALIGNMENT, shape_problems
 
 __all__ = [
+    "B200",
     "CAST_BYTES",
     "GpuSpec",
     "H100_SXM",
     "ModuleFilter",
+    "NVFP4_OPERAND_BYTES",
     "auto_filter_for_recipe",
+    "auto_recipe_filters",
     "float8_gemms",
     "fqn_filter",
     "HIGH_PRECISION_TAIL",
@@ -67,17 +74,32 @@ class GpuSpec:
     bf16_flops: float  # dense bf16 tensor core FLOP/s
     fp8_flops: float  # dense float8 tensor core FLOP/s
     memory_bandwidth: float  # bytes/s
+    fp4_flops: Optional[float] = None  # dense FP4 (NVFP4) tensor core FLOP/s; None: no FP4 cores
 
     def __post_init__(self):
         for field in ("bf16_flops", "fp8_flops", "memory_bandwidth"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"GpuSpec.{field} must be a positive number, got {value!r}")
+        if self.fp4_flops is not None and not (
+                isinstance(self.fp4_flops, (int, float)) and self.fp4_flops > 0):
+            raise ValueError(
+                f"GpuSpec.fp4_flops must be a positive number (dense FP4 tensor core FLOP/s) or "
+                f"None for a GPU without FP4 tensor cores, got {self.fp4_flops!r}")
 
 
-# NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense, i.e. without sparsity)
+# NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense, i.e. without sparsity); no FP4
 H100_SXM = GpuSpec(name="H100 SXM", bf16_flops=989.4e12, fp8_flops=1978.9e12,
                    memory_bandwidth=3.35e12)
+# NVIDIA B200 in HGX B200 (1000 W), dense (half the datasheet's "with sparsity" figures): FP4 9,
+# FP8 4.5, BF16 2.25 PFLOP/s, HBM3e 8 TB/s. [Note: not read from NVIDIA's datasheet here, which
+# this checkout lacks: taken from sources quoting it (glennklockwood.com/garden/processors/B200,
+# stas00/ml-engineering's H200 vs B200 table); check them against the datasheet.]
+B200 = GpuSpec(name="B200 (HGX)", bf16_flops=2.25e15, fp8_flops=4.5e15, fp4_flops=9e15,
+               memory_bandwidth=8e12)
+
+# bytes per element of an NVFP4 gemm operand: the e2m1 half byte and an e4m3 scale per 16
+NVFP4_OPERAND_BYTES = 0.5 + 1 / 16
 
 
 def _recipe(recipe: Union[str, Float8LinearRecipeName]) -> Float8LinearRecipeName:
@@ -111,7 +133,24 @@ def float8_gemms(recipe: Union[str, Float8LinearRecipeName]) -> tuple:
     return tuple(config.gemm_in_float8(g) for g in Gemm)
 
 
-def _gemm_time(m: int, k: int, n: int, operand_bytes: int, flops: float, gpu: GpuSpec) -> float:
+def _low_precision_gemm(recipe: Float8LinearRecipeName, gpu: GpuSpec) -> tuple:
+    """(operand bytes per element, FLOP/s) of the recipe's low-precision gemms on ``gpu``."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if not any(config.resolved_dtype(g, g.operands[0]) == E2M1 for g in Gemm):
+        return 1, gpu.fp8_flops
+    if gpu.fp4_flops is None:
+        # [Note: an error, not a prediction]: NVFP4 runs emulated there (bf16 gemms and the casts),
+        # for its numerics; a filter answering "never faster" would silently convert nothing
+        raise ValueError(
+            f"recipe {recipe.value!r} runs FP4 gemms, but GpuSpec.fp4_flops is None for "
+            f"{gpu.name!r} (no FP4 tensor cores), so the cost model has no rate to predict its "
+            f"speed from; pass gpu=B200 (f8dist.policy.filters) or a GpuSpec with fp4_flops=its "
+            f"dense FP4 FLOP/s, or choose the {recipe.value} linears without the auto filter "
+            f"(module_filter_fn, high_precision_tail_filter)")
+    return NVFP4_OPERAND_BYTES, gpu.fp4_flops
+
+
+def _gemm_time(m: int, k: int, n: int, operand_bytes: float, flops: float, gpu: GpuSpec) -> float:
     """Roofline time of a [m, k] x [k, n] gemm with a bf16 output."""
     moved = operand_bytes * (m * k + k * n) + 2 * m * n
     return max(2 * m * k * n / flops, moved / gpu.memory_bandwidth)
@@ -137,9 +176,10 @@ def predicted_speedup(
         raise ValueError(f"tokens must be a positive int (tokens per gemm), got {tokens!r}")
     m, k, n = tokens, in_features, out_features
     shapes = ((m, k, n), (m, n, k), (n, m, k))  # output, grad_input, grad_weight
+    low_bytes, low_flops = _low_precision_gemm(recipe, gpu)
     bf16 = sum(_gemm_time(*s, 2, gpu.bf16_flops, gpu) for s in shapes)
     float8 = sum(
-        _gemm_time(*s, 1, gpu.fp8_flops, gpu) if fp8 else _gemm_time(*s, 2, gpu.bf16_flops, gpu)
+        _gemm_time(*s, low_bytes, low_flops, gpu) if fp8 else _gemm_time(*s, 2, gpu.bf16_flops, gpu)
         for s, fp8 in zip(shapes, float8_gemms(recipe))
     )
     b_in, b_go, b_w = CAST_BYTES[recipe]
@@ -197,9 +237,63 @@ def auto_filter_for_recipe(
     specs = Float8LinearConfig.from_recipe_name(recipe).cast_specs()
 
     def accept(mod: nn.Module, fqn: str) -> bool:
-        k, n = mod.in_features, mod.out_features
-        if shape_problems(specs, k, n) or not by_fqn(mod, fqn):  # alignment, the recipe's blocks
-            return False
-        return predicted_speedup(recipe, k, n, tokens=tokens, gpu=gpu) > 1.0
+        return by_fqn(mod, fqn) and _gain(recipe, specs, mod, tokens, gpu) > 1.0
 
     return accept
+
+
+def _gain(recipe, specs, mod, tokens: int, gpu: GpuSpec) -> float:
+    """The predicted speedup of converting ``mod`` to ``recipe``; 0 where its dims do not fit the
+    gemm's alignment and the recipe's blocks."""
+    k, n = mod.in_features, mod.out_features
+    if shape_problems(specs, k, n):
+        return 0.0
+    return predicted_speedup(recipe, k, n, tokens=tokens, gpu=gpu)
+
+
+def auto_recipe_filters(
+    recipes: Sequence[Union[str, Float8LinearRecipeName]],
+    filter_fqns: Sequence[str] = (),
+    *,
+    num_layers: Optional[int] = None,
+    prefix: str = "layers",
+    tokens: int = 8192,
+    gpu: GpuSpec = H100_SXM,
+) -> tuple:
+    """One ``module_filter_fn`` per recipe of ``recipes``, mutually exclusive: each linear goes to
+    the recipe of the highest ``predicted_speedup`` among those whose blocks its dims fit (the
+    first one named on a tie), and to none, i.e. stays bf16, when no speedup is above 1 or its FQN
+    contains one of ``filter_fqns``. A recipe with a high-precision tail (nvfp4) is not a choice
+    in the last blocks ``{prefix}.{i}`` of ``num_layers`` ([Note: a high-precision tail]); the
+    other recipes still are. Convert once per recipe with its filter (``docs/auto_filter.md``).
+    """
+    names = [_recipe(r) for r in recipes]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"auto_recipe_filters: recipes must name one or more distinct recipes, "
+                         f"got {tuple(recipes)!r}; pass e.g. recipes=('nvfp4', 'mxfp8')")
+    tails = {}
+    for r in names:
+        predicted_speedup(r, GEMM_ALIGNMENT, GEMM_ALIGNMENT, tokens=tokens, gpu=gpu)  # validate
+        if HIGH_PRECISION_TAIL.get(r.value):
+            if not (isinstance(num_layers, int) and num_layers > 0):
+                raise ValueError(
+                    f"auto_recipe_filters: num_layers={num_layers!r}, but {r.value!r} keeps its "
+                    f"last blocks in high precision ([Note: a high-precision tail]); pass "
+                    f"num_layers=the number of blocks (e.g. len(model.layers)), and prefix= their "
+                    f"FQN prefix if it is not 'layers'")
+            tails[r] = high_precision_tail_filter(r, num_layers, prefix)
+    specs = {r: Float8LinearConfig.from_recipe_name(r).cast_specs() for r in names}
+    by_fqn = fqn_filter(filter_fqns)
+
+    def choice(mod: nn.Module, fqn: str) -> Optional[Float8LinearRecipeName]:
+        best, best_gain = None, 1.0
+        if by_fqn(mod, fqn):
+            for r in names:
+                if r in tails and not tails[r](mod, fqn):
+                    continue
+                gain = _gain(r, specs[r], mod, tokens, gpu)
+                if gain > best_gain:
+                    best, best_gain = r, gain
+        return best
+
+    return tuple((lambda mod, fqn, r=r: choice(mod, fqn) is r) for r in names)
