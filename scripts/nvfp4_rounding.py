@@ -23,6 +23,7 @@ import torch.nn as nn
 from f8dist import Float8Linear, Float8LinearConfig
 from f8dist.core.cast import stochastic_rounding
 from f8dist.core.numerics import sqnr
+from sqnr_table import fwd_bwd
 
 
 def variant(random_hadamard: bool, stochastic: bool) -> Float8LinearConfig:
@@ -58,21 +59,16 @@ def data(kind: str, tokens: int, features: int, gen: torch.Generator) -> torch.T
 def gemms(config, x, grad, ref: nn.Linear, draws: int):
     """Mean SQNR of (output, grad_input, grad_weight) over ``draws`` backward passes, and the
     SQNR of their mean grad_weight."""
-    exact = copy.deepcopy(ref).double()
-    xd = x.double().requires_grad_()
-    out = exact(xd)
-    out.backward(grad.double())
-    want = out.detach(), xd.grad, exact.weight.grad
+    out, *grads = fwd_bwd(copy.deepcopy(ref).double(), x.double(), grad.double())
+    want = out.detach(), *grads
     total, mean = [0.0, 0.0, 0.0], 0.0
     stochastic_rounding.reset()
     for _ in range(draws):
         lin = Float8Linear.from_float(copy.deepcopy(ref).float(), config, fqn="lin")
-        h = x.clone().requires_grad_()
-        y = lin(h)
-        y.backward(grad)
-        for i, (w, g) in enumerate(zip(want, (y.detach(), h.grad, lin.weight.grad))):
+        y, grad_x, grad_w = fwd_bwd(lin, x, grad)
+        for i, (w, g) in enumerate(zip(want, (y.detach(), grad_x, grad_w))):
             total[i] += sqnr(w, g.double()) / draws
-        mean = mean + lin.weight.grad.double() / draws  # [N, K]
+        mean = mean + grad_w.double() / draws  # [N, K]
     return (*total, sqnr(want[2], mean))
 
 
